@@ -1,0 +1,1 @@
+"""The six hetsched services, the local stack launcher and the CLI."""

@@ -1,0 +1,1 @@
+"""Capacity ledger: the system of record for HBM reserved on every accelerator."""

@@ -1,0 +1,210 @@
+"""The `hetsched` command line (API.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import nats
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from services.registry import SERVICES
+from services.stack import Stack, read_state, wait_healthy
+from shared.contracts.subjects import Rpc, Subjects
+from shared.infra.settings import Settings, load_settings
+
+app = typer.Typer(help="hetsched: places LLM inference on heterogeneous GPU/TPU fleets.", no_args_is_help=True)
+console = Console()
+err = Console(stderr=True)
+
+
+def _settings(data_dir: Path | None = None) -> Settings:
+    return load_settings(data_dir=data_dir) if data_dir else load_settings()
+
+
+def _endpoints(settings: Settings) -> tuple[str, str | None, str]:
+    """NATS URL, database URL and subject prefix: from the environment, else a running `hetsched up`."""
+    state = read_state(settings) or {}
+    nats_url = settings.nats_url or state.get("nats_url") or "nats://127.0.0.1:4222"
+    database_url = settings.database_url or state.get("database_url")
+    prefix = state.get("subject_prefix", settings.subject_prefix) if not settings.nats_url else settings.subject_prefix
+    return nats_url, database_url, prefix
+
+
+async def _request(nats_url: str, subject: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=1)
+    try:
+        msg = await nc.request(subject, json.dumps(body).encode(), timeout=timeout_s)
+        reply: dict[str, Any] = json.loads(msg.data)
+        return reply
+    finally:
+        await nc.close()
+
+
+def _call(rpc: Rpc, body: dict[str, Any], data_dir: Path | None = None) -> dict[str, Any]:
+    settings = _settings(data_dir)
+    nats_url, _db, prefix = _endpoints(settings)
+    try:
+        return asyncio.run(_request(nats_url, Subjects(prefix).rpc(rpc), body, settings.request_timeout_ms / 1000))
+    except Exception as exc:
+        err.print(f"[red]no answer on {Subjects(prefix).rpc(rpc)} at {nats_url}: {type(exc).__name__} {exc}[/red]")
+        raise typer.Exit(2) from exc
+
+
+@app.command()
+def up(
+    fleet: Annotated[Path | None, typer.Option(help="Fleet inventory file (YAML); a demo fleet by default.")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Where embedded servers keep their data.")] = None,
+    health_timeout_s: Annotated[float, typer.Option(help="How long to wait for six healthy services.")] = 60.0,
+) -> None:
+    """Start the local stack in the foreground; SIGINT/SIGTERM stops everything cleanly."""
+    settings = _settings(data_dir)
+    stack = Stack(settings, echo=console.print)
+    stop_requested = False
+
+    def _on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    started = time.monotonic()
+    try:
+        stack.start_servers()
+        if stop_requested:
+            return
+        console.print(f"NATS      {stack.nats_url}{'  (embedded)' if stack.nats else ''}")
+        console.print(f"Postgres  {stack.database_url}{'  (embedded)' if stack.postgres else ''}")
+        stack.migrate()
+        console.print("migrations at head")
+        if fleet is not None:
+            console.print(f"fleet file {fleet} (loaded by topology-discovery once it is built)")
+        stack.start_services()
+        stack.write_state()
+        health = asyncio.run(
+            wait_healthy(nats_url=stack.nats_url, subjects=Subjects(settings.subject_prefix), deadline_s=health_timeout_s)
+        )
+        for package, reply in health.items():
+            console.print(f"  {SERVICES[package].name:<22} {reply.get('status')}")
+        ok = all(r.get("status") == "ok" for r in health.values())
+        console.print(
+            f"{'ready' if ok else 'NOT ready'} in {time.monotonic() - started:.1f}s; state in {settings.data_dir}; "
+            "Ctrl-C stops everything"
+        )
+        while not stop_requested:
+            stack.supervise_once()
+            time.sleep(0.2)
+    finally:
+        console.print("stopping...")
+        stack.stop()
+        console.print("stopped")
+
+
+@app.command()
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    data_dir: Annotated[Path | None, typer.Option(help="Data dir of a running `hetsched up`.")] = None,
+) -> None:
+    """Health of each service and the NATS and Postgres endpoints in use."""
+    settings = _settings(data_dir)
+    nats_url, database_url, prefix = _endpoints(settings)
+    try:
+        health = asyncio.run(wait_healthy(nats_url=nats_url, subjects=Subjects(prefix), deadline_s=0))
+    except Exception as exc:
+        health = {p: {"status": "down", "error": f"NATS unreachable: {type(exc).__name__}"} for p in SERVICES}
+    report = {
+        "nats_url": nats_url,
+        "database_url": database_url,
+        "services": {SERVICES[p].name: r for p, r in health.items()},
+    }
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        console.print(f"NATS      {nats_url}\nPostgres  {database_url}")
+        table = Table("service", "status", "version", "checks")
+        for name, reply in report["services"].items():
+            table.add_row(name, str(reply.get("status")), str(reply.get("version", "")), json.dumps(reply.get("checks", {})))
+        console.print(table)
+    if not all(r.get("status") == "ok" for r in health.values()):
+        raise typer.Exit(1)
+
+
+def _print_reply(reply: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(reply, indent=2))
+    else:
+        console.print_json(json.dumps(reply))
+    if reply.get("status") == "rejected":
+        raise typer.Exit(1)
+
+
+@app.command()
+def place(
+    model: Annotated[str, typer.Option(help="Catalog model name.")],
+    tenant: Annotated[str, typer.Option(help="Tenant.")],
+    context_tokens: Annotated[int, typer.Option(help="Longest sequence held.")],
+    concurrency: Annotated[int, typer.Option(help="Sequences held at once.")] = 1,
+    request_id: Annotated[str | None, typer.Option(help="Idempotency key (random by default).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="Weights dtype.")] = None,
+    kv_dtype: Annotated[str | None, typer.Option(help="KV dtype.")] = None,
+    input_tokens: Annotated[int | None, typer.Option(help="Typical input tokens.")] = None,
+    output_tokens: Annotated[int | None, typer.Option(help="Typical output tokens.")] = None,
+    tp: Annotated[int | None, typer.Option(help="Fixed tensor-parallel degree.")] = None,
+    backend: Annotated[str, typer.Option(help="gpu, tpu or any.")] = "any",
+    sku: Annotated[list[str] | None, typer.Option(help="Allowed SKU (repeatable).")] = None,
+    region: Annotated[str | None, typer.Option(help="Required region.")] = None,
+    preemptible: Annotated[bool, typer.Option(help="May run on lent capacity.")] = False,
+    lease_s: Annotated[int | None, typer.Option(help="Lease length.")] = None,
+    explain: Annotated[bool, typer.Option(help="Dry run (placement.explain).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """One `placement.place` call (or `placement.explain` with --explain)."""
+    import uuid
+
+    body: dict[str, Any] = {
+        "request_id": request_id or f"cli-{uuid.uuid4()}",
+        "tenant": tenant,
+        "model": model,
+        "context_tokens": context_tokens,
+        "concurrency": concurrency,
+        "backend": backend,
+        "preemptible": preemptible,
+    }
+    optional = {"dtype": dtype, "kv_dtype": kv_dtype, "input_tokens": input_tokens, "output_tokens": output_tokens,
+                "tp": tp, "skus": sku, "region": region, "lease_s": lease_s}
+    body.update({k: v for k, v in optional.items() if v is not None})
+    _print_reply(_call(Rpc.PLACEMENT_EXPLAIN if explain else Rpc.PLACEMENT_PLACE, body), as_json)
+
+
+@app.command()
+def release(
+    allocation_id: Annotated[str, typer.Argument(help="Allocation to release.")],
+    tenant: Annotated[str, typer.Option(help="Owner.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """One `placement.release` call."""
+    _print_reply(_call(Rpc.PLACEMENT_RELEASE, {"allocation_id": allocation_id, "tenant": tenant}), as_json)
+
+
+@app.command()
+def fleet(
+    region: Annotated[str | None, typer.Option(help="Only this region.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """The fleet as the services see it."""
+    _print_reply(_call(Rpc.FLEET_GET, {"region": region} if region else {}), as_json)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

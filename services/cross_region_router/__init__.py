@@ -1,0 +1,1 @@
+"""Cross-region router: picks the region for each request."""

@@ -1,0 +1,1 @@
+"""Placement: decides where model replicas run and admits requests to them."""

@@ -1,0 +1,1 @@
+"""Rebalancer: detects imbalance and plans migrations and defragmentation."""

@@ -1,0 +1,1 @@
+"""Reservation filler: lends idle reserved capacity and takes it back."""

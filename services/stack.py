@@ -1,0 +1,174 @@
+"""`hetsched up`: the whole stack in the foreground, supervised, stopped cleanly on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+
+from services.embedded import EmbeddedNats, EmbeddedPostgres, child_preexec, stop_process
+from services.registry import SERVICES, module_of
+from shared.contracts.subjects import Subjects
+from shared.infra.db import plain_url
+from shared.infra.migrate import upgrade
+from shared.infra.settings import Settings
+
+STATE_FILE = "stack.json"
+DATABASE_NAME = "hetsched"
+
+
+@dataclass
+class Child:
+    package: str
+    proc: subprocess.Popen[bytes]
+    restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+def state_path(settings: Settings) -> Path:
+    return settings.data_dir / STATE_FILE
+
+
+def read_state(settings: Settings) -> dict[str, Any] | None:
+    path = state_path(settings)
+    if not path.exists():
+        return None
+    try:
+        state: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return state
+
+
+async def wait_healthy(*, nats_url: str, subjects: Subjects, deadline_s: float) -> dict[str, dict[str, Any]]:
+    """Poll every service's health subject until all answer `ok` or the deadline passes."""
+    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=3)
+    try:
+        deadline = time.monotonic() + deadline_s
+        replies: dict[str, dict[str, Any]] = {}
+        while True:
+            for package, definition in SERVICES.items():
+                if replies.get(package, {}).get("status") == "ok":
+                    continue
+                try:
+                    msg = await nc.request(subjects.rpc(definition.health), b"{}", timeout=1)
+                    replies[package] = json.loads(msg.data)
+                except Exception as exc:
+                    replies[package] = {"status": "down", "error": type(exc).__name__}
+            if all(r.get("status") == "ok" for r in replies.values()) or time.monotonic() > deadline:
+                return replies
+            await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
+
+
+class Stack:
+    """Embedded servers (unless URLs are configured), migrations, the six services as children."""
+
+    def __init__(self, settings: Settings, *, echo: Any = print) -> None:
+        self.settings = settings
+        self.echo = echo
+        self.nats: EmbeddedNats | None = None
+        self.postgres: EmbeddedPostgres | None = None
+        self.children: dict[str, Child] = {}
+        self.nats_url = settings.nats_url or ""
+        self.database_url = settings.database_url or ""
+        self._stopping = False
+
+    # -- start -------------------------------------------------------------------------------
+    def start_servers(self) -> None:
+        data = self.settings.data_dir
+        data.mkdir(parents=True, exist_ok=True)
+        logs = data / "logs"
+        logs.mkdir(exist_ok=True)
+        if not self.nats_url:
+            self.nats = EmbeddedNats(store_dir=data / "nats").start(log_file=logs / "nats.log")
+            self.nats_url = self.nats.url
+        if not self.database_url:
+            self.postgres = EmbeddedPostgres(pgdata=data / "pg").start(log_file=logs / "postgres.log")
+            self.postgres.create_database(DATABASE_NAME)
+            self.database_url = self.postgres.url(DATABASE_NAME)
+
+    def migrate(self) -> None:
+        upgrade(self.database_url)
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["HETSCHED_NATS_URL"] = self.nats_url
+        env["HETSCHED_DATABASE_URL"] = self.database_url
+        env["HETSCHED_DATA_DIR"] = str(self.settings.data_dir)
+        env["HETSCHED_SUBJECT_PREFIX"] = self.settings.subject_prefix
+        env["HETSCHED_STREAM_PREFIX"] = self.settings.stream_prefix
+        return env
+
+    def _spawn(self, package: str) -> subprocess.Popen[bytes]:
+        log = open(self.settings.data_dir / "logs" / f"{package}.log", "ab")  # noqa: SIM115
+        return subprocess.Popen(
+            [sys.executable, "-m", module_of(package)],
+            env=self._child_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=child_preexec,
+        )
+
+    def start_services(self) -> None:
+        for package in SERVICES:
+            self.children[package] = Child(package=package, proc=self._spawn(package))
+
+    def write_state(self) -> None:
+        state = {
+            "pid": os.getpid(),
+            "nats_url": self.nats_url,
+            "database_url": plain_url(self.database_url),
+            "subject_prefix": self.settings.subject_prefix,
+            "embedded": {"nats": self.nats is not None, "postgres": self.postgres is not None},
+            "servers": {
+                "nats_pid": self.nats.proc.pid if self.nats and self.nats.proc else None,
+                "postgres_pid": self.postgres.proc.pid if self.postgres and self.postgres.proc else None,
+            },
+            "services": {p: c.proc.pid for p, c in self.children.items()},
+        }
+        state_path(self.settings).write_text(json.dumps(state, indent=2))
+
+    # -- supervise ---------------------------------------------------------------------------
+    def supervise_once(self) -> None:
+        """Restart a service that died (with a backoff that grows with its restarts)."""
+        for child in self.children.values():
+            code = child.proc.poll()
+            if code is None or self._stopping:
+                continue
+            backoff = min(2 ** child.restarts, 30)
+            if time.monotonic() - child.started_at < backoff:
+                continue
+            self.echo(f"service {child.package} exited with {code}; restarting (restart #{child.restarts + 1})")
+            child.proc = self._spawn(child.package)
+            child.restarts += 1
+            child.started_at = time.monotonic()
+            self.write_state()
+
+    # -- stop --------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop every child, then both servers; idempotent."""
+        self._stopping = True
+        for child in self.children.values():
+            if child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGTERM)
+        for child in self.children.values():
+            stop_process(child.proc, timeout_s=15)
+        if self.nats is not None:
+            self.nats.stop()
+        if self.postgres is not None:
+            self.postgres.stop()
+        with contextlib.suppress(FileNotFoundError):
+            state_path(self.settings).unlink()

@@ -1,0 +1,1 @@
+"""Topology discovery: discovers hardware and publishes node profiles, heartbeats and telemetry."""

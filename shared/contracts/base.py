@@ -1,0 +1,75 @@
+"""Base classes for every contract: frozen pydantic models, versioned requests, typed errors."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CONTRACT_MAJOR_VERSION = 1
+
+
+class Contract(BaseModel):
+    """A frozen wire model. Unknown fields are ignored so that added fields never break old readers."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+
+class Request(Contract):
+    """Every request may carry ``version``; an unknown major version is rejected."""
+
+    version: int | str = Field(
+        default=CONTRACT_MAJOR_VERSION,
+        description="Contract version the caller speaks; only the major part is checked.",
+        examples=[1, "1.0"],
+    )
+
+
+class ErrorCode(StrEnum):
+    """The closed list of error codes (API.md). ``not_implemented`` marks a subject not built yet."""
+
+    INVALID_REQUEST = "invalid_request"
+    UNKNOWN_MODEL = "unknown_model"
+    UNKNOWN_SKU = "unknown_sku"
+    NO_CAPACITY = "no_capacity"
+    NOT_FOUND = "not_found"
+    FORBIDDEN = "forbidden"
+    CONFLICT = "conflict"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    NOT_IMPLEMENTED = "not_implemented"
+    INTERNAL = "internal"
+
+
+class ErrorBody(Contract):
+    code: ErrorCode = Field(description="Machine-readable error code.", examples=["invalid_request"])
+    message: str = Field(description="What went wrong, for a human.", examples=["field 'tenant': missing"])
+    details: dict[str, Any] | None = Field(
+        default=None, description="Structured context, e.g. the fresh view on a conflict.", examples=[None]
+    )
+
+
+class Rejected(Contract):
+    """The reply to any request that could not be served."""
+
+    status: Literal["rejected"] = Field(default="rejected", description="Always `rejected`.")
+    error: ErrorBody = Field(description="Why.")
+    request_id: str | None = Field(default=None, description="Echo of the request id, when known.")
+
+
+def rejected(code: ErrorCode, message: str, **details: Any) -> Rejected:
+    """A typed rejection reply."""
+    return Rejected(error=ErrorBody(code=code, message=message, details=details or None))
+
+
+def major_version(version: object) -> int | None:
+    """The major part of a version field (``1``, ``"1"``, ``"1.2"``), or None when unreadable."""
+    if isinstance(version, bool):
+        return None
+    if isinstance(version, int):
+        return version
+    if isinstance(version, str):
+        head = version.split(".", 1)[0].strip()
+        if head.isdigit():
+            return int(head)
+    return None

@@ -1,0 +1,43 @@
+"""Fleet contracts (`hetsched.fleet.get`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from shared.contracts.base import Contract, Request
+
+
+class FleetGetRequest(Request):
+    region: str | None = Field(default=None, description="Only this region.", examples=["us-west-1"])
+
+
+class AcceleratorView(Contract):
+    id: str = Field(description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
+    index: int = Field(description="GPU index on its node, as nvidia-smi numbers it.", examples=[0])
+    hbm_total: int = Field(description="HBM bytes.", examples=[85_899_345_920])
+    hbm_reserved: int = Field(default=0, description="Reserved bytes per the ledger.", examples=[0])
+    domain: str | None = Field(default=None, description="NVLink domain id.", examples=["dgx-h100-01/nv0"])
+
+
+class NodeView(Contract):
+    name: str = Field(description="Node name.", examples=["dgx-h100-01"])
+    region: str = Field(description="Region.", examples=["us-west-1"])
+    cluster: str = Field(description="Cluster.", examples=["c1"])
+    rack: str = Field(description="Rack.", examples=["r1"])
+    sku: str = Field(description="SKU.", examples=["H100-SXM-80GB"])
+    accelerators: list[AcceleratorView] = Field(default_factory=list, description="Accelerators.")
+
+
+class DomainView(Contract):
+    id: str = Field(description="Domain id.", examples=["dgx-h100-01/nv0"])
+    kind: str = Field(description="Domain kind.", examples=["fully_connected"])
+    members: list[str] = Field(description="Accelerator ids.", examples=[["dgx-h100-01/gpu0"]])
+
+
+class FleetGetReply(Contract):
+    status: str = Field(default="ok", description="`ok`.", examples=["ok"])
+    nodes: list[NodeView] = Field(default_factory=list, description="Nodes.")
+    domains: list[DomainView] = Field(default_factory=list, description="NVLink domains.")
+    tpu_pods: list[dict[str, Any]] = Field(default_factory=list, description="TPU pods.")

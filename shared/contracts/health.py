@@ -1,0 +1,24 @@
+"""`hetsched.<service>.health`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from shared.contracts.base import Contract, Request
+
+
+class HealthRequest(Request):
+    """Empty: `{}`."""
+
+
+class HealthReply(Contract):
+    status: Literal["ok", "degraded"] = Field(description="`ok` when every dependency answers.", examples=["ok"])
+    service: str = Field(description="Service name.", examples=["capacity-ledger"])
+    version: str = Field(description="hetsched version.", examples=["0.1.0"])
+    checks: dict[str, str] = Field(
+        default_factory=dict,
+        description="Per-dependency state (`ok` or an error).",
+        examples=[{"postgres": "ok", "nats": "ok"}],
+    )

@@ -1,0 +1,123 @@
+"""Placement request/reply contracts (API.md `hetsched.placement.*`)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from shared.contracts.base import Contract, ErrorBody, Request
+
+Dtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4", "fp4"]
+Backend = Literal["gpu", "tpu", "any"]
+
+
+class Slo(Contract):
+    ttft_ms: float | None = Field(default=None, gt=0, description="Time to first token.", examples=[500])
+    tpot_ms: float | None = Field(default=None, gt=0, description="Time per output token.", examples=[50])
+    p99_ms: float | None = Field(default=None, gt=0, description="End-to-end p99.", examples=[20000])
+
+
+class PlaceRequest(Request):
+    request_id: str = Field(min_length=1, max_length=200, description="Idempotency key.", examples=["req-42"])
+    tenant: str = Field(min_length=1, max_length=200, description="Who pays.", examples=["acme"])
+    model: str = Field(min_length=1, description="Catalog model name.", examples=["llama3-70b"])
+    dtype: Dtype | None = Field(default=None, description="Weights dtype; catalog default.", examples=["fp8"])
+    kv_dtype: Dtype | None = Field(default=None, description="KV cache dtype.", examples=["fp16"])
+    context_tokens: int = Field(gt=0, description="Longest sequence the replica holds.", examples=[8192])
+    concurrency: int = Field(default=1, gt=0, description="Sequences in the KV pool at once.", examples=[32])
+    input_tokens: int | None = Field(default=None, gt=0, description="Typical input length.", examples=[1000])
+    output_tokens: int | None = Field(default=None, gt=0, description="Typical output length.", examples=[200])
+    tp: int | None = Field(default=None, gt=0, description="Fixed tensor-parallel degree.", examples=[4])
+    backend: Backend = Field(default="any", description="`gpu`, `tpu` or `any`.", examples=["gpu"])
+    skus: list[str] | None = Field(default=None, description="SKU allow-list.", examples=[["H100-SXM-80GB"]])
+    region: str | None = Field(default=None, description="Required region.", examples=["us-west-1"])
+    preemptible: bool = Field(default=False, description="May use lent reserved capacity.", examples=[False])
+    slo: Slo | None = Field(default=None, description="Latency objectives.")
+    lease_s: int | None = Field(default=None, gt=0, description="Lease length in seconds.", examples=[300])
+
+    @field_validator("tp")
+    @classmethod
+    def _tp_power_of_two(cls, tp: int | None) -> int | None:
+        if tp is not None and tp & (tp - 1) != 0:
+            raise ValueError("tp must be a power of two")
+        return tp
+
+
+class AcceleratorShare(Contract):
+    weights: int = Field(description="Weight bytes per accelerator.", examples=[17_500_000_000])
+    kv: int = Field(description="KV cache bytes per accelerator.", examples=[2_684_354_560])
+    activation: int = Field(description="Activation peak bytes.", examples=[1_000_000_000])
+    workspace: int = Field(description="CUDA/XLA workspace reserve.", examples=[1_073_741_824])
+    total: int = Field(description="Sum of the above.", examples=[22_257_853_376])
+
+
+class NodePlacement(Contract):
+    node: str = Field(description="Node name.", examples=["dgx-h100-01"])
+    accelerators: list[str] = Field(description="Accelerator ids.", examples=[["dgx-h100-01/gpu0"]])
+    domain: str | None = Field(default=None, description="NVLink domain id.", examples=["dgx-h100-01/nv0"])
+
+
+class TpuSlice(Contract):
+    pod: str = Field(description="TPU pod name.", examples=["v5e-pod-1"])
+    origin: list[int] = Field(description="Origin chip coordinates.", examples=[[0, 0]])
+    shape: list[int] = Field(description="Chips per axis.", examples=[[4, 4]])
+
+
+class PlaceReply(Contract):
+    status: Literal["placed", "rejected"] = Field(description="Outcome.", examples=["placed"])
+    request_id: str = Field(description="Echo.", examples=["req-42"])
+    allocation_id: str | None = Field(default=None, description="Ledger allocation.", examples=["alloc-1"])
+    region: str | None = Field(default=None, description="Region.", examples=["us-west-1"])
+    cluster: str | None = Field(default=None, description="Cluster.", examples=["c1"])
+    backend: Literal["gpu", "tpu"] | None = Field(default=None, description="Backend.", examples=["gpu"])
+    sku: str | None = Field(default=None, description="SKU.", examples=["H100-SXM-80GB"])
+    tp: int | None = Field(default=None, description="Tensor-parallel degree.", examples=[4])
+    placements: list[NodePlacement] = Field(default_factory=list, description="Where.")
+    tpu_slice: TpuSlice | None = Field(default=None, description="TPU slice, when on TPU.")
+    hbm_per_accelerator: AcceleratorShare | None = Field(default=None, description="HBM per accelerator.")
+    score: dict[str, float] = Field(default_factory=dict, description="Per-plugin score breakdown.")
+    explanation: list[str] = Field(default_factory=list, description="Why this choice; rejected classes.")
+    error: ErrorBody | None = Field(default=None, description="Null, or why rejected.")
+
+
+class ReleaseRequest(Request):
+    allocation_id: str = Field(min_length=1, description="Allocation to release.", examples=["alloc-1"])
+    tenant: str = Field(min_length=1, description="Owner.", examples=["acme"])
+
+
+class ReleaseReply(Contract):
+    status: Literal["released", "rejected"] = Field(description="Outcome.", examples=["released"])
+    error: ErrorBody | None = Field(default=None, description="Null, or why.")
+
+
+class RenewRequest(Request):
+    allocation_id: str = Field(min_length=1, description="Allocation to renew.", examples=["alloc-1"])
+    tenant: str = Field(min_length=1, description="Owner.", examples=["acme"])
+    lease_s: int = Field(gt=0, description="New lease length from now.", examples=[300])
+
+
+class RenewReply(Contract):
+    status: Literal["renewed", "rejected"] = Field(description="Outcome.", examples=["renewed"])
+    lease_expires_at: datetime | None = Field(default=None, description="New expiry (UTC).")
+    error: ErrorBody | None = Field(default=None, description="Null, or why.")
+
+
+class AdmitRequest(Request):
+    request_id: str = Field(min_length=1, description="Request id.", examples=["r-1"])
+    tenant: str = Field(min_length=1, description="Tenant.", examples=["acme"])
+    model: str = Field(min_length=1, description="Model.", examples=["llama3-70b"])
+    input_tokens: int = Field(gt=0, description="Input tokens.", examples=[1000])
+    output_tokens: int = Field(gt=0, description="Output tokens.", examples=[200])
+    slo: Slo | None = Field(default=None, description="Latency objectives.")
+    region: str | None = Field(default=None, description="Region.", examples=["us-west-1"])
+
+
+class AdmitReply(Contract):
+    status: Literal["admitted", "queued", "rejected"] = Field(description="Outcome.", examples=["admitted"])
+    allocation_id: str | None = Field(default=None, description="The replica's allocation.", examples=["a-1"])
+    node: str | None = Field(default=None, description="Node.", examples=["dgx-h100-01"])
+    engine: str | None = Field(default=None, description="Engine.", examples=["vllm"])
+    error: ErrorBody | None = Field(default=None, description="Null, or why.")
+    details: dict[str, Any] | None = Field(default=None, description="Extra.")

@@ -1,0 +1,1 @@
+"""Adapters: settings, logging, database, bus, outbox/inbox, telemetry."""

@@ -1,0 +1,129 @@
+"""NATS/JetStream adapters: stream creation, typed request/reply dispatch, idempotent event consumers."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
+from pydantic import BaseModel, ValidationError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from shared.contracts.base import CONTRACT_MAJOR_VERSION, ErrorCode, Request, major_version, rejected
+from shared.contracts.envelope import EventEnvelope
+from shared.contracts.streams import StreamSpec
+from shared.infra.inbox import claim
+
+log = logging.getLogger("hetsched.bus")
+
+RequestT = TypeVar("RequestT", bound=Request)
+Handler = Callable[[RequestT], Awaitable[BaseModel]]
+EventHandler = Callable[[AsyncSession, EventEnvelope], Awaitable[None]]
+
+
+def _stream_config(spec: StreamSpec) -> StreamConfig:
+    return StreamConfig(
+        name=spec.name,
+        subjects=list(spec.subjects),
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE if spec.file_storage else StorageType.MEMORY,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=spec.duplicate_window_s,
+        max_age=spec.max_age_s,
+    )
+
+
+async def ensure_streams(js: JetStreamContext, specs: tuple[StreamSpec, ...]) -> None:
+    """Create or update every stream; safe to run from several services at once."""
+    for spec in specs:
+        config = _stream_config(spec)
+        for _attempt in range(3):
+            try:
+                await js.stream_info(spec.name)
+            except NotFoundError:
+                try:
+                    await js.add_stream(config)
+                    break
+                except BadRequestError:
+                    continue  # another service created it between our two calls: update it instead
+            else:
+                await js.update_stream(config)
+                break
+
+
+def _summarise(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors()[:5]:
+        where = ".".join(str(p) for p in item["loc"]) or "body"
+        parts.append(f"field '{where}': {item['msg']}")
+    return "; ".join(parts)
+
+
+def _encode(model: BaseModel) -> bytes:
+    return model.model_dump_json().encode()
+
+
+async def dispatch(raw: bytes, model: type[RequestT], handler: Handler[RequestT]) -> bytes:
+    """Turn raw request bytes into a reply, never raising.
+
+    Malformed JSON, a body that is not an object, or a body that does not validate gives
+    ``invalid_request``; an unknown major version gives ``unsupported_version``; an unexpected
+    exception in the handler gives ``internal`` (logged with its stack, not sent to the caller).
+    """
+    try:
+        data: Any = json.loads(raw) if raw else None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return _encode(rejected(ErrorCode.INVALID_REQUEST, f"body is not valid JSON: {exc}"))
+    if not isinstance(data, dict):
+        return _encode(rejected(ErrorCode.INVALID_REQUEST, "body must be a JSON object"))
+    if "version" in data:
+        major = major_version(data["version"])
+        if major is None:
+            return _encode(rejected(ErrorCode.INVALID_REQUEST, f"unreadable version {data['version']!r}"))
+        if major != CONTRACT_MAJOR_VERSION:
+            return _encode(
+                rejected(
+                    ErrorCode.UNSUPPORTED_VERSION,
+                    f"version {data['version']!r} is not supported; this server speaks {CONTRACT_MAJOR_VERSION}",
+                    supported=[CONTRACT_MAJOR_VERSION],
+                )
+            )
+    try:
+        request = model.model_validate(data)
+    except ValidationError as exc:
+        reply = rejected(ErrorCode.INVALID_REQUEST, _summarise(exc))
+        request_id = data.get("request_id")
+        if isinstance(request_id, str):
+            reply = reply.model_copy(update={"request_id": request_id})
+        return _encode(reply)
+    try:
+        return _encode(await handler(request))
+    except Exception:
+        log.exception("request handler failed", extra={"model": model.__name__})
+        return _encode(rejected(ErrorCode.INTERNAL, "internal error; the server logged it"))
+
+
+def idempotent(
+    *, sessions: async_sessionmaker[AsyncSession], schema: str, consumer: str, handler: EventHandler
+) -> Callable[[bytes], Awaitable[None]]:
+    """Wrap an event handler so each event id is applied once, in one transaction with its effects.
+
+    A message that is not an envelope is logged and dropped (redelivering it cannot help); an
+    exception from the handler propagates so the subscriber's ack policy redelivers it.
+    """
+
+    async def on_message(raw: bytes) -> None:
+        try:
+            event = EventEnvelope.model_validate_json(raw)
+        except ValidationError as exc:
+            log.warning("dropping a message that is not an event envelope", extra={"error": str(exc)[:300]})
+            return
+        async with sessions() as session, session.begin():
+            if await claim(session=session, schema=schema, consumer=consumer, event_id=event.event_id):
+                await handler(session, event)
+
+    return on_message

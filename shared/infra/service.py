@@ -1,0 +1,222 @@
+"""What every service shares: wiring a FastStream app from a declarative service definition.
+
+A service module declares its name, schema and request/reply routes; ``build_app`` wires the broker,
+the health subject, typed dispatch for every route (a route with no handler yet answers
+``not_implemented``), the database engine, stream creation and the outbox relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from typing import Any
+
+import nats
+from faststream import FastStream
+from faststream.nats import NatsBroker, NatsMessage
+from faststream.nats.opentelemetry import NatsTelemetryMiddleware
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from pydantic import BaseModel
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from shared.contracts.base import ErrorCode, Request, rejected
+from shared.contracts.health import HealthReply, HealthRequest
+from shared.contracts.streams import stream_specs
+from shared.contracts.subjects import Rpc, Subjects
+from shared.infra.bus import dispatch, ensure_streams
+from shared.infra.db import make_engine, make_sessions
+from shared.infra.outbox import OutboxRelay
+from shared.infra.settings import Settings
+from shared.infra.telemetry import configure_telemetry
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/hetsched"
+
+
+def hetsched_version() -> str:
+    try:
+        return package_version("hetsched")
+    except PackageNotFoundError:
+        return "0.0.0+local"
+
+
+@dataclass
+class Runtime:
+    """The live parts of one service process, handed to route factories and lifecycle hooks."""
+
+    name: str
+    schema: str
+    settings: Settings
+    subjects: Subjects
+    engine: AsyncEngine
+    sessions: async_sessionmaker[AsyncSession]
+    log: logging.Logger
+    nc: NatsClient | None = None
+    js: JetStreamContext | None = None
+    relay: OutboxRelay | None = None
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    def spawn(self, coro: Awaitable[Any], *, name: str) -> None:
+        """Run a background loop for the life of the service (cancelled at stop)."""
+        self.tasks.append(asyncio.ensure_future(coro))
+        self.tasks[-1].set_name(name)
+
+
+RouteFactory = Callable[[Runtime], Callable[[Any], Awaitable[BaseModel]]]
+Hook = Callable[[Runtime], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """One request/reply subject: its request model and, once built, the handler factory."""
+
+    rpc: Rpc
+    model: type[Request]
+    factory: RouteFactory | None = None
+
+
+@dataclass(frozen=True)
+class ServiceDefinition:
+    name: str
+    health: Rpc
+    schema: str
+    routes: tuple[Route, ...] = ()
+    on_start: tuple[Hook, ...] = ()
+    on_stop: tuple[Hook, ...] = ()
+    register: Callable[[NatsBroker, Runtime], None] | None = None  # event consumers
+
+
+def _not_implemented(service: str, rpc: Rpc) -> Callable[[Any], Awaitable[BaseModel]]:
+    async def handler(_request: Any) -> BaseModel:
+        return rejected(ErrorCode.NOT_IMPLEMENTED, f"{rpc.value} is not built yet in {service}")
+
+    return handler
+
+
+def _health(runtime: Runtime) -> Callable[[HealthRequest], Awaitable[BaseModel]]:
+    async def handler(_request: HealthRequest) -> BaseModel:
+        checks: dict[str, str] = {}
+        try:
+            async with runtime.engine.connect() as conn:
+                await asyncio.wait_for(conn.execute(text("SELECT 1")), timeout=2)
+            checks["postgres"] = "ok"
+        except Exception as exc:
+            checks["postgres"] = f"error: {type(exc).__name__}"
+        checks["nats"] = "ok" if runtime.nc is not None and runtime.nc.is_connected else "error: disconnected"
+        healthy = all(v == "ok" for v in checks.values())
+        return HealthReply(
+            status="ok" if healthy else "degraded", service=runtime.name, version=hetsched_version(), checks=checks
+        )
+
+    return handler
+
+
+def _subscribe(broker: NatsBroker, *, subject: str, queue: str, model: type[Request], handler: Any) -> None:
+    async def on_request(msg: NatsMessage) -> bytes:
+        return await dispatch(msg.body, model, handler)
+
+    on_request.__name__ = subject.replace(".", "_").replace("-", "_")
+    broker.subscriber(subject, queue=queue, title=subject)(on_request)
+
+
+def build_app(definition: ServiceDefinition, settings: Settings) -> tuple[FastStream, Runtime]:
+    """Wire one service. Nothing connects until the app starts."""
+    log = logging.getLogger(f"hetsched.{definition.name}")
+    tracer_provider, meter_provider = configure_telemetry(service=definition.name, exporter=settings.otel_exporter)
+    nats_url = settings.nats_url or DEFAULT_NATS_URL
+    broker = NatsBroker(
+        nats_url,
+        max_reconnect_attempts=-1,  # ride out a NATS restart instead of exiting
+        reconnect_time_wait=0.5,
+        logger=log,
+        log_level=logging.DEBUG,  # per-message "Received/Processed" lines only at debug
+        middlewares=[NatsTelemetryMiddleware(tracer_provider=tracer_provider, meter_provider=meter_provider)],
+    )
+    engine = make_engine(settings.database_url or DEFAULT_DATABASE_URL, pool_size=settings.db_pool_size)
+    runtime = Runtime(
+        name=definition.name,
+        schema=definition.schema,
+        settings=settings,
+        subjects=Subjects(settings.subject_prefix),
+        engine=engine,
+        sessions=make_sessions(engine),
+        log=log,
+    )
+    queue = f"{settings.subject_prefix}.{definition.schema}"
+    _subscribe(
+        broker,
+        subject=runtime.subjects.rpc(definition.health),
+        queue=queue,
+        model=HealthRequest,
+        handler=_health(runtime),
+    )
+    for route in definition.routes:
+        handler = route.factory(runtime) if route.factory else _not_implemented(definition.name, route.rpc)
+        _subscribe(broker, subject=runtime.subjects.rpc(route.rpc), queue=queue, model=route.model, handler=handler)
+    if definition.register is not None:
+        definition.register(broker, runtime)
+
+    app = FastStream(broker, logger=log)
+
+    @app.on_startup
+    async def _connect() -> None:
+        # Our own connection for JetStream management and the relay, so publishing does not depend
+        # on FastStream internals.
+        runtime.nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name=definition.name)
+        runtime.js = runtime.nc.jetstream()
+        await ensure_streams(
+            runtime.js,
+            stream_specs(
+                subjects=runtime.subjects,
+                stream_prefix=settings.stream_prefix,
+                duplicate_window_s=settings.stream_duplicate_window_s,
+                telemetry_max_age_s=settings.telemetry_max_age_s,
+            ),
+        )
+        runtime.relay = OutboxRelay(
+            sessions=runtime.sessions,
+            js=runtime.js,
+            schema=definition.schema,
+            batch=settings.outbox_batch,
+            poll_ms=settings.outbox_poll_ms,
+        )
+        runtime.spawn(runtime.relay.run(), name="outbox-relay")
+        for hook in definition.on_start:
+            await hook(runtime)
+
+    @app.after_startup
+    async def _ready() -> None:
+        log.info("service ready", extra={"nats": nats_url, "subject_prefix": settings.subject_prefix})
+
+    @app.on_shutdown
+    async def _stop() -> None:
+        for hook in definition.on_stop:
+            await hook(runtime)
+        if runtime.relay is not None:
+            runtime.relay.stop()
+        for task in runtime.tasks:
+            task.cancel()
+        await asyncio.gather(*runtime.tasks, return_exceptions=True)
+        if runtime.nc is not None:
+            await runtime.nc.drain()
+        await engine.dispose()
+        log.info("service stopped")
+
+    return app, runtime
+
+
+def run_service(bootstrap: Callable[[Settings], tuple[FastStream, Runtime]], *, name: str) -> None:
+    """Entry point of ``python -m services.<name>``: logs, settings, run until SIGINT/SIGTERM."""
+    from shared.infra.logs import configure_logging
+    from shared.infra.settings import load_settings
+
+    settings = load_settings()
+    configure_logging(service=name, level=settings.log_level, fmt=settings.log_format)
+    app, _runtime = bootstrap(settings)
+    asyncio.run(app.run())
