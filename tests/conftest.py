@@ -1,0 +1,114 @@
+"""Session fixtures: real servers, one fresh migrated database and one subject/stream prefix per run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from shared.infra.migrate import upgrade
+from shared.infra.settings import Settings
+from tests.servers import RealServers, find_servers
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def servers(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RealServers]:
+    found = await find_servers(tmp_path_factory.mktemp("servers"))
+    yield found
+    try:
+        await found.delete_streams()
+    finally:
+        found.stop()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def database_url(servers: RealServers) -> AsyncIterator[str]:
+    """A fresh database for this run, migrated to head."""
+    name = f"hetsched_test_{servers.run_id}"
+    url = await servers.create_database(name)
+    await asyncio.to_thread(upgrade, url)
+    yield url
+    await servers.drop_database(name)
+
+
+@pytest.fixture(scope="session")
+def settings(servers: RealServers, database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    return Settings(
+        nats_url=servers.nats_url,
+        database_url=database_url,
+        subject_prefix=servers.subject_prefix,
+        stream_prefix=servers.stream_prefix,
+        data_dir=tmp_path_factory.mktemp("data"),
+        log_format="text",
+    )
+
+
+def service_env(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETSCHED_")}
+    env.update(
+        HETSCHED_NATS_URL=settings.nats_url or "",
+        HETSCHED_DATABASE_URL=settings.database_url or "",
+        HETSCHED_SUBJECT_PREFIX=settings.subject_prefix,
+        HETSCHED_STREAM_PREFIX=settings.stream_prefix,
+        HETSCHED_DATA_DIR=str(settings.data_dir),
+        HETSCHED_LOG_FORMAT="json",
+    )
+    return env
+
+
+class ServiceProcesses:
+    """Services run as real processes (`python -m services.<name>`), as an operator runs them."""
+
+    def __init__(self, settings: Settings, log_dir: Path) -> None:
+        self.settings = settings
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, package: str) -> subprocess.Popen[bytes]:
+        log = open(self.log_dir / f"{package}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", f"services.{package}"],
+            env=service_env(self.settings),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.procs[package] = proc
+        return proc
+
+    def stop(self, package: str, *, kill: bool = False) -> None:
+        proc = self.procs.pop(package)
+        if kill:
+            proc.kill()
+        else:
+            proc.terminate()
+        proc.wait(timeout=30)
+
+    def stop_all(self) -> None:
+        for package in list(self.procs):
+            self.stop(package)
+
+
+@pytest.fixture(scope="session")
+def service_processes(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcesses]:
+    procs = ServiceProcesses(settings, tmp_path_factory.mktemp("service-logs"))
+    yield procs
+    procs.stop_all()
+
+
+def wait_until(predicate: object, *, timeout_s: float, interval_s: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s}s")

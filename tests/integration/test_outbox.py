@@ -1,0 +1,199 @@
+"""Transactional outbox and idempotent consumers on real Postgres and JetStream."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import nats
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from sqlalchemy import select, text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from shared.contracts.envelope import EventEnvelope, new_event
+from shared.contracts.streams import stream_name, stream_specs
+from shared.contracts.subjects import Context, Subjects
+from shared.infra.bus import ensure_streams, idempotent
+from shared.infra.db import make_engine, make_sessions
+from shared.infra.outbox import OutboxRelay, enqueue
+from shared.infra.settings import Settings
+from shared.infra.tables import outbox_table
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+SCHEMA = "ledger"
+
+
+class RelayCrash(Exception):
+    """Stands for the relay process dying: raised between JetStream's ack and the row update."""
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def engine(settings: Settings) -> AsyncIterator[AsyncEngine]:
+    eng = make_engine(settings.database_url or "")
+    async with eng.begin() as conn:
+        await conn.execute(text("CREATE TABLE IF NOT EXISTS public.probe_state (id uuid PRIMARY KEY, n int)"))
+    yield eng
+    await eng.dispose()
+
+
+@pytest.fixture
+def sessions(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    return make_sessions(engine)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def js(settings: Settings) -> AsyncIterator[JetStreamContext]:
+    client: Client = await nats.connect(settings.nats_url or "")
+    ctx = client.jetstream()
+    await ensure_streams(
+        ctx, stream_specs(subjects=Subjects(settings.subject_prefix), stream_prefix=settings.stream_prefix)
+    )
+    yield ctx
+    await client.close()
+
+
+def _event(kind: str = "probe") -> EventEnvelope:
+    return new_event(type=f"ledger.{kind}", source="test", payload={"k": 1}, occurred_at=datetime.now(UTC))
+
+
+async def _count_in_stream(js: JetStreamContext, stream: str, subject: str, event_id: uuid.UUID) -> int:
+    """How many messages on ``subject`` carry this event id (read back with an ephemeral consumer)."""
+    sub = await js.pull_subscribe(subject, stream=stream)
+    seen = 0
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(100, timeout=0.5)
+            except TimeoutError:
+                break
+            for msg in msgs:
+                if (msg.headers or {}).get("Nats-Msg-Id") == str(event_id):
+                    seen += 1
+                await msg.ack()
+    finally:
+        await sub.unsubscribe()
+    return seen
+
+
+async def test_state_change_and_event_commit_or_roll_back_together(
+    sessions: async_sessionmaker[AsyncSession], settings: Settings
+) -> None:
+    subject = Subjects(settings.subject_prefix).event(Context.LEDGER, "probe")
+    kept, dropped = _event(), _event()
+    async with sessions() as session, session.begin():
+        await session.execute(text("INSERT INTO public.probe_state VALUES (:id, 1)"), {"id": kept.event_id})
+        await enqueue(session=session, schema=SCHEMA, subject=subject, event=kept)
+    with pytest.raises(RuntimeError):
+        async with sessions() as session, session.begin():
+            await session.execute(text("INSERT INTO public.probe_state VALUES (:id, 1)"), {"id": dropped.event_id})
+            await enqueue(session=session, schema=SCHEMA, subject=subject, event=dropped)
+            raise RuntimeError("the state change failed after the event was written")
+    table = outbox_table(SCHEMA)
+    async with sessions() as session:
+        ids = set((await session.execute(select(table.c.event_id))).scalars())
+        states = set((await session.execute(text("SELECT id FROM public.probe_state"))).scalars())
+    assert kept.event_id in ids and kept.event_id in states
+    assert dropped.event_id not in ids and dropped.event_id not in states
+
+
+async def test_relay_crash_after_publish_before_mark_yields_exactly_one_event(
+    sessions: async_sessionmaker[AsyncSession], js: JetStreamContext, settings: Settings
+) -> None:
+    subject = Subjects(settings.subject_prefix).event(Context.LEDGER, "crash_probe")
+    event = _event("crash_probe")
+    async with sessions() as session, session.begin():
+        await enqueue(session=session, schema=SCHEMA, subject=subject, event=event)
+
+    def crash(_published: EventEnvelope) -> None:
+        raise RelayCrash
+
+    dying = OutboxRelay(sessions=sessions, js=js, schema=SCHEMA, after_publish=crash)
+    with pytest.raises(RelayCrash):
+        await dying.run_once()
+
+    table = outbox_table(SCHEMA)
+    async with sessions() as session:
+        sent_at = (await session.execute(select(table.c.sent_at).where(table.c.event_id == event.event_id))).scalar_one()
+    assert sent_at is None, "the row must still be unsent: the relay died before marking it"
+
+    restarted = OutboxRelay(sessions=sessions, js=js, schema=SCHEMA)
+    while await restarted.run_once():
+        pass
+    async with sessions() as session:
+        sent_at = (await session.execute(select(table.c.sent_at).where(table.c.event_id == event.event_id))).scalar_one()
+    assert sent_at is not None
+    stream = stream_name(Context.LEDGER, stream_prefix=settings.stream_prefix)
+    assert await _count_in_stream(js, stream, subject, event.event_id) == 1
+
+
+async def test_idempotent_consumer_applies_a_redelivered_event_once(
+    sessions: async_sessionmaker[AsyncSession], js: JetStreamContext, settings: Settings
+) -> None:
+    subject = Subjects(settings.subject_prefix).event(Context.LEDGER, "idem_probe")
+    event = _event("idem_probe")
+    body = event.model_dump_json().encode()
+    # The same event twice under different message ids: JetStream keeps both, as after a
+    # redelivery or a producer that retried past the duplicate window.
+    await js.publish(subject, body, headers={"Nats-Msg-Id": f"{event.event_id}-a"})
+    await js.publish(subject, body, headers={"Nats-Msg-Id": f"{event.event_id}-b"})
+
+    async def apply(session: AsyncSession, ev: EventEnvelope) -> None:
+        await session.execute(
+            text("INSERT INTO public.probe_state VALUES (:id, 1) ON CONFLICT (id) DO UPDATE SET n = probe_state.n + 1"),
+            {"id": ev.event_id},
+        )
+
+    handler = idempotent(sessions=sessions, schema=SCHEMA, consumer="probe-consumer", handler=apply)
+    stream = stream_name(Context.LEDGER, stream_prefix=settings.stream_prefix)
+    sub = await js.pull_subscribe(subject, durable=f"probe-{uuid.uuid4().hex[:8]}", stream=stream)
+    handled = 0
+    for msg in await sub.fetch(2, timeout=5):
+        await handler(msg.data)
+        await msg.ack()
+        handled += 1
+    await sub.unsubscribe()
+    assert handled == 2
+    async with sessions() as session:
+        n = (await session.execute(text("SELECT n FROM public.probe_state WHERE id = :id"), {"id": event.event_id})).scalar_one()
+    assert n == 1
+
+
+RELAY_THAT_DIES = """
+import asyncio, os, sys
+import nats
+from shared.infra.db import make_engine, make_sessions
+from shared.infra.outbox import OutboxRelay
+
+async def main():
+    nc = await nats.connect(sys.argv[1])
+    relay = OutboxRelay(sessions=make_sessions(make_engine(sys.argv[2])), js=nc.jetstream(), schema=sys.argv[3],
+                        after_publish=lambda _e: os._exit(137))  # killed right after JetStream's ack
+    await relay.run_once()
+
+asyncio.run(main())
+"""
+
+
+async def test_relay_process_killed_after_publish_yields_exactly_one_event(
+    sessions: async_sessionmaker[AsyncSession], js: JetStreamContext, settings: Settings
+) -> None:
+    import asyncio
+    import sys
+
+    subject = Subjects(settings.subject_prefix).event(Context.LEDGER, "kill_probe")
+    event = _event("kill_probe")
+    async with sessions() as session, session.begin():
+        await enqueue(session=session, schema=SCHEMA, subject=subject, event=event)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", RELAY_THAT_DIES, settings.nats_url or "", settings.database_url or "", SCHEMA
+    )
+    assert await proc.wait() == 137
+    restarted = OutboxRelay(sessions=sessions, js=js, schema=SCHEMA)
+    while await restarted.run_once():
+        pass
+    stream = stream_name(Context.LEDGER, stream_prefix=settings.stream_prefix)
+    assert await _count_in_stream(js, stream, subject, event.event_id) == 1
