@@ -89,7 +89,9 @@ def up(
         stack.start_services()
         stack.write_state()
         health = asyncio.run(
-            wait_healthy(nats_url=stack.nats_url, subjects=Subjects(settings.subject_prefix), deadline_s=health_timeout_s)
+            wait_healthy(
+                nats_url=stack.nats_url, subjects=Subjects(settings.subject_prefix), deadline_s=health_timeout_s
+            )
         )
         for package, reply in health.items():
             console.print(f"  {SERVICES[package].name:<22} {reply.get('status')}")
@@ -119,18 +121,17 @@ def status(
         health = asyncio.run(wait_healthy(nats_url=nats_url, subjects=Subjects(prefix), deadline_s=0))
     except Exception as exc:
         health = {p: {"status": "down", "error": f"NATS unreachable: {type(exc).__name__}"} for p in SERVICES}
-    report = {
-        "nats_url": nats_url,
-        "database_url": database_url,
-        "services": {SERVICES[p].name: r for p, r in health.items()},
-    }
+    services = {SERVICES[p].name: r for p, r in health.items()}
+    report: dict[str, Any] = {"nats_url": nats_url, "database_url": database_url, "services": services}
     if as_json:
         print(json.dumps(report, indent=2))
     else:
         console.print(f"NATS      {nats_url}\nPostgres  {database_url}")
         table = Table("service", "status", "version", "checks")
-        for name, reply in report["services"].items():
-            table.add_row(name, str(reply.get("status")), str(reply.get("version", "")), json.dumps(reply.get("checks", {})))
+        for name, reply in services.items():
+            table.add_row(
+                name, str(reply.get("status")), str(reply.get("version", "")), json.dumps(reply.get("checks", {}))
+            )
         console.print(table)
     if not all(r.get("status") == "ok" for r in health.values()):
         raise typer.Exit(1)
@@ -177,8 +178,16 @@ def place(
         "backend": backend,
         "preemptible": preemptible,
     }
-    optional = {"dtype": dtype, "kv_dtype": kv_dtype, "input_tokens": input_tokens, "output_tokens": output_tokens,
-                "tp": tp, "skus": sku, "region": region, "lease_s": lease_s}
+    optional = {
+        "dtype": dtype,
+        "kv_dtype": kv_dtype,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "tp": tp,
+        "skus": sku,
+        "region": region,
+        "lease_s": lease_s,
+    }
     body.update({k: v for k, v in optional.items() if v is not None})
     _print_reply(_call(Rpc.PLACEMENT_EXPLAIN if explain else Rpc.PLACEMENT_PLACE, body), as_json)
 

@@ -95,7 +95,7 @@ class EmbeddedNats:
     def start(self, *, log_file: Path | None = None) -> EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
-        out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
+        out = open(log_file, "ab") if log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir)],
             stdout=out,
@@ -189,8 +189,16 @@ class EmbeddedPostgres:
             os.chown(self.pgdata, entry.pw_uid, entry.pw_gid)
             self.pgdata.chmod(0o700)
         result = subprocess.run(
-            [str(bin_dir / "initdb"), "-D", str(self.pgdata), "-U", self.user, "--auth=trust", "--encoding=UTF8",
-             "--no-sync"],
+            [
+                str(bin_dir / "initdb"),
+                "-D",
+                str(self.pgdata),
+                "-U",
+                self.user,
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--no-sync",
+            ],
             capture_output=True,
             text=True,
             **_drop_to(os_user),
@@ -208,10 +216,23 @@ class EmbeddedPostgres:
             _grant_binaries(bin_dir)
         self._initdb(bin_dir, os_user)
         self.port = self.port or free_port()
-        out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
+        out = open(log_file, "ab") if log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            [str(bin_dir / "postgres"), "-D", str(self.pgdata), "-h", "127.0.0.1", "-p", str(self.port),
-             "-c", "unix_socket_directories=", "-c", "max_connections=300", "-c", "fsync=on"],
+            [
+                str(bin_dir / "postgres"),
+                "-D",
+                str(self.pgdata),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-c",
+                "unix_socket_directories=",
+                "-c",
+                "max_connections=300",
+                "-c",
+                "fsync=on",
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             **_drop_to(os_user),

@@ -112,7 +112,7 @@ class Stack:
         return env
 
     def _spawn(self, package: str) -> subprocess.Popen[bytes]:
-        log = open(self.settings.data_dir / "logs" / f"{package}.log", "ab")  # noqa: SIM115
+        log = open(self.settings.data_dir / "logs" / f"{package}.log", "ab")
         return subprocess.Popen(
             [sys.executable, "-m", module_of(package)],
             env=self._child_env(),
@@ -147,7 +147,7 @@ class Stack:
             code = child.proc.poll()
             if code is None or self._stopping:
                 continue
-            backoff = min(2 ** child.restarts, 30)
+            backoff = min(2**child.restarts, 30)
             if time.monotonic() - child.started_at < backoff:
                 continue
             self.echo(f"service {child.package} exited with {code}; restarting (restart #{child.restarts + 1})")

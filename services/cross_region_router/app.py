@@ -13,9 +13,7 @@ SERVICE = ServiceDefinition(
     name="cross-region-router",
     health=Rpc.ROUTE_HEALTH,
     schema="routing",
-    routes=(
-        Route(Rpc.ROUTE_SELECT, RouteSelectRequest),
-    ),
+    routes=(Route(Rpc.ROUTE_SELECT, RouteSelectRequest),),
 )
 
 

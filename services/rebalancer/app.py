@@ -13,9 +13,7 @@ SERVICE = ServiceDefinition(
     name="rebalancer",
     health=Rpc.REBALANCE_HEALTH,
     schema="rebalance",
-    routes=(
-        Route(Rpc.REBALANCE_STATUS, RebalanceStatusRequest),
-    ),
+    routes=(Route(Rpc.REBALANCE_STATUS, RebalanceStatusRequest),),
 )
 
 

@@ -133,7 +133,7 @@ def build_app(definition: ServiceDefinition, settings: Settings) -> tuple[FastSt
     broker = NatsBroker(
         nats_url,
         max_reconnect_attempts=-1,  # ride out a NATS restart instead of exiting
-        reconnect_time_wait=0.5,
+        reconnect_time_wait=1,
         logger=log,
         log_level=logging.DEBUG,  # per-message "Received/Processed" lines only at debug
         middlewares=[NatsTelemetryMiddleware(tracer_provider=tracer_provider, meter_provider=meter_provider)],
@@ -168,7 +168,9 @@ def build_app(definition: ServiceDefinition, settings: Settings) -> tuple[FastSt
     async def _connect() -> None:
         # Our own connection for JetStream management and the relay, so publishing does not depend
         # on FastStream internals.
-        runtime.nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name=definition.name)
+        runtime.nc = await nats.connect(
+            nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name=definition.name
+        )
         runtime.js = runtime.nc.jetstream()
         await ensure_streams(
             runtime.js,

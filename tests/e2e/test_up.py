@@ -60,7 +60,10 @@ def test_up_reaches_six_healthy_services_and_sigterm_leaves_nothing(tmp_path: Pa
 
         status = subprocess.run(
             [sys.executable, "-m", "services.cli", "status", "--json", "--data-dir", str(data_dir)],
-            env=env, capture_output=True, text=True, timeout=60,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert status.returncode == 0, status.stdout + status.stderr
         report = json.loads(status.stdout)
@@ -79,6 +82,6 @@ def test_up_reaches_six_healthy_services_and_sigterm_leaves_nothing(tmp_path: Pa
             up.kill()
             raise
     assert up.returncode == 0, out
-    gone, alive = psutil.wait_procs(tree, timeout=10)
+    _gone, alive = psutil.wait_procs(tree, timeout=10)
     assert not alive, f"left running after SIGTERM: {[(p.pid, p.name()) for p in alive]}"
     assert not state_file.exists()

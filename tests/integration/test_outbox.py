@@ -117,14 +117,18 @@ async def test_relay_crash_after_publish_before_mark_yields_exactly_one_event(
 
     table = outbox_table(SCHEMA)
     async with sessions() as session:
-        sent_at = (await session.execute(select(table.c.sent_at).where(table.c.event_id == event.event_id))).scalar_one()
+        sent_at = (
+            await session.execute(select(table.c.sent_at).where(table.c.event_id == event.event_id))
+        ).scalar_one()
     assert sent_at is None, "the row must still be unsent: the relay died before marking it"
 
     restarted = OutboxRelay(sessions=sessions, js=js, schema=SCHEMA)
     while await restarted.run_once():
         pass
     async with sessions() as session:
-        sent_at = (await session.execute(select(table.c.sent_at).where(table.c.event_id == event.event_id))).scalar_one()
+        sent_at = (
+            await session.execute(select(table.c.sent_at).where(table.c.event_id == event.event_id))
+        ).scalar_one()
     assert sent_at is not None
     stream = stream_name(Context.LEDGER, stream_prefix=settings.stream_prefix)
     assert await _count_in_stream(js, stream, subject, event.event_id) == 1
@@ -158,7 +162,9 @@ async def test_idempotent_consumer_applies_a_redelivered_event_once(
     await sub.unsubscribe()
     assert handled == 2
     async with sessions() as session:
-        n = (await session.execute(text("SELECT n FROM public.probe_state WHERE id = :id"), {"id": event.event_id})).scalar_one()
+        n = (
+            await session.execute(text("SELECT n FROM public.probe_state WHERE id = :id"), {"id": event.event_id})
+        ).scalar_one()
     assert n == 1
 
 

@@ -69,8 +69,12 @@ BAD_BODIES = [
 
 @pytest.mark.parametrize(("package", "route"), ROUTES, ids=[r.rpc.value for _, r in ROUTES])
 async def test_bad_input_gets_typed_reply_and_service_keeps_serving(
-    running: dict[str, Any], nc: Client, settings: Settings, service_processes: ServiceProcesses,
-    package: str, route: Route,
+    running: dict[str, Any],
+    nc: Client,
+    settings: Settings,
+    service_processes: ServiceProcesses,
+    package: str,
+    route: Route,
 ) -> None:
     subjects = Subjects(settings.subject_prefix)
     subject = subjects.rpc(route.rpc)

@@ -1,0 +1,55 @@
+"""docker-compose.yml is checked without a Docker engine: every command names a real module or tool,
+every HETSCHED_ variable is a real setting, and the services wait for healthy servers and migrate."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.registry import SERVICES
+from shared.infra.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    return data
+
+
+def test_six_services_each_run_a_real_module() -> None:
+    services = _compose()["services"]
+    modules = set()
+    for name, spec in services.items():
+        command = spec.get("command", [])
+        if command[:2] == ["python", "-m"]:
+            module = command[2]
+            assert importlib.util.find_spec(module) is not None, f"{name}: no module {module}"
+            assert importlib.util.find_spec(f"{module}.__main__") is not None, f"{name}: {module} is not runnable"
+            modules.add(module)
+    assert modules == {f"services.{p}" for p in SERVICES}
+
+
+def test_every_hetsched_variable_is_a_real_setting() -> None:
+    fields = {f"HETSCHED_{name.upper()}" for name in Settings.model_fields}
+    for name, spec in _compose()["services"].items():
+        for key in spec.get("environment") or {}:
+            if key.startswith("HETSCHED_"):
+                assert key in fields, f"{name} sets {key}, which no setting reads"
+
+
+def test_services_wait_for_healthy_servers_and_a_completed_migration() -> None:
+    services = _compose()["services"]
+    assert services["nats"]["healthcheck"] and "-js" in services["nats"]["command"]
+    assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
+    assert services["migrate"]["command"] == ["alembic", "upgrade", "head"]
+    for name, spec in services.items():
+        if spec.get("command", [])[:2] == ["python", "-m"]:
+            deps = spec["depends_on"]
+            assert deps["nats"]["condition"] == "service_healthy", name
+            assert deps["postgres"]["condition"] == "service_healthy", name
+            assert deps["migrate"]["condition"] == "service_completed_successfully", name
+    assert (REPO / "Dockerfile").exists()
