@@ -75,7 +75,7 @@ class ServiceProcesses:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, package: str) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{package}.log", "ab")  # noqa: SIM115
+        log = open(self.log_dir / f"{package}.log", "ab")
         proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{package}"],
             env=service_env(self.settings),
