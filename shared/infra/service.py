@@ -16,8 +16,8 @@ from importlib.metadata import version as package_version
 from typing import Any
 
 import nats
-from faststream import FastStream
-from faststream.nats import NatsBroker, NatsMessage
+from faststream import AckPolicy, FastStream
+from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
@@ -27,9 +27,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from shared.contracts.base import ErrorCode, Request, rejected
 from shared.contracts.health import HealthReply, HealthRequest
-from shared.contracts.streams import stream_specs
-from shared.contracts.subjects import Rpc, Subjects
-from shared.infra.bus import dispatch, ensure_streams
+from shared.contracts.streams import stream_name, stream_specs
+from shared.contracts.subjects import Context, Rpc, Subjects
+from shared.infra.bus import EventHandler, dispatch, ensure_streams, idempotent
 from shared.infra.db import make_engine, make_sessions
 from shared.infra.outbox import OutboxRelay
 from shared.infra.settings import Settings
@@ -68,6 +68,10 @@ class Runtime:
         self.tasks[-1].set_name(name)
 
 
+# Event consumers ack after the handler's transaction commits and nack (redeliver) when it raised;
+# FastStream's default for NATS would drop a message whose handler raised.
+EVENT_ACK_POLICY = AckPolicy.NACK_ON_ERROR
+
 RouteFactory = Callable[[Runtime], Callable[[Any], Awaitable[BaseModel]]]
 Hook = Callable[[Runtime], Awaitable[None]]
 
@@ -82,6 +86,16 @@ class Route:
 
 
 @dataclass(frozen=True)
+class EventRoute:
+    """A durable, explicit-ack, idempotent consumer of one context's events (``event`` may be ``*``)."""
+
+    context: Context
+    event: str
+    durable: str
+    factory: Callable[[Runtime], EventHandler]
+
+
+@dataclass(frozen=True)
 class ServiceDefinition:
     name: str
     health: Rpc
@@ -89,7 +103,7 @@ class ServiceDefinition:
     routes: tuple[Route, ...] = ()
     on_start: tuple[Hook, ...] = ()
     on_stop: tuple[Hook, ...] = ()
-    register: Callable[[NatsBroker, Runtime], None] | None = None  # event consumers
+    events: tuple[EventRoute, ...] = ()
 
 
 def _not_implemented(service: str, rpc: Rpc) -> Callable[[Any], Awaitable[BaseModel]]:
@@ -123,6 +137,27 @@ def _subscribe(broker: NatsBroker, *, subject: str, queue: str, model: type[Requ
 
     on_request.__name__ = subject.replace(".", "_").replace("-", "_")
     broker.subscriber(subject, queue=queue, title=subject)(on_request)
+
+
+def _subscribe_events(broker: NatsBroker, runtime: Runtime, route: EventRoute) -> None:
+    settings = runtime.settings
+    durable = f"{settings.subject_prefix}-{runtime.schema}-{route.durable}"
+    apply = idempotent(
+        sessions=runtime.sessions, schema=runtime.schema, consumer=route.durable, handler=route.factory(runtime)
+    )
+
+    async def on_event(msg: NatsMessage) -> None:
+        await apply(msg.body)
+
+    on_event.__name__ = durable.replace("-", "_").replace(".", "_")
+    broker.subscriber(
+        runtime.subjects.event(route.context, route.event),
+        stream=JStream(stream_name(route.context, stream_prefix=settings.stream_prefix), declare=False),
+        durable=durable,
+        pull_sub=PullSub(batch_size=64, timeout=1.0),
+        ack_policy=EVENT_ACK_POLICY,
+        title=durable,
+    )(on_event)
 
 
 def build_app(definition: ServiceDefinition, settings: Settings) -> tuple[FastStream, Runtime]:
@@ -159,8 +194,8 @@ def build_app(definition: ServiceDefinition, settings: Settings) -> tuple[FastSt
     for route in definition.routes:
         handler = route.factory(runtime) if route.factory else _not_implemented(definition.name, route.rpc)
         _subscribe(broker, subject=runtime.subjects.rpc(route.rpc), queue=queue, model=route.model, handler=handler)
-    if definition.register is not None:
-        definition.register(broker, runtime)
+    for event_route in definition.events:
+        _subscribe_events(broker, runtime, event_route)
 
     app = FastStream(broker, logger=log)
 
