@@ -24,6 +24,7 @@ class Rpc(StrEnum):
 
     FLEET_GET = "fleet.get"
     FLEET_DESCRIBE = "fleet.describe"
+    TOPOLOGY_REPORT = "topology.report"
     LEDGER_COMMIT = "ledger.commit"
     LEDGER_RELEASE = "ledger.release"
     LEDGER_RENEW = "ledger.renew"
@@ -60,6 +61,10 @@ class Subjects:
 
     def rpc(self, name: Rpc) -> str:
         return f"{self.prefix}.{name.value}"
+
+    def heartbeat(self) -> str:
+        """Core-NATS subject of node heartbeats (not persisted: only their absence matters)."""
+        return f"{self.prefix}.topology.heartbeat"
 
     def event(self, context: Context, event: str) -> str:
         """``<prefix>.events.<context>.<event>``, the subject an event of that type is published on."""

@@ -1,0 +1,252 @@
+"""The fleet as the domain sees it: regions > clusters > racks > nodes > accelerators, TPU pods.
+
+A ``NodeProfile`` is what every topology provider produces (NVML, nvidia-smi text, inventory
+presets): the node's place, its accelerators and its GPU link matrix. NVLink domains are derived
+from the links (and from NVML fabric info for multi-node domains), never stored separately from them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.domain.topology import (
+    DomainKind,
+    FabricGpu,
+    FabricState,
+    GpuFabricInfo,
+    GpuRef,
+    LinkMatrix,
+    NodeTopology,
+    describe_node,
+    multi_node_domains,
+)
+from shared.domain.topology.tpu import TpuType
+
+
+@dataclass(frozen=True, slots=True)
+class Accelerator:
+    """One GPU of a node. ``index`` is the GPU's index on its node, as nvidia-smi numbers it."""
+
+    index: int
+    sku: str
+    hbm_bytes: int
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    numa_node: int | None = None
+    cpu_affinity: str | None = None
+    power_limit_w: float | None = None
+    pcie_gen_max: int | None = None
+    pcie_width_max: int | None = None
+    fabric: GpuFabricInfo | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeProfile:
+    """One node: where it sits, its GPUs and the links between them."""
+
+    name: str
+    region: str
+    cluster: str
+    rack: str
+    sku: str
+    accelerators: tuple[Accelerator, ...]
+    links: LinkMatrix
+    source: str = "inventory"  # inventory | nvml | nvidia-smi
+
+    def __post_init__(self) -> None:
+        if self.links.gpu_count != len(self.accelerators):
+            raise ValueError(
+                f"node {self.name}: {len(self.accelerators)} accelerators but a {self.links.gpu_count}-GPU matrix"
+            )
+
+    def accelerator_id(self, index: int) -> str:
+        return f"{self.name}/gpu{index}"
+
+    @property
+    def topology(self) -> NodeTopology:
+        return describe_node(self.links, [a.fabric for a in self.accelerators])
+
+    @property
+    def hbm_bytes(self) -> int:
+        return sum(a.hbm_bytes for a in self.accelerators)
+
+    def fingerprint(self) -> str:
+        """Stable digest of everything in the profile: equal digests mean nothing changed."""
+        return hashlib.sha256(json.dumps(profile_to_dict(self), sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class Rack:
+    name: str
+    region: str
+    cluster: str
+    power_kw: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class TpuPod:
+    """A TPU pod: chips on a 2-D (v5e) or 3-D (v5p) grid."""
+
+    name: str
+    region: str
+    type: TpuType
+    shape: tuple[int, ...]
+    cluster: str | None = None
+
+    @property
+    def chips(self) -> int:
+        total = 1
+        for axis in self.shape:
+            total *= axis
+        return total
+
+
+@dataclass(frozen=True, slots=True)
+class Domain:
+    """An NVLink domain with fleet-wide ids: ``<node>/nv<lowest gpu>`` or ``fabric/<uuid>/<clique>``."""
+
+    id: str
+    kind: str
+    members: tuple[str, ...]  # accelerator ids
+    cliques: tuple[tuple[str, ...], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    nodes: tuple[NodeProfile, ...] = ()
+    racks: tuple[Rack, ...] = ()
+    tpu_pods: tuple[TpuPod, ...] = ()
+    regions: tuple[str, ...] = field(default=())
+
+    def node(self, name: str) -> NodeProfile:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+
+def fleet_domains(nodes: Iterable[NodeProfile]) -> tuple[Domain, ...]:
+    """Every NVLink domain of the fleet: multi-node fabric cliques first, then each node's own.
+
+    A GPU in a multi-node fabric clique belongs to that domain only; the node-local domains are
+    built from the remaining GPUs.
+    """
+    nodes = tuple(nodes)
+    fabric = multi_node_domains(
+        FabricGpu(gpu=GpuRef(node.name, acc.index), fabric=acc.fabric) for node in nodes for acc in node.accelerators
+    )
+    in_fabric: set[tuple[str, int]] = set()
+    domains: list[Domain] = []
+    for multi in fabric:
+        members = tuple(f"{g.node_id}/gpu{g.gpu_index}" for g in multi.gpus)
+        in_fabric.update((g.node_id, g.gpu_index) for g in multi.gpus)
+        domains.append(
+            Domain(
+                id=f"fabric/{multi.cluster_uuid}/{multi.clique_id}",
+                kind=DomainKind.MULTI_NODE.value,
+                members=members,
+                cliques=(members,),
+            )
+        )
+    for node in nodes:
+        for domain in node.topology.domains:
+            gpus = [g for g in domain.gpus if (node.name, g) not in in_fabric]
+            if not gpus:
+                continue
+            domains.append(
+                Domain(
+                    id=f"{node.name}/nv{min(gpus)}",
+                    kind=domain.kind.value,
+                    members=tuple(node.accelerator_id(g) for g in gpus),
+                    cliques=tuple(tuple(node.accelerator_id(g) for g in c) for c in domain.cliques),
+                )
+            )
+    return tuple(domains)
+
+
+# -- (de)serialisation: profiles travel in events and are stored as JSON ----------------------
+
+
+def _fabric_to_dict(fabric: GpuFabricInfo | None) -> dict[str, Any] | None:
+    if fabric is None:
+        return None
+    return {
+        "cluster_uuid": fabric.cluster_uuid,
+        "clique_id": fabric.clique_id,
+        "state": fabric.state.value,
+        "status_ok": fabric.status_ok,
+    }
+
+
+def _fabric_from_dict(data: Mapping[str, Any] | None) -> GpuFabricInfo | None:
+    if not data:
+        return None
+    return GpuFabricInfo(
+        cluster_uuid=str(data["cluster_uuid"]),
+        clique_id=int(data["clique_id"]),
+        state=FabricState(data.get("state", FabricState.COMPLETED.value)),
+        status_ok=bool(data.get("status_ok", True)),
+    )
+
+
+def profile_to_dict(node: NodeProfile) -> dict[str, Any]:
+    return {
+        "name": node.name,
+        "region": node.region,
+        "cluster": node.cluster,
+        "rack": node.rack,
+        "sku": node.sku,
+        "source": node.source,
+        "links": [list(row) for row in node.links.codes()],
+        "numa": list(node.links.numa),
+        "accelerators": [
+            {
+                "index": a.index,
+                "sku": a.sku,
+                "hbm_bytes": a.hbm_bytes,
+                "uuid": a.uuid,
+                "pci_bus_id": a.pci_bus_id,
+                "numa_node": a.numa_node,
+                "cpu_affinity": a.cpu_affinity,
+                "power_limit_w": a.power_limit_w,
+                "pcie_gen_max": a.pcie_gen_max,
+                "pcie_width_max": a.pcie_width_max,
+                "fabric": _fabric_to_dict(a.fabric),
+            }
+            for a in node.accelerators
+        ],
+    }
+
+
+def profile_from_dict(data: Mapping[str, Any]) -> NodeProfile:
+    accelerators = tuple(
+        Accelerator(
+            index=int(a["index"]),
+            sku=str(a["sku"]),
+            hbm_bytes=int(a["hbm_bytes"]),
+            uuid=a.get("uuid"),
+            pci_bus_id=a.get("pci_bus_id"),
+            numa_node=a.get("numa_node"),
+            cpu_affinity=a.get("cpu_affinity"),
+            power_limit_w=a.get("power_limit_w"),
+            pcie_gen_max=a.get("pcie_gen_max"),
+            pcie_width_max=a.get("pcie_width_max"),
+            fabric=_fabric_from_dict(a.get("fabric")),
+        )
+        for a in data["accelerators"]
+    )
+    numa: Sequence[int | None] = data.get("numa") or ()
+    return NodeProfile(
+        name=str(data["name"]),
+        region=str(data["region"]),
+        cluster=str(data["cluster"]),
+        rack=str(data["rack"]),
+        sku=str(data["sku"]),
+        accelerators=accelerators,
+        links=LinkMatrix.from_codes(data["links"], numa=list(numa) or None),
+        source=str(data.get("source", "inventory")),
+    )

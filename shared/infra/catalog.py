@@ -1,0 +1,57 @@
+"""Reads catalog and inventory files (YAML) and hands their contents to the pure parsers."""
+
+from __future__ import annotations
+
+import hashlib
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shared.domain.fleet import Fleet
+from shared.domain.hardware import Sku, merge_catalogs, parse_sku_catalog
+from shared.domain.inventory import InventoryError, parse_inventory, referenced_topo_files
+
+CATALOG_PACKAGE = "shared.catalog"
+
+
+def packaged_file(name: str) -> Path:
+    return Path(str(files(CATALOG_PACKAGE).joinpath(name)))
+
+
+def demo_fleet_path() -> Path:
+    return packaged_file("demo_fleet.yaml")
+
+
+def _yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise InventoryError(str(path), f"not valid YAML: {exc}") from exc
+
+
+def load_skus(extra: Path | None = None) -> dict[str, Sku]:
+    """The shipped SKU catalog, with a user's catalog file merged over it."""
+    skus = parse_sku_catalog(_yaml(packaged_file("skus.yaml")))
+    if extra is not None:
+        skus = merge_catalogs(skus, parse_sku_catalog(_yaml(extra)))
+    return skus
+
+
+def load_inventory(path: Path, *, skus: dict[str, Sku] | None = None) -> tuple[Fleet, str]:
+    """The fleet an inventory file describes and a fingerprint of the file and every topo file it names."""
+    doc = _yaml(path)
+    if not isinstance(doc, dict):
+        raise InventoryError(str(path), "expected a mapping at the top level")
+    digest = hashlib.sha256(path.read_bytes())
+    texts: dict[str, str] = {}
+    for name in sorted(referenced_topo_files(doc)):
+        topo_path = (path.parent / name).resolve()
+        try:
+            texts[name] = topo_path.read_text()
+        except OSError as exc:
+            raise InventoryError(str(path), f"topo_file {name!r}: {exc.strerror}") from exc
+        digest.update(name.encode() + b"\0" + texts[name].encode())
+    fleet = parse_inventory(doc, skus=skus if skus is not None else load_skus(), topo_texts=texts)
+    return fleet, digest.hexdigest()[:32]
