@@ -12,10 +12,10 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
+from services.tables import register_all_tables
 from shared.infra.db import SCHEMAS, async_url
-from shared.infra.models import register_models
 
-register_models()
+register_all_tables()
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logger", True):
     fileConfig(config.config_file_name, disable_existing_loggers=False)

@@ -20,6 +20,9 @@ from services.stack import Stack, read_state, wait_healthy
 from shared.contracts.subjects import Rpc, Subjects
 from shared.infra.settings import Settings, load_settings
 
+DataDirOption = Annotated[
+    Path | None, typer.Option(help="Data dir of a running `hetsched up` (to find its NATS); default as `up`.")
+]
 app = typer.Typer(help="hetsched: places LLM inference on heterogeneous GPU/TPU fleets.", no_args_is_help=True)
 console = Console()
 err = Console(stderr=True)
@@ -66,7 +69,7 @@ def up(
 ) -> None:
     """Start the local stack in the foreground; SIGINT/SIGTERM stops everything cleanly."""
     settings = _settings(data_dir)
-    stack = Stack(settings, echo=console.print)
+    stack = Stack(settings, echo=console.print, fleet_file=fleet)
     stop_requested = False
 
     def _on_signal(signum: int, _frame: Any) -> None:
@@ -84,8 +87,7 @@ def up(
         console.print(f"Postgres  {stack.database_url}{'  (embedded)' if stack.postgres else ''}")
         stack.migrate()
         console.print("migrations at head")
-        if fleet is not None:
-            console.print(f"fleet file {fleet} (loaded by topology-discovery once it is built)")
+        console.print(f"fleet     {fleet or settings.topology_inventory or 'built-in demo fleet'}")
         stack.start_services()
         stack.write_state()
         health = asyncio.run(
@@ -165,6 +167,7 @@ def place(
     lease_s: Annotated[int | None, typer.Option(help="Lease length.")] = None,
     explain: Annotated[bool, typer.Option(help="Dry run (placement.explain).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    data_dir: DataDirOption = None,
 ) -> None:
     """One `placement.place` call (or `placement.explain` with --explain)."""
     import uuid
@@ -189,7 +192,7 @@ def place(
         "lease_s": lease_s,
     }
     body.update({k: v for k, v in optional.items() if v is not None})
-    _print_reply(_call(Rpc.PLACEMENT_EXPLAIN if explain else Rpc.PLACEMENT_PLACE, body), as_json)
+    _print_reply(_call(Rpc.PLACEMENT_EXPLAIN if explain else Rpc.PLACEMENT_PLACE, body, data_dir), as_json)
 
 
 @app.command()
@@ -197,18 +200,55 @@ def release(
     allocation_id: Annotated[str, typer.Argument(help="Allocation to release.")],
     tenant: Annotated[str, typer.Option(help="Owner.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    data_dir: DataDirOption = None,
 ) -> None:
     """One `placement.release` call."""
-    _print_reply(_call(Rpc.PLACEMENT_RELEASE, {"allocation_id": allocation_id, "tenant": tenant}), as_json)
+    _print_reply(_call(Rpc.PLACEMENT_RELEASE, {"allocation_id": allocation_id, "tenant": tenant}, data_dir), as_json)
 
 
 @app.command()
 def fleet(
     region: Annotated[str | None, typer.Option(help="Only this region.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    data_dir: DataDirOption = None,
 ) -> None:
-    """The fleet as the services see it."""
-    _print_reply(_call(Rpc.FLEET_GET, {"region": region} if region else {}), as_json)
+    """The fleet as the services see it: nodes, NVLink domains, HBM, TPU pods."""
+    reply = _call(Rpc.FLEET_GET, {"region": region} if region else {}, data_dir)
+    if as_json or reply.get("status") == "rejected":
+        _print_reply(reply, as_json)
+        return
+    from services.fleet_view import render_fleet
+
+    render_fleet(reply, console)
+
+
+topo_app = typer.Typer(help="Topology tools.", no_args_is_help=True)
+app.add_typer(topo_app, name="topo")
+
+
+@topo_app.command("parse")
+def topo_parse(
+    file: Annotated[Path, typer.Argument(help="A saved `nvidia-smi topo -m` output.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (API.md shape).")] = False,
+) -> None:
+    """Parse one `nvidia-smi topo -m` output: GPUs, link matrix, NVLink domains, NUMA/CPU affinity."""
+    from services.fleet_view import render_topology, topology_json
+    from shared.domain.topology import TopologyParseError, parse_topo_matrix
+
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        err.print(f"[red]{file}: {exc.strerror}[/red]")
+        raise typer.Exit(2) from exc
+    try:
+        parsed = parse_topo_matrix(text)
+    except TopologyParseError as exc:
+        err.print(f"[red]{file}: {exc}[/red]")
+        raise typer.Exit(1) from exc
+    if as_json:
+        print(json.dumps(topology_json(parsed), indent=2))
+    else:
+        render_topology(parsed, console)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -19,6 +19,7 @@ import nats
 from services.embedded import EmbeddedNats, EmbeddedPostgres, child_preexec, stop_process
 from services.registry import SERVICES, module_of
 from shared.contracts.subjects import Subjects
+from shared.infra.catalog import demo_fleet_path
 from shared.infra.db import plain_url
 from shared.infra.migrate import upgrade
 from shared.infra.settings import Settings
@@ -50,14 +51,19 @@ def read_state(settings: Settings) -> dict[str, Any] | None:
     return state
 
 
-async def wait_healthy(*, nats_url: str, subjects: Subjects, deadline_s: float) -> dict[str, dict[str, Any]]:
-    """Poll every service's health subject until all answer `ok` or the deadline passes."""
+async def wait_healthy(
+    *, nats_url: str, subjects: Subjects, deadline_s: float, only: set[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Poll every service's (or ``only`` these packages') health subject until all answer `ok` or the
+    deadline passes."""
     nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=3)
     try:
         deadline = time.monotonic() + deadline_s
         replies: dict[str, dict[str, Any]] = {}
         while True:
             for package, definition in SERVICES.items():
+                if only is not None and package not in only:
+                    continue
                 if replies.get(package, {}).get("status") == "ok":
                     continue
                 try:
@@ -75,8 +81,9 @@ async def wait_healthy(*, nats_url: str, subjects: Subjects, deadline_s: float) 
 class Stack:
     """Embedded servers (unless URLs are configured), migrations, the six services as children."""
 
-    def __init__(self, settings: Settings, *, echo: Any = print) -> None:
+    def __init__(self, settings: Settings, *, echo: Any = print, fleet_file: Path | None = None) -> None:
         self.settings = settings
+        self.fleet_file = fleet_file
         self.echo = echo
         self.nats: EmbeddedNats | None = None
         self.postgres: EmbeddedPostgres | None = None
@@ -109,6 +116,8 @@ class Stack:
         env["HETSCHED_DATA_DIR"] = str(self.settings.data_dir)
         env["HETSCHED_SUBJECT_PREFIX"] = self.settings.subject_prefix
         env["HETSCHED_STREAM_PREFIX"] = self.settings.stream_prefix
+        fleet = self.fleet_file or self.settings.topology_inventory or demo_fleet_path()
+        env["HETSCHED_TOPOLOGY_INVENTORY"] = str(Path(fleet).resolve())
         return env
 
     def _spawn(self, package: str) -> subprocess.Popen[bytes]:

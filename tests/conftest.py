@@ -74,19 +74,24 @@ class ServiceProcesses:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, package: str) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{package}.log", "ab")
+    def start(self, package: str, *, name: str | None = None, **env: str) -> subprocess.Popen[bytes]:
+        """Start ``python -m services.<package>``; ``env`` adds HETSCHED_ settings; ``name`` keys it."""
+        name = name or package
+        log = open(self.log_dir / f"{name}.log", "ab")
         proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{package}"],
-            env=service_env(self.settings),
+            env={**service_env(self.settings), **env},
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        self.procs[package] = proc
+        self.procs[name] = proc
         return proc
 
-    def stop(self, package: str, *, kill: bool = False) -> None:
-        proc = self.procs.pop(package)
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def stop(self, name: str, *, kill: bool = False) -> None:
+        proc = self.procs.pop(name)
         if kill:
             proc.kill()
         else:

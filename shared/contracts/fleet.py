@@ -28,16 +28,50 @@ class NodeView(Contract):
     rack: str = Field(description="Rack.", examples=["r1"])
     sku: str = Field(description="SKU.", examples=["H100-SXM-80GB"])
     accelerators: list[AcceleratorView] = Field(default_factory=list, description="Accelerators.")
+    kind: str | None = Field(default=None, description="NVLink layout of the node.", examples=["4+4"])
+    state: str = Field(default="up", description="`up` or `lost` (missed heartbeats).", examples=["up"])
+    source: str | None = Field(default=None, description="Where the profile came from.", examples=["inventory"])
 
 
 class DomainView(Contract):
     id: str = Field(description="Domain id.", examples=["dgx-h100-01/nv0"])
     kind: str = Field(description="Domain kind.", examples=["fully_connected"])
     members: list[str] = Field(description="Accelerator ids.", examples=[["dgx-h100-01/gpu0"]])
+    cliques: list[list[str]] = Field(
+        default_factory=list, description="Maximal all-pairs-NVLinked groups.", examples=[[["dgx-h100-01/gpu0"]]]
+    )
+
+
+class RackView(Contract):
+    region: str = Field(description="Region.", examples=["us-west-1"])
+    cluster: str = Field(description="Cluster.", examples=["c1"])
+    name: str = Field(description="Rack.", examples=["r1"])
+    power_kw: float | None = Field(default=None, description="Power budget.", examples=[24.0])
+
+
+class TpuPodView(Contract):
+    name: str = Field(description="Pod name.", examples=["v5e-pod-1"])
+    region: str = Field(description="Region.", examples=["us-west-1"])
+    type: str = Field(description="`v5e` or `v5p`.", examples=["v5e"])
+    shape: list[int] = Field(description="Chips per axis.", examples=[[16, 16]])
+    chips: int = Field(description="Chips in the pod.", examples=[256])
+    hbm_per_chip: int | None = Field(default=None, description="HBM bytes per chip.", examples=[17_179_869_184])
 
 
 class FleetGetReply(Contract):
     status: str = Field(default="ok", description="`ok`.", examples=["ok"])
     nodes: list[NodeView] = Field(default_factory=list, description="Nodes.")
     domains: list[DomainView] = Field(default_factory=list, description="NVLink domains.")
-    tpu_pods: list[dict[str, Any]] = Field(default_factory=list, description="TPU pods.")
+    tpu_pods: list[TpuPodView] = Field(default_factory=list, description="TPU pods.")
+    racks: list[RackView] = Field(default_factory=list, description="Racks with power budgets.")
+
+
+class FleetDescribeRequest(Request):
+    node: str = Field(min_length=1, description="Node name.", examples=["dgx-h100-01"])
+
+
+class FleetDescribeReply(Contract):
+    status: str = Field(default="ok", description="`ok`.", examples=["ok"])
+    node: NodeView = Field(description="The node.")
+    profile: dict[str, Any] = Field(description="Its full profile: link matrix, NUMA, accelerators.")
+    domains: list[DomainView] = Field(default_factory=list, description="Its NVLink domains.")

@@ -16,6 +16,7 @@ class Rpc(StrEnum):
     """Request/reply subjects (core NATS), without the prefix."""
 
     TOPOLOGY_HEALTH = "topology.health"
+    TOPOLOGY_AGENT_HEALTH = "topology.agent.health"
     LEDGER_HEALTH = "ledger.health"
     PLACEMENT_HEALTH = "placement.health"
     RESERVATION_HEALTH = "reservation.health"

@@ -250,3 +250,35 @@ def profile_from_dict(data: Mapping[str, Any]) -> NodeProfile:
         links=LinkMatrix.from_codes(data["links"], numa=list(numa) or None),
         source=str(data.get("source", "inventory")),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class FleetDiff:
+    """How an incoming set of profiles differs from what is stored (by fingerprint)."""
+
+    new: tuple[NodeProfile, ...]
+    changed: tuple[NodeProfile, ...]
+    unchanged: tuple[str, ...]
+    removed: tuple[str, ...]
+
+
+def diff_profiles(
+    stored: Mapping[str, str], incoming: Sequence[NodeProfile], *, removable: Iterable[str] = ()
+) -> FleetDiff:
+    """Compare incoming profiles with stored fingerprints (node -> fingerprint).
+
+    Only names in ``removable`` that are not incoming are reported removed: an inventory load removes
+    inventory nodes it no longer lists, never nodes that agents reported.
+    """
+    names = {node.name for node in incoming}
+    new, changed, unchanged = [], [], []
+    for node in incoming:
+        before = stored.get(node.name)
+        if before is None:
+            new.append(node)
+        elif before != node.fingerprint():
+            changed.append(node)
+        else:
+            unchanged.append(node.name)
+    removed = tuple(sorted(name for name in removable if name not in names))
+    return FleetDiff(new=tuple(new), changed=tuple(changed), unchanged=tuple(unchanged), removed=removed)

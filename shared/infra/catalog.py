@@ -39,12 +39,18 @@ def load_skus(extra: Path | None = None) -> dict[str, Sku]:
     return skus
 
 
-def load_inventory(path: Path, *, skus: dict[str, Sku] | None = None) -> tuple[Fleet, str]:
-    """The fleet an inventory file describes and a fingerprint of the file and every topo file it names."""
-    doc = _yaml(path)
+def _read_inventory(path: Path) -> tuple[dict[str, Any], dict[str, str], str]:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise InventoryError(str(path), f"cannot read: {exc.strerror}") from exc
+    try:
+        doc = yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except yaml.YAMLError as exc:
+        raise InventoryError(str(path), f"not valid YAML: {exc}") from exc
     if not isinstance(doc, dict):
         raise InventoryError(str(path), "expected a mapping at the top level")
-    digest = hashlib.sha256(path.read_bytes())
+    digest = hashlib.sha256(raw)
     texts: dict[str, str] = {}
     for name in sorted(referenced_topo_files(doc)):
         topo_path = (path.parent / name).resolve()
@@ -53,5 +59,16 @@ def load_inventory(path: Path, *, skus: dict[str, Sku] | None = None) -> tuple[F
         except OSError as exc:
             raise InventoryError(str(path), f"topo_file {name!r}: {exc.strerror}") from exc
         digest.update(name.encode() + b"\0" + texts[name].encode())
+    return doc, texts, digest.hexdigest()[:32]
+
+
+def inventory_fingerprint(path: Path) -> str:
+    """Digest of the inventory file and every topo file it names (no parsing of the fleet)."""
+    return _read_inventory(path)[2]
+
+
+def load_inventory(path: Path, *, skus: dict[str, Sku] | None = None) -> tuple[Fleet, str]:
+    """The fleet an inventory file describes and a fingerprint of the file and every topo file it names."""
+    doc, texts, fingerprint = _read_inventory(path)
     fleet = parse_inventory(doc, skus=skus if skus is not None else load_skus(), topo_texts=texts)
-    return fleet, digest.hexdigest()[:32]
+    return fleet, fingerprint

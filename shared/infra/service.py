@@ -57,6 +57,7 @@ class Runtime:
     engine: AsyncEngine
     sessions: async_sessionmaker[AsyncSession]
     log: logging.Logger
+    uses_database: bool = True
     nc: NatsClient | None = None
     js: JetStreamContext | None = None
     relay: OutboxRelay | None = None
@@ -104,6 +105,8 @@ class ServiceDefinition:
     on_start: tuple[Hook, ...] = ()
     on_stop: tuple[Hook, ...] = ()
     events: tuple[EventRoute, ...] = ()
+    # Other subscriptions (core NATS, e.g. heartbeats), wired with the runtime.
+    extra: Callable[[NatsBroker, Runtime], None] | None = None
 
 
 def _not_implemented(service: str, rpc: Rpc) -> Callable[[Any], Awaitable[BaseModel]]:
@@ -116,12 +119,13 @@ def _not_implemented(service: str, rpc: Rpc) -> Callable[[Any], Awaitable[BaseMo
 def _health(runtime: Runtime) -> Callable[[HealthRequest], Awaitable[BaseModel]]:
     async def handler(_request: HealthRequest) -> BaseModel:
         checks: dict[str, str] = {}
-        try:
-            async with runtime.engine.connect() as conn:
-                await asyncio.wait_for(conn.execute(text("SELECT 1")), timeout=2)
-            checks["postgres"] = "ok"
-        except Exception as exc:
-            checks["postgres"] = f"error: {type(exc).__name__}"
+        if runtime.uses_database:
+            try:
+                async with runtime.engine.connect() as conn:
+                    await asyncio.wait_for(conn.execute(text("SELECT 1")), timeout=2)
+                checks["postgres"] = "ok"
+            except Exception as exc:
+                checks["postgres"] = f"error: {type(exc).__name__}"
         checks["nats"] = "ok" if runtime.nc is not None and runtime.nc.is_connected else "error: disconnected"
         healthy = all(v == "ok" for v in checks.values())
         return HealthReply(
@@ -160,8 +164,14 @@ def _subscribe_events(broker: NatsBroker, runtime: Runtime, route: EventRoute) -
     )(on_event)
 
 
-def build_app(definition: ServiceDefinition, settings: Settings) -> tuple[FastStream, Runtime]:
-    """Wire one service. Nothing connects until the app starts."""
+def build_app(
+    definition: ServiceDefinition, settings: Settings, *, database: bool = True
+) -> tuple[FastStream, Runtime]:
+    """Wire one service. Nothing connects until the app starts.
+
+    ``database=False`` is for processes that own no state (topology agents): no outbox relay, and
+    health does not check Postgres.
+    """
     log = logging.getLogger(f"hetsched.{definition.name}")
     tracer_provider, meter_provider = configure_telemetry(service=definition.name, exporter=settings.otel_exporter)
     nats_url = settings.nats_url or DEFAULT_NATS_URL
@@ -182,6 +192,7 @@ def build_app(definition: ServiceDefinition, settings: Settings) -> tuple[FastSt
         engine=engine,
         sessions=make_sessions(engine),
         log=log,
+        uses_database=database,
     )
     queue = f"{settings.subject_prefix}.{definition.schema}"
     _subscribe(
@@ -196,6 +207,8 @@ def build_app(definition: ServiceDefinition, settings: Settings) -> tuple[FastSt
         _subscribe(broker, subject=runtime.subjects.rpc(route.rpc), queue=queue, model=route.model, handler=handler)
     for event_route in definition.events:
         _subscribe_events(broker, runtime, event_route)
+    if definition.extra is not None:
+        definition.extra(broker, runtime)
 
     app = FastStream(broker, logger=log)
 
@@ -216,14 +229,15 @@ def build_app(definition: ServiceDefinition, settings: Settings) -> tuple[FastSt
                 telemetry_max_age_s=settings.telemetry_max_age_s,
             ),
         )
-        runtime.relay = OutboxRelay(
-            sessions=runtime.sessions,
-            js=runtime.js,
-            schema=definition.schema,
-            batch=settings.outbox_batch,
-            poll_ms=settings.outbox_poll_ms,
-        )
-        runtime.spawn(runtime.relay.run(), name="outbox-relay")
+        if database:
+            runtime.relay = OutboxRelay(
+                sessions=runtime.sessions,
+                js=runtime.js,
+                schema=definition.schema,
+                batch=settings.outbox_batch,
+                poll_ms=settings.outbox_poll_ms,
+            )
+            runtime.spawn(runtime.relay.run(), name="outbox-relay")
         for hook in definition.on_start:
             await hook(runtime)
 

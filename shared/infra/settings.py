@@ -62,6 +62,38 @@ class Settings(BaseSettings):
         default="none", pattern=r"^(none|console|otlp)$", description="OpenTelemetry exporter for traces."
     )
     db_pool_size: int = Field(default=10, gt=0, description="SQLAlchemy pool size per service.")
+    sku_catalog: Path | None = Field(
+        default=None, description="A SKU catalog file (YAML) merged over the shipped one: add SKUs or override prices."
+    )
+    topology_mode: str = Field(
+        default="fleet",
+        pattern=r"^(fleet|agent)$",
+        description="`fleet`: own the fleet (inventory, agent reports, liveness); `agent`: profile this node.",
+    )
+    topology_inventory: Path | None = Field(
+        default=None, description="Fleet inventory file (YAML) the fleet-mode topology service loads."
+    )
+    topology_provider: str = Field(
+        default="nvml", pattern=r"^(nvml|nvidia-smi)$", description="Agent mode: how to profile the node."
+    )
+    topology_node: str | None = Field(default=None, description="Agent mode: node name (default: the host name).")
+    topology_cluster: str = Field(default="default", description="Agent mode: the node's cluster.")
+    topology_rack: str = Field(default="default", description="Agent mode: the node's rack.")
+    topology_sku: str | None = Field(
+        default=None, description="Agent mode: SKU name when the device name is not enough."
+    )
+    topology_smi_topo_file: Path | None = Field(
+        default=None, description="Agent mode, nvidia-smi: read a captured `topo -m` output instead of running it."
+    )
+    topology_smi_query_file: Path | None = Field(
+        default=None, description="Agent mode, nvidia-smi: read a captured `--query-gpu` CSV instead of running it."
+    )
+    topology_heartbeat_s: float = Field(default=30.0, gt=0, description="Heartbeat interval of agents.")
+    topology_missed_heartbeats: int = Field(
+        default=3, gt=0, description="Missed heartbeats after which a node is published as lost."
+    )
+    topology_scan_s: float = Field(default=60.0, gt=0, description="Agent mode: how often the node is profiled again.")
+    telemetry_interval_s: float = Field(default=30.0, gt=0, description="Agent mode: GPU telemetry interval.")
 
 
 def load_settings(**overrides: object) -> Settings:

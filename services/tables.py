@@ -1,0 +1,10 @@
+"""Imports every table module so that ``SQLModel.metadata`` is complete (Alembic's env calls this)."""
+
+from __future__ import annotations
+
+
+def register_all_tables() -> None:
+    import services.topology_discovery.tables  # noqa: F401
+    from shared.infra import tables
+
+    tables.register_all()
