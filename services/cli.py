@@ -61,6 +61,26 @@ def _call(rpc: Rpc, body: dict[str, Any], data_dir: Path | None = None) -> dict[
         raise typer.Exit(2) from exc
 
 
+def _fetch_fleet(region: str | None, data_dir: Path | None) -> dict[str, Any]:
+    from shared.infra.fleet_client import fetch_fleet
+
+    settings = _settings(data_dir)
+    nats_url, _db, prefix = _endpoints(settings)
+
+    async def run() -> dict[str, Any]:
+        nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=1)
+        try:
+            return await fetch_fleet(nc, Subjects(prefix), region=region, timeout_s=settings.request_timeout_ms / 1000)
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(run())
+    except Exception as exc:
+        err.print(f"[red]no answer from fleet.get at {nats_url}: {type(exc).__name__} {exc}[/red]")
+        raise typer.Exit(2) from exc
+
+
 @app.command()
 def up(
     fleet: Annotated[Path | None, typer.Option(help="Fleet inventory file (YAML); a demo fleet by default.")] = None,
@@ -213,7 +233,7 @@ def fleet(
     data_dir: DataDirOption = None,
 ) -> None:
     """The fleet as the services see it: nodes, NVLink domains, HBM, TPU pods."""
-    reply = _call(Rpc.FLEET_GET, {"region": region} if region else {}, data_dir)
+    reply = _fetch_fleet(region, data_dir)
     if as_json or reply.get("status") == "rejected":
         _print_reply(reply, as_json)
         return

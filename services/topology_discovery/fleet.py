@@ -250,10 +250,22 @@ def report_handler(runtime: Runtime, state: FleetState) -> Callable[[TopologyRep
     return handle
 
 
+DEFAULT_PAGE_NODES = 256
+
+
 def fleet_get_handler(runtime: Runtime, state: FleetState) -> Callable[[FleetGetRequest], Awaitable[BaseModel]]:
     async def handle(request: FleetGetRequest) -> BaseModel:
+        # A page must fit one NATS message: start from the asked (or default) size and halve until it does.
+        budget = int((runtime.nc.max_payload if runtime.nc else 1 << 20) * 0.9)
+        limit = request.limit or DEFAULT_PAGE_NODES
         async with runtime.sessions() as session:
-            return await store.fleet_view(session, region=request.region, skus=state.skus)
+            while True:
+                reply = await store.fleet_view(
+                    session, region=request.region, skus=state.skus, after=request.cursor, limit=limit
+                )
+                if limit == 1 or len(reply.model_dump_json()) <= budget:
+                    return reply
+                limit = max(1, limit // 2)
 
     return handle
 

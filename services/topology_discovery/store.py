@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import delete, select, text, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -214,8 +214,20 @@ async def accelerator_ids(session: AsyncSession, node: str) -> list[str]:
     return list((await session.execute(query)).scalars().all())
 
 
-async def fleet_view(session: AsyncSession, *, region: str | None, skus: dict[str, Sku]) -> FleetGetReply:
-    """The fleet from the tables alone (no rescan): nodes, accelerators, domains, racks, TPU pods."""
+async def fleet_view(
+    session: AsyncSession,
+    *,
+    region: str | None,
+    skus: dict[str, Sku],
+    after: str | None = None,
+    limit: int | None = None,
+) -> FleetGetReply:
+    """The fleet from the tables alone (no rescan): nodes, accelerators, domains, racks, TPU pods.
+
+    Nodes come in name order; with ``limit`` a page holds at most that many nodes after ``after``
+    and ``next_cursor`` names the last one when more follow. Domains come with the page whose
+    accelerators they hold; TPU pods and racks with the first page.
+    """
     node_q = select(
         NodeRow.name,
         NodeRow.region,
@@ -225,17 +237,30 @@ async def fleet_view(session: AsyncSession, *, region: str | None, skus: dict[st
         NodeRow.kind,  # type: ignore[call-overload]
         NodeRow.state,
         NodeRow.source,
-    ).order_by(NodeRow.region, NodeRow.name)
+    ).order_by(NodeRow.name)
+    count_q = select(func.count()).select_from(NodeRow)
     if region:
         node_q = node_q.where(NodeRow.region == region)
-    nodes = (await session.execute(node_q)).all()
-    acc_q = select(
-        AcceleratorRow.id,
-        AcceleratorRow.node,
-        AcceleratorRow.index,
-        AcceleratorRow.hbm_bytes,  # type: ignore[call-overload]
-        AcceleratorRow.domain,
-    ).order_by(AcceleratorRow.node, AcceleratorRow.index)
+        count_q = count_q.where(NodeRow.region == region)  # type: ignore[arg-type]
+    if after:
+        node_q = node_q.where(NodeRow.name > after)
+    if limit:
+        node_q = node_q.limit(limit + 1)
+    nodes = list((await session.execute(node_q)).all())
+    more = bool(limit) and len(nodes) > (limit or 0)
+    nodes = nodes[:limit] if limit else nodes
+    total = int((await session.execute(count_q)).scalar_one())
+    acc_q = (
+        select(
+            AcceleratorRow.id,
+            AcceleratorRow.node,
+            AcceleratorRow.index,
+            AcceleratorRow.hbm_bytes,  # type: ignore[call-overload]
+            AcceleratorRow.domain,
+        )
+        .where(AcceleratorRow.node.in_([n.name for n in nodes]))  # type: ignore[attr-defined]
+        .order_by(AcceleratorRow.node, AcceleratorRow.index)
+    )
     by_node: dict[str, list[AcceleratorView]] = {}
     for acc_id, node, index, hbm, domain in (await session.execute(acc_q)).all():
         by_node.setdefault(node, []).append(
@@ -255,12 +280,22 @@ async def fleet_view(session: AsyncSession, *, region: str | None, skus: dict[st
         )
         for n in nodes
     ]
-    wanted = {a.id for v in node_views for a in v.accelerators}
+    page_domains = {a.domain for v in node_views for a in v.accelerators if a.domain}
     domains = [
         DomainView(id=d.id, kind=d.kind, members=d.members, cliques=d.cliques)
-        for d in (await session.execute(select(DomainRow).order_by(DomainRow.id))).scalars().all()
-        if not region or any(m in wanted for m in d.members)
+        for d in (
+            await session.execute(select(DomainRow).where(DomainRow.id.in_(page_domains)).order_by(DomainRow.id))  # type: ignore[attr-defined]
+        )
+        .scalars()
+        .all()
     ]
+    if after:  # pods and racks travel with the first page only
+        return FleetGetReply(
+            nodes=node_views,
+            domains=domains,
+            total_nodes=total,
+            next_cursor=node_views[-1].name if more and node_views else None,
+        )
     pod_q = select(TpuPodRow).order_by(TpuPodRow.name)
     pods = []
     for pod in (await session.execute(pod_q)).scalars().all():
@@ -285,4 +320,11 @@ async def fleet_view(session: AsyncSession, *, region: str | None, skus: dict[st
         for r in (await session.execute(select(RackRow))).scalars().all()
         if not region or r.region == region
     ]
-    return FleetGetReply(nodes=node_views, domains=domains, tpu_pods=pods, racks=racks)
+    return FleetGetReply(
+        nodes=node_views,
+        domains=domains,
+        tpu_pods=pods,
+        racks=racks,
+        total_nodes=total,
+        next_cursor=node_views[-1].name if more and node_views else None,
+    )

@@ -11,6 +11,12 @@ from shared.contracts.base import Contract, Request
 
 class FleetGetRequest(Request):
     region: str | None = Field(default=None, description="Only this region.", examples=["us-west-1"])
+    cursor: str | None = Field(
+        default=None, description="`next_cursor` of the previous page; absent for the first page.", examples=[None]
+    )
+    limit: int | None = Field(
+        default=None, gt=0, le=10_000, description="Most nodes per page (the server may send fewer).", examples=[256]
+    )
 
 
 class AcceleratorView(Contract):
@@ -64,6 +70,13 @@ class FleetGetReply(Contract):
     domains: list[DomainView] = Field(default_factory=list, description="NVLink domains.")
     tpu_pods: list[TpuPodView] = Field(default_factory=list, description="TPU pods.")
     racks: list[RackView] = Field(default_factory=list, description="Racks with power budgets.")
+    total_nodes: int = Field(default=0, description="Nodes in the fleet (or region), over all pages.", examples=[13])
+    next_cursor: str | None = Field(
+        default=None,
+        description="Set when more nodes follow: send it as `cursor` for the next page. A large fleet does not fit "
+        "one NATS message, so its nodes come in pages; TPU pods and racks come with the first page.",
+        examples=[None],
+    )
 
 
 class FleetDescribeRequest(Request):

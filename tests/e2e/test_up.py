@@ -70,6 +70,29 @@ def test_up_reaches_six_healthy_services_and_sigterm_leaves_nothing(tmp_path: Pa
         assert report["nats_url"] == state["nats_url"]
         assert all(s["status"] == "ok" for s in report["services"].values())
 
+        # The demo fleet is loaded: `hetsched fleet` shows its NVLink domains, HBM and TPU pods.
+        shown = subprocess.run(
+            [sys.executable, "-m", "services.cli", "fleet", "--json", "--data-dir", str(data_dir)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        fleet = json.loads(shown.stdout)
+        assert len(fleet["nodes"]) == 13 and fleet["next_cursor"] is None
+        assert {"fully_connected", "pair", "single", "multi_node"} <= {d["kind"] for d in fleet["domains"]}
+        assert all(a["hbm_total"] > 0 for n in fleet["nodes"] for a in n["accelerators"])
+        assert {p["type"] for p in fleet["tpu_pods"]} == {"v5e", "v5p"}
+        table = subprocess.run(
+            [sys.executable, "-m", "services.cli", "fleet", "--data-dir", str(data_dir)],
+            env={**env, "COLUMNS": "200"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert "hgx-h100-4x4-01" in table.stdout and "v5e-pod-1" in table.stdout
+
         tree = _descendants(up.pid)
         pids = {p.pid for p in tree}
         assert state["servers"]["nats_pid"] in pids and state["servers"]["postgres_pid"] in pids

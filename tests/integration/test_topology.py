@@ -233,3 +233,23 @@ async def test_restarted_service_answers_from_postgres_without_rescanning(
     await asyncio.sleep(0.5)
     assert len(await events(nc, settings, "node_profiled")) == profiled_before
     assert "inventory unchanged since last load" in fleet_service.log(FLEET)
+
+
+async def test_large_answers_come_in_pages_that_add_up(
+    fleet_service: ServiceProcesses, nc: Client, settings: Settings
+) -> None:
+    from shared.infra.fleet_client import fetch_fleet
+
+    whole = await ask(nc, settings, Rpc.FLEET_GET, {})
+    assert whole["next_cursor"] is None and whole["total_nodes"] == len(whole["nodes"])
+    first = await ask(nc, settings, Rpc.FLEET_GET, {"limit": 5})
+    assert len(first["nodes"]) == 5 and first["next_cursor"] == first["nodes"][-1]["name"]
+    assert first["tpu_pods"] and first["total_nodes"] == whole["total_nodes"]
+    second = await ask(nc, settings, Rpc.FLEET_GET, {"limit": 5, "cursor": first["next_cursor"]})
+    assert second["nodes"][0]["name"] > first["nodes"][-1]["name"] and second["tpu_pods"] == []
+    merged = await fetch_fleet(nc, Subjects(settings.subject_prefix), limit=5)
+    assert [n["name"] for n in merged["nodes"]] == [n["name"] for n in whole["nodes"]]
+    assert sorted(d["id"] for d in merged["domains"]) == sorted(d["id"] for d in whole["domains"])
+    west = await fetch_fleet(nc, Subjects(settings.subject_prefix), region="us-west-1")
+    assert west["nodes"] and {n["region"] for n in west["nodes"]} == {"us-west-1"}
+    assert {p["region"] for p in west["tpu_pods"]} == {"us-west-1"}
