@@ -1,14 +1,30 @@
-"""Ledger contracts (`hetsched.ledger.snapshot`; commit/release/renew come with the ledger issue)."""
+"""Ledger contracts: `hetsched.ledger.snapshot` (API.md) and the internal commit/release/renew API
+(docs/LEDGER.md), plus the payloads of the LEDGER stream's events."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from datetime import datetime
+from typing import Literal
 
-from shared.contracts.base import Contract, Request
+from pydantic import Field, model_validator
+
+from shared.contracts.base import Contract, ErrorBody, Request
+
+# Event names (subject `<prefix>.events.ledger.<name>`).
+ALLOCATION_COMMITTED = "allocation_committed"
+ALLOCATION_RELEASED = "allocation_released"
+ALLOCATION_EXPIRED = "allocation_expired"
+ALLOCATIONS_FLAGGED = "allocations_flagged"
+CAPACITY_CHANGED = "capacity_changed"
+DRIFT_DETECTED = "drift_detected"
 
 
 class SnapshotRequest(Request):
-    """Empty: `{}`."""
+    """`{}` for everything; large fleets come in pages (`cursor` / `limit`, as `fleet.get`)."""
+
+    node: str | None = Field(default=None, description="Only this node's accelerators.", examples=[None])
+    cursor: str | None = Field(default=None, description="`next_cursor` of the previous page.", examples=[None])
+    limit: int | None = Field(default=None, gt=0, le=20_000, description="Most accelerators per page.", examples=[2048])
 
 
 class AcceleratorLedgerView(Contract):
@@ -16,9 +32,166 @@ class AcceleratorLedgerView(Contract):
     node: str = Field(description="Node.", examples=["dgx-h100-01"])
     hbm_usable: int = Field(description="Usable HBM bytes (total x ceiling).", examples=[79_027_398_246])
     hbm_reserved: int = Field(description="Reserved bytes.", examples=[0])
+    available: bool = Field(default=True, description="False while its node is lost.", examples=[True])
     allocations: list[str] = Field(default_factory=list, description="Allocation ids.", examples=[["a-1"]])
 
 
 class SnapshotReply(Contract):
     status: str = Field(default="ok", description="`ok`.", examples=["ok"])
     accelerators: list[AcceleratorLedgerView] = Field(default_factory=list, description="Per accelerator.")
+    next_cursor: str | None = Field(default=None, description="Set when more accelerators follow.", examples=[None])
+
+
+class ShareIn(Contract):
+    """Bytes asked for on one accelerator."""
+
+    accelerator_id: str = Field(min_length=1, description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
+    weights: int = Field(default=0, ge=0, description="Weight bytes.", examples=[17_641_000_000])
+    kv: int = Field(default=0, ge=0, description="KV cache bytes.", examples=[10_737_418_240])
+    activation: int = Field(default=0, ge=0, description="Activation peak bytes.", examples=[1_000_000_000])
+    workspace: int = Field(default=0, ge=0, description="Workspace reserve bytes.", examples=[1_073_741_824])
+
+    @model_validator(mode="after")
+    def _something(self) -> ShareIn:
+        if self.weights + self.kv + self.activation + self.workspace <= 0:
+            raise ValueError("a share must reserve some bytes")
+        return self
+
+
+class CommitRequest(Request):
+    """Reserve HBM on one or more accelerators, all or nothing."""
+
+    request_id: str = Field(min_length=1, max_length=200, description="Idempotency key (per tenant).", examples=["r-1"])
+    tenant: str = Field(min_length=1, max_length=200, description="Owner.", examples=["acme"])
+    kind: Literal["replica", "request"] = Field(default="replica", description="What is held.", examples=["replica"])
+    parent_id: str | None = Field(
+        default=None, description="For `request`: the replica whose KV pool it uses.", examples=[None]
+    )
+    preemptible: bool = Field(default=False, description="May be preempted.", examples=[False])
+    priority: int = Field(default=0, ge=-1000, le=1000, description="Higher wins under contention.", examples=[0])
+    lease_s: int | None = Field(default=None, gt=0, le=30 * 86400, description="Lease from now.", examples=[300])
+    lease_expires_at: datetime | None = Field(
+        default=None, description="Absolute lease end (UTC); must be in the future.", examples=[None]
+    )
+    shares: list[ShareIn] = Field(min_length=1, max_length=512, description="Bytes per accelerator.")
+    expected: dict[str, int] | None = Field(
+        default=None,
+        description="The reserved bytes per accelerator the caller decided on; a commit that no longer fits "
+        "because they changed is a `conflict` (retry with the fresh view in `error.details`).",
+        examples=[{"dgx-h100-01/gpu0": 0}],
+    )
+
+    @model_validator(mode="after")
+    def _parent_for_requests(self) -> CommitRequest:
+        if self.kind == "request" and not self.parent_id:
+            raise ValueError("a `request` allocation needs `parent_id` (its replica)")
+        if self.kind == "replica" and self.parent_id:
+            raise ValueError("a `replica` allocation has no parent")
+        return self
+
+
+class AcceleratorBalance(Contract):
+    id: str = Field(description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
+    usable: int = Field(description="Usable bytes.", examples=[79_027_398_246])
+    reserved: int = Field(description="Reserved bytes.", examples=[30_000_000_000])
+    available: bool = Field(description="Node up.", examples=[True])
+
+
+class CommitReply(Contract):
+    status: Literal["committed", "rejected"] = Field(description="Outcome.", examples=["committed"])
+    request_id: str | None = Field(default=None, description="Echo.", examples=["r-1"])
+    allocation_id: str | None = Field(default=None, description="The allocation.", examples=["al-..."])
+    duplicate: bool = Field(default=False, description="True when this request id was committed before.")
+    lease_expires_at: datetime | None = Field(default=None, description="Lease end (UTC).")
+    view: list[AcceleratorBalance] = Field(default_factory=list, description="The accelerators after the commit.")
+    error: ErrorBody | None = Field(default=None, description="Null, or why.")
+
+
+class CommitBatchRequest(Request):
+    """Several independent commits in one database transaction (each still all-or-nothing)."""
+
+    commits: list[CommitRequest] = Field(min_length=1, max_length=1000, description="The commits.")
+
+
+class CommitBatchReply(Contract):
+    status: str = Field(default="ok", description="`ok` (see each result).", examples=["ok"])
+    results: list[CommitReply] = Field(description="One per commit, in order.")
+
+
+class LedgerReleaseRequest(Request):
+    allocation_id: str = Field(min_length=1, description="Allocation.", examples=["al-..."])
+    tenant: str = Field(min_length=1, description="Owner.", examples=["acme"])
+
+
+class LedgerReleaseReply(Contract):
+    status: Literal["released", "rejected"] = Field(description="Outcome.", examples=["released"])
+    already: bool = Field(default=False, description="It had been released or had expired before.")
+    error: ErrorBody | None = Field(default=None, description="Null, or why.")
+
+
+class LedgerRenewRequest(Request):
+    allocation_id: str = Field(min_length=1, description="Allocation.", examples=["al-..."])
+    tenant: str = Field(min_length=1, description="Owner.", examples=["acme"])
+    lease_s: int | None = Field(default=None, gt=0, le=30 * 86400, description="New lease from now.", examples=[300])
+    lease_expires_at: datetime | None = Field(default=None, description="New absolute lease end (future).")
+
+    @model_validator(mode="after")
+    def _one(self) -> LedgerRenewRequest:
+        if (self.lease_s is None) == (self.lease_expires_at is None):
+            raise ValueError("give exactly one of `lease_s` and `lease_expires_at`")
+        return self
+
+
+class LedgerRenewReply(Contract):
+    status: Literal["renewed", "rejected"] = Field(description="Outcome.", examples=["renewed"])
+    lease_expires_at: datetime | None = Field(default=None, description="New lease end (UTC).")
+    error: ErrorBody | None = Field(default=None, description="Null, or why.")
+
+
+# -- event payloads --------------------------------------------------------------------------
+
+
+class ShareOut(Contract):
+    accelerator_id: str = Field(description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
+    weights: int = Field(description="Weight bytes.", examples=[0])
+    kv: int = Field(description="KV bytes.", examples=[0])
+    activation: int = Field(description="Activation bytes.", examples=[0])
+    workspace: int = Field(description="Workspace bytes.", examples=[0])
+    total: int = Field(description="Sum.", examples=[0])
+
+
+class AllocationEvent(Contract):
+    """Payload of `allocation_committed`, `allocation_released` and `allocation_expired`."""
+
+    allocation_id: str = Field(description="Allocation.", examples=["al-..."])
+    request_id: str = Field(description="Its request id.", examples=["r-1"])
+    tenant: str = Field(description="Owner.", examples=["acme"])
+    kind: str = Field(description="`replica` or `request`.", examples=["replica"])
+    parent_id: str | None = Field(default=None, description="Replica of a request allocation.")
+    preemptible: bool = Field(default=False, description="Preemptible.")
+    priority: int = Field(default=0, description="Priority.")
+    lease_expires_at: datetime | None = Field(default=None, description="Lease end.")
+    counts_against_hbm: bool = Field(
+        default=True, description="False for `request` allocations (they live in their replica's KV pool)."
+    )
+    shares: list[ShareOut] = Field(description="Bytes per accelerator.")
+
+
+class CapacityChangedEvent(Contract):
+    node: str = Field(description="Node.", examples=["dgx-h100-01"])
+    reason: str = Field(description="`profiled`, `lost`, `recovered`, `removed`.", examples=["lost"])
+    accelerators: list[AcceleratorBalance] = Field(description="Their state now.")
+
+
+class AllocationsFlaggedEvent(Contract):
+    node: str = Field(description="Node whose accelerators became unavailable.", examples=["dgx-h100-01"])
+    reason: str = Field(description="Why.", examples=["node_lost"])
+    allocation_ids: list[str] = Field(description="Active allocations on them.", examples=[["al-..."]])
+
+
+class DriftEvent(Contract):
+    accelerator_id: str = Field(description="Accelerator.", examples=["dgx-h100-01/gpu0"])
+    observed_bytes: int = Field(description="HBM in use per telemetry.", examples=[40_000_000_000])
+    reserved_bytes: int = Field(description="HBM reserved per the ledger.", examples=[20_000_000_000])
+    usable_bytes: int = Field(description="Usable HBM.", examples=[79_027_398_246])
+    difference_bytes: int = Field(description="observed - reserved.", examples=[20_000_000_000])

@@ -27,6 +27,7 @@ class Rpc(StrEnum):
     FLEET_DESCRIBE = "fleet.describe"
     TOPOLOGY_REPORT = "topology.report"
     LEDGER_COMMIT = "ledger.commit"
+    LEDGER_COMMIT_BATCH = "ledger.commit_batch"
     LEDGER_RELEASE = "ledger.release"
     LEDGER_RENEW = "ledger.renew"
     LEDGER_SNAPSHOT = "ledger.snapshot"

@@ -94,6 +94,20 @@ class Settings(BaseSettings):
     )
     topology_scan_s: float = Field(default=60.0, gt=0, description="Agent mode: how often the node is profiled again.")
     telemetry_interval_s: float = Field(default=30.0, gt=0, description="Agent mode: GPU telemetry interval.")
+    ledger_ceiling: float = Field(
+        default=0.92, gt=0, le=1, description="Share of each accelerator's HBM the ledger may allocate."
+    )
+    ledger_default_lease_s: int = Field(default=300, gt=0, description="Lease of a commit that names none.")
+    ledger_sweep_ms: int = Field(default=500, gt=0, description="How often expired leases are released.")
+    drift_threshold: float = Field(
+        default=0.10,
+        gt=0,
+        lt=1,
+        description="Observed vs reserved HBM difference, as a share of usable HBM, that counts as drift.",
+    )
+    drift_consecutive: int = Field(
+        default=2, gt=0, description="Samples in a row over the threshold before a drift event."
+    )
 
 
 def load_settings(**overrides: object) -> Settings:
