@@ -4,7 +4,7 @@ consumers of topology (capacity, lost nodes) and telemetry (drift)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
@@ -15,6 +15,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.capacity_ledger import store
+from services.capacity_ledger.batcher import CommitBatcher
 from shared.contracts.base import ErrorCode, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import (
@@ -69,14 +70,29 @@ async def transaction(runtime: Runtime, work: Callable[[AsyncSession], Awaitable
     raise AssertionError("unreachable")
 
 
+_BATCHERS: dict[int, CommitBatcher] = {}
+
+
+def _batcher(runtime: Runtime) -> CommitBatcher:
+    """One group-commit batcher per runtime (started with the service)."""
+    batcher = _BATCHERS.get(id(runtime))
+    if batcher is None:
+        lease = runtime.settings.ledger_default_lease_s
+
+        async def apply(commits: Sequence[CommitRequest]) -> list[CommitReply]:
+            return await transaction(
+                runtime, lambda s: store.commit_batch(s, commits, subjects=runtime.subjects, default_lease_s=lease)
+            )
+
+        batcher = _BATCHERS[id(runtime)] = CommitBatcher(apply, max_batch=runtime.settings.ledger_max_batch)
+    return batcher
+
+
 def commit_handler(runtime: Runtime) -> Callable[[CommitRequest], Awaitable[BaseModel]]:
-    lease = runtime.settings.ledger_default_lease_s
+    batcher = _batcher(runtime)
 
     async def handle(request: CommitRequest) -> BaseModel:
-        (reply,) = await transaction(
-            runtime, lambda s: store.commit_batch(s, [request], subjects=runtime.subjects, default_lease_s=lease)
-        )
-        return reply
+        return await batcher.submit(request)
 
     return handle
 
@@ -261,7 +277,14 @@ def telemetry_consumer(runtime: Runtime) -> EventHandler:
 
 
 async def start_sweeper(runtime: Runtime) -> None:
+    _batcher(runtime).start()
     runtime.spawn(sweep_leases(runtime), name="lease-sweeper")
+
+
+async def stop_batcher(runtime: Runtime) -> None:
+    batcher = _BATCHERS.pop(id(runtime), None)
+    if batcher is not None:
+        await batcher.stop()
 
 
 SERVICE = ServiceDefinition(
@@ -280,6 +303,7 @@ SERVICE = ServiceDefinition(
         EventRoute(Context.TELEMETRY, "gpu", "telemetry", telemetry_consumer),
     ),
     on_start=(start_sweeper,),
+    on_stop=(stop_batcher,),
 )
 
 

@@ -4,6 +4,7 @@ refuses any over-commit even if this code were wrong."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -40,19 +41,31 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+async def driver(session: AsyncSession) -> Any:
+    """The asyncpg connection under the session's transaction: the hot path skips SQLAlchemy's statement
+    machinery (it halves a single commit's time) while staying in the same transaction.
+
+    SQLAlchemy opens the database transaction lazily, on its first statement; a raw statement before
+    that would run in autocommit and silently drop its row locks, so this refuses to hand it out.
+    """
+    connection = await session.connection()
+    raw = await connection.get_raw_connection()
+    driver_connection = raw.driver_connection
+    if driver_connection is None or not driver_connection.is_in_transaction():
+        raise RuntimeError("run a statement through the session first: no database transaction is open yet")
+    return driver_connection
+
+
 async def lock_accelerators(session: AsyncSession, ids: Iterable[str]) -> dict[str, AcceleratorState]:
     """Lock the rows (id order: the one lock order every transaction uses) and return their state."""
     ids = sorted(set(ids))
     if not ids:
         return {}
-    rows = await session.execute(
-        text(
-            "SELECT id, hbm_usable, reserved, available FROM ledger.accelerators "
-            "WHERE id = ANY(:ids) ORDER BY id FOR UPDATE"
-        ),
-        {"ids": ids},
+    rows = await (await driver(session)).fetch(
+        "SELECT id, hbm_usable, reserved, available FROM ledger.accelerators WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+        ids,
     )
-    return {r.id: AcceleratorState(r.id, r.hbm_usable, r.reserved, r.available) for r in rows}
+    return {r["id"]: AcceleratorState(r["id"], r["hbm_usable"], r["reserved"], r["available"]) for r in rows}
 
 
 def balances(view: dict[str, AcceleratorState], ids: Iterable[str]) -> list[AcceleratorBalance]:
@@ -61,6 +74,23 @@ def balances(view: dict[str, AcceleratorState], ids: Iterable[str]) -> list[Acce
         for i in sorted(set(ids))
         if i in view
     ]
+
+
+def event_envelope(
+    event: str,
+    payload: dict[str, Any],
+    *,
+    tenant: str | None = None,
+    correlation_id: str | None = None,
+) -> Any:
+    return new_event(
+        type=f"ledger.{event}",
+        source=SOURCE,
+        payload=payload,
+        occurred_at=_now(),
+        tenant=tenant,
+        correlation_id=correlation_id,
+    )
 
 
 async def emit(
@@ -125,18 +155,35 @@ class _Pending:
 
 async def _existing(session: AsyncSession, commits: Sequence[CommitRequest]) -> dict[tuple[str, str], Any]:
     keys = sorted({(c.tenant, c.request_id) for c in commits})
-    rows = await session.execute(
-        text(
-            "SELECT a.id, a.tenant, a.request_id, a.lease_expires_at, a.state, "
-            "COALESCE(json_agg(json_build_array(s.accelerator_id, s.weights, s.kv, s.activation, s.workspace)) "
-            "FILTER (WHERE s.accelerator_id IS NOT NULL), '[]') AS shares "
-            "FROM ledger.allocations a LEFT JOIN ledger.shares s ON s.allocation_id = a.id "
-            "WHERE (a.tenant, a.request_id) IN (SELECT * FROM unnest(CAST(:tenants AS text[]), CAST(:rids AS text[]))) "
-            "GROUP BY a.id"
-        ),
-        {"tenants": [k[0] for k in keys], "rids": [k[1] for k in keys]},
-    )
-    return {(r.tenant, r.request_id): r for r in rows}
+    # Through the session on purpose: this is the batch's first statement and opens its transaction.
+    rows = (
+        await session.execute(
+            text(
+                "SELECT a.id, a.tenant, a.request_id, a.lease_expires_at, a.state, "
+                "COALESCE(json_agg(json_build_array(s.accelerator_id, s.weights, s.kv, s.activation, s.workspace)) "
+                "FILTER (WHERE s.accelerator_id IS NOT NULL), '[]') AS shares "
+                "FROM ledger.allocations a LEFT JOIN ledger.shares s ON s.allocation_id = a.id "
+                "WHERE (a.tenant, a.request_id) IN "
+                "(SELECT * FROM unnest(CAST(:tenants AS text[]), CAST(:rids AS text[]))) "
+                "GROUP BY a.id"
+            ),
+            {"tenants": [k[0] for k in keys], "rids": [k[1] for k in keys]},
+        )
+    ).mappings()
+    return {
+        (r["tenant"], r["request_id"]): _Existing(r["id"], r["lease_expires_at"], _as_json(r["shares"])) for r in rows
+    }
+
+
+@dataclass(frozen=True)
+class _Existing:
+    id: str
+    lease_expires_at: datetime
+    shares: list[list[Any]]
+
+
+def _as_json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
 
 
 def _same_shares(stored: Any, shares: Sequence[ShareRequest]) -> bool:
@@ -212,48 +259,66 @@ async def commit_batch(
         if request.kind == "request" and request.parent_id:
             parents[request.parent_id]["used"] = _add_kv(parents[request.parent_id]["used"], shares)
     if pending:
-        await session.execute(insert(ALLOCATIONS), [p.row for p in pending])
-        await session.execute(
-            insert(SHARES),
-            [
-                {
-                    "allocation_id": p.row["id"],
-                    "accelerator_id": s.accelerator_id,
-                    "weights": s.weights,
-                    "kv": s.kv,
-                    "activation": s.activation,
-                    "workspace": s.workspace,
-                    "total": s.total,
-                    "counts": p.request.kind == "replica",
-                    "active": True,
-                }
-                for p in pending
-                for s in p.shares
-            ],
-        )
-        await session.execute(
-            insert(JOURNAL),
-            [
-                {
-                    "op": "commit",
-                    "allocation_id": p.row["id"],
-                    "accelerator_id": s.accelerator_id,
-                    "delta": s.total if p.request.kind == "replica" else 0,
-                    "details": {"tenant": p.request.tenant, "request_id": p.request.request_id, "kind": p.request.kind},
-                }
-                for p in pending
-                for s in p.shares
-            ],
-        )
-        for p in pending:
-            await emit(
-                session,
-                subjects,
+        subject = subjects.event(Context.LEDGER, ALLOCATION_COMMITTED)
+        events = [
+            event_envelope(
                 ALLOCATION_COMMITTED,
                 allocation_payload(p.row, p.shares),
                 tenant=p.request.tenant,
                 correlation_id=p.request.request_id,
             )
+            for p in pending
+        ]
+        await (await driver(session)).execute(
+            INSERT_COMMITS,
+            json.dumps([p.row for p in pending], default=_json_default),
+            json.dumps(
+                [
+                    {
+                        "allocation_id": p.row["id"],
+                        "accelerator_id": s.accelerator_id,
+                        "weights": s.weights,
+                        "kv": s.kv,
+                        "activation": s.activation,
+                        "workspace": s.workspace,
+                        "total": s.total,
+                        "counts": p.request.kind == "replica",
+                        "active": True,
+                    }
+                    for p in pending
+                    for s in p.shares
+                ]
+            ),
+            json.dumps(
+                [
+                    {
+                        "op": "commit",
+                        "allocation_id": p.row["id"],
+                        "accelerator_id": s.accelerator_id,
+                        "delta": s.total if p.request.kind == "replica" else 0,
+                        "details": {
+                            "tenant": p.request.tenant,
+                            "request_id": p.request.request_id,
+                            "kind": p.request.kind,
+                        },
+                    }
+                    for p in pending
+                    for s in p.shares
+                ]
+            ),
+            json.dumps(
+                [
+                    {
+                        "event_id": str(e.event_id),
+                        "subject": subject,
+                        "event_type": e.type,
+                        "payload": e.model_dump(mode="json"),
+                    }
+                    for e in events
+                ]
+            ),
+        )
+        for p in pending:
             results[p.index] = CommitReply(
                 status="committed",
                 request_id=p.request.request_id,
@@ -262,6 +327,44 @@ async def commit_batch(
                 view=balances(view, [s.accelerator_id for s in p.shares]),
             )
     return [r for r in results if r is not None]
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(type(value).__name__)
+
+
+# Allocations, shares (the trigger checks the invariant), journal and outbox rows of a batch of
+# commits in one statement: one round trip however many commits the batch holds.
+INSERT_COMMITS = """
+WITH a AS (
+    INSERT INTO ledger.allocations (id, request_id, tenant, kind, parent_id, state, preemptible, priority,
+                                    lease_expires_at, flagged, created_at)
+    SELECT id, request_id, tenant, kind, parent_id, state, preemptible, priority, lease_expires_at, flagged,
+           created_at
+    FROM json_populate_recordset(NULL::ledger.allocations, $1::json)
+    RETURNING 1
+), s AS (
+    INSERT INTO ledger.shares (allocation_id, accelerator_id, weights, kv, activation, workspace, total, counts,
+                               active)
+    SELECT allocation_id, accelerator_id, weights, kv, activation, workspace, total, counts, active
+    FROM json_populate_recordset(NULL::ledger.shares, $2::json)
+    RETURNING 1
+), j AS (
+    INSERT INTO ledger.journal (op, allocation_id, accelerator_id, delta, details)
+    SELECT op, allocation_id, accelerator_id, delta, details
+    FROM json_to_recordset($3::json)
+         AS x(op text, allocation_id text, accelerator_id text, delta bigint, details jsonb)
+    RETURNING 1
+), o AS (
+    INSERT INTO ledger.outbox (event_id, subject, event_type, payload)
+    SELECT event_id, subject, event_type, payload
+    FROM json_to_recordset($4::json) AS x(event_id uuid, subject text, event_type text, payload jsonb)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM a), (SELECT count(*) FROM s), (SELECT count(*) FROM j), (SELECT count(*) FROM o)
+"""
 
 
 def _reject(request: CommitRequest, code: ErrorCode, message: str, **details: Any) -> CommitReply:

@@ -26,8 +26,9 @@ def plain_url(url: str) -> str:
 
 
 def make_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
-    """An engine that checks connections before use, so a restarted Postgres is survived."""
-    return create_async_engine(async_url(url), pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    """An engine without pre-ping (it costs a round trip per checkout): a connection broken by a Postgres
+    restart is invalidated on first use, and writers retry their transaction on a fresh one."""
+    return create_async_engine(async_url(url), pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=False)
 
 
 def make_sessions(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from nats.js import JetStreamContext
@@ -30,13 +30,24 @@ AfterPublish = Callable[[EventEnvelope], Awaitable[None] | None]
 
 async def enqueue(*, session: AsyncSession, schema: str, subject: str, event: EventEnvelope) -> None:
     """Add an event to the outbox inside the caller's transaction (it commits with the state change)."""
+    await enqueue_many(session=session, schema=schema, events=[(subject, event)])
+
+
+async def enqueue_many(*, session: AsyncSession, schema: str, events: Sequence[tuple[str, EventEnvelope]]) -> None:
+    """Add several events in one statement, in order, inside the caller's transaction."""
+    if not events:
+        return
     await session.execute(
-        insert(outbox_table(schema)).values(
-            event_id=event.event_id,
-            subject=subject,
-            event_type=event.type,
-            payload=json.loads(event.model_dump_json()),
-        )
+        insert(outbox_table(schema)),
+        [
+            {
+                "event_id": event.event_id,
+                "subject": subject,
+                "event_type": event.type,
+                "payload": event.model_dump(mode="json"),
+            }
+            for subject, event in events
+        ],
     )
 
 

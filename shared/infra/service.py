@@ -29,9 +29,10 @@ from shared.contracts.base import ErrorCode, Request, rejected
 from shared.contracts.health import HealthReply, HealthRequest
 from shared.contracts.streams import stream_name, stream_specs
 from shared.contracts.subjects import Context, Rpc, Subjects
-from shared.infra.bus import EventHandler, dispatch, ensure_streams, idempotent
+from shared.infra.bus import EventHandler, ensure_streams, idempotent
 from shared.infra.db import make_engine, make_sessions
 from shared.infra.outbox import OutboxRelay
+from shared.infra.requests import Endpoint, RequestServer
 from shared.infra.settings import Settings
 from shared.infra.telemetry import configure_telemetry
 
@@ -135,14 +136,6 @@ def _health(runtime: Runtime) -> Callable[[HealthRequest], Awaitable[BaseModel]]
     return handler
 
 
-def _subscribe(broker: NatsBroker, *, subject: str, queue: str, model: type[Request], handler: Any) -> None:
-    async def on_request(msg: NatsMessage) -> bytes:
-        return await dispatch(msg.body, model, handler)
-
-    on_request.__name__ = subject.replace(".", "_").replace("-", "_")
-    broker.subscriber(subject, queue=queue, title=subject)(on_request)
-
-
 def _subscribe_events(broker: NatsBroker, runtime: Runtime, route: EventRoute) -> None:
     settings = runtime.settings
     durable = f"{settings.subject_prefix}-{runtime.schema}-{route.durable}"
@@ -181,7 +174,10 @@ def build_app(
         reconnect_time_wait=1,
         logger=log,
         log_level=logging.DEBUG,  # per-message "Received/Processed" lines only at debug
-        middlewares=[NatsTelemetryMiddleware(tracer_provider=tracer_provider, meter_provider=meter_provider)],
+        # Tracing costs about a millisecond per message: only when something exports the spans.
+        middlewares=[NatsTelemetryMiddleware(tracer_provider=tracer_provider, meter_provider=meter_provider)]
+        if settings.otel_exporter != "none"
+        else [],
     )
     engine = make_engine(settings.database_url or DEFAULT_DATABASE_URL, pool_size=settings.db_pool_size)
     runtime = Runtime(
@@ -195,16 +191,11 @@ def build_app(
         uses_database=database,
     )
     queue = f"{settings.subject_prefix}.{definition.schema}"
-    _subscribe(
-        broker,
-        subject=runtime.subjects.rpc(definition.health),
-        queue=queue,
-        model=HealthRequest,
-        handler=_health(runtime),
-    )
+    requests = RequestServer()
+    requests.add(Endpoint(runtime.subjects.rpc(definition.health), queue, HealthRequest, _health(runtime), 4))
     for route in definition.routes:
         handler = route.factory(runtime) if route.factory else _not_implemented(definition.name, route.rpc)
-        _subscribe(broker, subject=runtime.subjects.rpc(route.rpc), queue=queue, model=route.model, handler=handler)
+        requests.add(Endpoint(runtime.subjects.rpc(route.rpc), queue, route.model, handler, settings.request_workers))
     for event_route in definition.events:
         _subscribe_events(broker, runtime, event_route)
     if definition.extra is not None:
@@ -240,6 +231,7 @@ def build_app(
             runtime.spawn(runtime.relay.run(), name="outbox-relay")
         for hook in definition.on_start:
             await hook(runtime)
+        await requests.start(runtime.nc)  # last: answer only once everything behind the answers runs
 
     @app.after_startup
     async def _ready() -> None:
@@ -247,6 +239,7 @@ def build_app(
 
     @app.on_shutdown
     async def _stop() -> None:
+        await requests.stop()  # first: no new requests, in-flight ones finish
         for hook in definition.on_stop:
             await hook(runtime)
         if runtime.relay is not None:

@@ -62,6 +62,9 @@ class Settings(BaseSettings):
         default="none", pattern=r"^(none|console|otlp)$", description="OpenTelemetry exporter for traces."
     )
     db_pool_size: int = Field(default=10, gt=0, description="SQLAlchemy pool size per service.")
+    request_workers: int = Field(
+        default=16, gt=0, le=1024, description="Requests a service serves at once, per subject."
+    )
     sku_catalog: Path | None = Field(
         default=None, description="A SKU catalog file (YAML) merged over the shipped one: add SKUs or override prices."
     )
@@ -98,6 +101,9 @@ class Settings(BaseSettings):
         default=0.92, gt=0, le=1, description="Share of each accelerator's HBM the ledger may allocate."
     )
     ledger_default_lease_s: int = Field(default=300, gt=0, description="Lease of a commit that names none.")
+    ledger_max_batch: int = Field(
+        default=256, gt=0, le=10_000, description="Most commits the ledger applies in one transaction (group commit)."
+    )
     ledger_sweep_ms: int = Field(default=500, gt=0, description="How often expired leases are released.")
     drift_threshold: float = Field(
         default=0.10,

@@ -113,8 +113,10 @@ async def _fleet_with(nc: Client, settings: Settings, predicate: Any) -> dict[st
     return reply if reply.get("status") == "ok" and predicate(reply) else None
 
 
-async def _events_at_least(nc: Client, settings: Settings, event: str, count: int) -> list[dict[str, Any]] | None:
-    found = await events(nc, settings, event)
+async def _events_at_least(
+    nc: Client, settings: Settings, event: str, count: int, node: str | None = None
+) -> list[dict[str, Any]] | None:
+    found = [e for e in await events(nc, settings, event) if node is None or e["payload"]["node"] == node]
     return found if len(found) >= count else None
 
 
@@ -144,7 +146,7 @@ async def test_agent_reports_keeps_profile_on_garbage_and_is_lost_then_recovered
 
     # A truncated output: the failure is published with its line, and the profile stays as it was.
     topo.write_text("\n".join((FIXTURES / "four_plus_four.txt").read_text().splitlines()[:4]) + "\n")
-    failed = await eventually(lambda: _events_at_least(nc, settings, "node_profile_failed", 1))
+    failed = await eventually(lambda: _events_at_least(nc, settings, "node_profile_failed", 1, "agent-01"))
     error = failed[-1]["payload"]["error"]
     assert failed[-1]["payload"]["node"] == "agent-01" and error["line"] is not None
     assert "expected" in error["message"]
@@ -157,7 +159,7 @@ async def test_agent_reports_keeps_profile_on_garbage_and_is_lost_then_recovered
     await asyncio.sleep(HEARTBEAT_S * 2)
     fleet_service.stop(AGENT, kill=True)
     killed_at = time.monotonic()
-    lost = await eventually(lambda: _events_at_least(nc, settings, "node_lost", 1))
+    lost = await eventually(lambda: _events_at_least(nc, settings, "node_lost", 1, "agent-01"))
     print(f"\nnode_lost seen {time.monotonic() - killed_at:.2f}s after kill -9 (3 x {HEARTBEAT_S}s heartbeat)")
     assert lost[-1]["payload"]["node"] == "agent-01"
     assert lost[-1]["payload"]["accelerators"][0] == "agent-01/gpu0"
@@ -165,7 +167,7 @@ async def test_agent_reports_keeps_profile_on_garbage_and_is_lost_then_recovered
     assert (_node(reply, "agent-01") or {}).get("state") == "lost"
 
     fleet_service.start("topology_discovery", name=AGENT, **agent_env)
-    recovered = await eventually(lambda: _events_at_least(nc, settings, "node_recovered", 1))
+    recovered = await eventually(lambda: _events_at_least(nc, settings, "node_recovered", 1, "agent-01"))
     assert recovered[-1]["payload"]["node"] == "agent-01"
     reply = await ask(nc, settings, Rpc.FLEET_GET, {})
     assert (_node(reply, "agent-01") or {}).get("state") == "up"
