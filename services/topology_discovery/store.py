@@ -261,10 +261,18 @@ async def fleet_view(
         .where(AcceleratorRow.node.in_([n.name for n in nodes]))  # type: ignore[attr-defined]
         .order_by(AcceleratorRow.node, AcceleratorRow.index)
     )
+    # Reserved bytes are the ledger's: read (never written) from its schema, one query per page.
+    reserved = {
+        r.id: r.reserved
+        for r in await session.execute(
+            text("SELECT id, reserved FROM ledger.accelerators WHERE node = ANY(:nodes)"),
+            {"nodes": [n.name for n in nodes]},
+        )
+    }
     by_node: dict[str, list[AcceleratorView]] = {}
     for acc_id, node, index, hbm, domain in (await session.execute(acc_q)).all():
         by_node.setdefault(node, []).append(
-            AcceleratorView(id=acc_id, index=index, hbm_total=hbm, hbm_reserved=0, domain=domain)
+            AcceleratorView(id=acc_id, index=index, hbm_total=hbm, hbm_reserved=reserved.get(acc_id, 0), domain=domain)
         )
     node_views = [
         NodeView(

@@ -307,3 +307,13 @@ async def test_replaying_the_ledger_stream_rebuilds_the_tables(ledger: Client, s
     tables = {r["id"]: r["reserved"] for r in rows}
     assert tables and rebuilt == tables
     assert {r["accelerator_id"]: r["s"] for r in sums} == tables  # the trigger kept the totals exact
+
+
+async def test_fleet_get_shows_what_the_ledger_reserved(ledger: Client, settings: Settings) -> None:
+    from shared.infra.fleet_client import fetch_fleet
+
+    held = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit("dgx-h100-01/gpu5", 30))
+    assert held["status"] == "committed"
+    fleet = await fetch_fleet(ledger, Subjects(settings.subject_prefix))
+    node = next(n for n in fleet["nodes"] if n["name"] == "dgx-h100-01")
+    assert next(a for a in node["accelerators"] if a["index"] == 5)["hbm_reserved"] == 30 * GB
