@@ -40,9 +40,18 @@ from shared.contracts.ledger import (
     SnapshotRequest,
 )
 from shared.contracts.subjects import Context, Rpc
-from shared.contracts.topology import NODE_CHANGED, NODE_LOST, NODE_PROFILED, NODE_RECOVERED, NODE_REMOVED
+from shared.contracts.topology import (
+    NODE_CHANGED,
+    NODE_LOST,
+    NODE_PROFILED,
+    NODE_RECOVERED,
+    NODE_REMOVED,
+    TPU_POD_PROFILED,
+)
+from shared.domain.fleet import TpuPod, tpu_chip_ids
 from shared.domain.ledger import DriftDetector
 from shared.domain.memory import usable_hbm
+from shared.domain.topology.tpu import TpuType
 from shared.infra.bus import EventHandler
 from shared.infra.service import EventRoute, Route, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
@@ -205,6 +214,20 @@ def topology_consumer(runtime: Runtime) -> EventHandler:
         if kind in (NODE_PROFILED, NODE_CHANGED):
             profile = payload["profile"]
             accs = [(f"{node}/gpu{a['index']}", str(a["sku"]), int(a["hbm_bytes"])) for a in profile["accelerators"]]
+            view = await store.upsert_capacity(
+                session, node=node, accelerators=accs, ceiling=ceiling, usable=usable_hbm
+            )
+            reason = "profiled"
+        elif kind == TPU_POD_PROFILED:
+            # A TPU chip is an accelerator of its own; a slice reserves its chips whole.
+            pod = TpuPod(
+                name=str(payload["pod"]),
+                region=str(payload["region"]),
+                type=TpuType(payload["type"]),
+                shape=tuple(payload["shape"]),
+            )
+            node = pod.name
+            accs = [(chip, str(payload["sku"]), int(payload["hbm_per_chip"])) for chip in tpu_chip_ids(pod)]
             view = await store.upsert_capacity(
                 session, node=node, accelerators=accs, ceiling=ceiling, usable=usable_hbm
             )

@@ -24,12 +24,14 @@ from shared.contracts.topology import (
     NODE_PROFILED,
     NODE_RECOVERED,
     NODE_REMOVED,
+    TPU_POD_PROFILED,
     Heartbeat,
     NodeProfileEvent,
     NodeProfileFailedEvent,
     NodeStateEvent,
     TopologyReportReply,
     TopologyReportRequest,
+    TpuPodEvent,
 )
 from shared.domain.fleet import Domain, Fleet, NodeProfile, diff_profiles, profile_from_dict, profile_to_dict
 from shared.domain.hardware import Sku
@@ -72,9 +74,12 @@ def _profile_event(node: NodeProfile, domains: tuple[Domain, ...], previous: str
     ).model_dump(mode="json")
 
 
-async def sync_inventory(runtime: Runtime, fleet: Fleet, fingerprint: str) -> dict[str, int]:
+async def sync_inventory(
+    runtime: Runtime, fleet: Fleet, fingerprint: str, *, skus: dict[str, Sku] | None = None
+) -> dict[str, int]:
     """Make the stored fleet match an inventory, with one event per node that is new, changed or gone."""
     subjects = runtime.subjects
+    skus = skus or {}
     async with runtime.sessions() as session, session.begin():
         stored_inventory = await store.stored_fingerprints(session, source=INVENTORY_SOURCE)
         stored_all = await store.stored_fingerprints(session)
@@ -105,6 +110,19 @@ async def sync_inventory(runtime: Runtime, fleet: Fleet, fingerprint: str) -> di
         for name in diff.removed:
             payload = NodeStateEvent(node=name, region="", accelerators=[]).model_dump(mode="json")
             await store.emit(session, subjects=subjects, context=Context.TOPOLOGY, event=NODE_REMOVED, payload=payload)
+        for pod in fleet.tpu_pods:
+            sku = f"TPU-{pod.type.value.upper()}"
+            payload = TpuPodEvent(
+                pod=pod.name,
+                region=pod.region,
+                type=pod.type.value,
+                shape=list(pod.shape),
+                sku=sku,
+                hbm_per_chip=skus[sku].hbm_bytes if sku in skus else 0,
+            ).model_dump(mode="json")
+            await store.emit(
+                session, subjects=subjects, context=Context.TOPOLOGY, event=TPU_POD_PROFILED, payload=payload
+            )
         await store.record_source(session, INVENTORY_SOURCE, fingerprint)
     if runtime.relay:
         runtime.relay.wake()
@@ -129,7 +147,7 @@ async def load_configured_inventory(runtime: Runtime, state: FleetState) -> None
             runtime.log.info("inventory unchanged since last load; serving the stored fleet", extra={"path": str(path)})
             return
         fleet, fingerprint = await asyncio.to_thread(load_inventory, path, skus=state.skus)
-        counts = await sync_inventory(runtime, fleet, fingerprint)
+        counts = await sync_inventory(runtime, fleet, fingerprint, skus=state.skus)
         runtime.log.info("inventory loaded", extra={"path": str(path), **counts})
     except InventoryError as exc:
         # The previously stored fleet stays in force; the error is logged with where it is.

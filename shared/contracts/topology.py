@@ -15,6 +15,7 @@ NODE_REMOVED = "node_removed"
 NODE_LOST = "node_lost"
 NODE_RECOVERED = "node_recovered"
 NODE_PROFILE_FAILED = "node_profile_failed"
+TPU_POD_PROFILED = "tpu_pod_profiled"
 GPU_TELEMETRY = "gpu"  # on the TELEMETRY stream: `<prefix>.events.telemetry.gpu`
 
 
@@ -94,3 +95,14 @@ class GpuSample(Contract):
 class GpuTelemetryEvent(Contract):
     node: str = Field(description="Node name.", examples=["dgx-h100-01"])
     gpus: list[GpuSample] = Field(description="One sample per GPU.")
+
+
+class TpuPodEvent(Contract):
+    """Payload of `tpu_pod_profiled`: a pod as the inventory describes it."""
+
+    pod: str = Field(description="Pod name.", examples=["v5e-pod-1"])
+    region: str = Field(description="Region.", examples=["us-west-1"])
+    type: str = Field(description="`v5e` or `v5p`.", examples=["v5e"])
+    shape: list[int] = Field(description="Chips per axis.", examples=[[16, 16]])
+    sku: str = Field(description="Catalog SKU of its chips.", examples=["TPU-V5E"])
+    hbm_per_chip: int = Field(description="HBM bytes per chip.", examples=[17_179_869_184])

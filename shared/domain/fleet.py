@@ -105,6 +105,19 @@ class TpuPod:
         return total
 
 
+def tpu_chip_id(pod: str, coord: Sequence[int]) -> str:
+    """Ledger id of one TPU chip: ``<pod>/<x>.<y>`` (v5e) or ``<pod>/<x>.<y>.<z>`` (v5p)."""
+    return f"{pod}/{'.'.join(str(c) for c in coord)}"
+
+
+def tpu_chip_ids(pod: TpuPod) -> list[str]:
+    """Every chip of a pod, in row-major order (last axis fastest)."""
+    coords: list[tuple[int, ...]] = [()]
+    for axis in pod.shape:
+        coords = [(*c, i) for c in coords for i in range(axis)]
+    return [tpu_chip_id(pod.name, c) for c in coords]
+
+
 @dataclass(frozen=True, slots=True)
 class Domain:
     """An NVLink domain with fleet-wide ids: ``<node>/nv<lowest gpu>`` or ``fabric/<uuid>/<clique>``."""

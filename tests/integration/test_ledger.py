@@ -317,3 +317,16 @@ async def test_fleet_get_shows_what_the_ledger_reserved(ledger: Client, settings
     fleet = await fetch_fleet(ledger, Subjects(settings.subject_prefix))
     node = next(n for n in fleet["nodes"] if n["name"] == "dgx-h100-01")
     assert next(a for a in node["accelerators"] if a["index"] == 5)["hbm_reserved"] == 30 * GB
+
+
+async def test_tpu_chips_are_ledger_accelerators(ledger: Client, settings: Settings) -> None:
+    for _ in range(100):
+        snap = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": "v5e-pod-1"})
+        if len(snap["accelerators"]) == 256:
+            break
+        await asyncio.sleep(0.1)
+    chips = {a["id"]: a for a in snap["accelerators"]}
+    assert len(chips) == 256 and "v5e-pod-1/15.15" in chips
+    assert chips["v5e-pod-1/0.0"]["hbm_usable"] == 16 * 2**30 * 23 // 25  # 16 GiB x 0.92
+    v5p = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": "v5p-pod-1"})
+    assert len(v5p["accelerators"]) == 512 and v5p["accelerators"][0]["id"] == "v5p-pod-1/0.0.0"
