@@ -53,3 +53,16 @@ def test_services_wait_for_healthy_servers_and_a_completed_migration() -> None:
             assert deps["postgres"]["condition"] == "service_healthy", name
             assert deps["migrate"]["condition"] == "service_completed_successfully", name
     assert (REPO / "Dockerfile").exists()
+
+
+def test_kubernetes_manifests_run_real_modules_with_real_settings() -> None:
+    docs = [d for d in yaml.safe_load_all((REPO / "infra" / "k8s" / "hetsched.yaml").read_text()) if d]
+    fields = {f"HETSCHED_{name.upper()}" for name in Settings.model_fields}
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    modules = {d["spec"]["template"]["spec"]["containers"][0]["command"][2] for d in deployments}
+    assert modules == {f"services.{p}" for p in SERVICES}
+    assert all(importlib.util.find_spec(m) is not None for m in modules)
+    config = next(d for d in docs if d["kind"] == "ConfigMap")
+    assert set(config["data"]) <= fields
+    job = next(d for d in docs if d["kind"] == "Job")
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"] == ["alembic", "upgrade", "head"]
