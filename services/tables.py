@@ -5,6 +5,7 @@ from __future__ import annotations
 
 def register_all_tables() -> None:
     import services.capacity_ledger.tables
+    import services.placement.tables
     import services.topology_discovery.tables  # noqa: F401
     from shared.infra import tables
 

@@ -12,6 +12,7 @@ import yaml
 from shared.domain.fleet import Fleet
 from shared.domain.hardware import Sku, merge_catalogs, parse_sku_catalog
 from shared.domain.inventory import InventoryError, parse_inventory, referenced_topo_files
+from shared.domain.models import ModelSpec, merge_model_catalogs, parse_model_catalog
 
 CATALOG_PACKAGE = "shared.catalog"
 
@@ -72,3 +73,11 @@ def load_inventory(path: Path, *, skus: dict[str, Sku] | None = None) -> tuple[F
     doc, texts, fingerprint = _read_inventory(path)
     fleet = parse_inventory(doc, skus=skus if skus is not None else load_skus(), topo_texts=texts)
     return fleet, fingerprint
+
+
+def load_models(extra: Path | None = None) -> dict[str, ModelSpec]:
+    """The shipped model catalog, with a user's model catalog merged over it."""
+    models = parse_model_catalog(_yaml(packaged_file("models.yaml")))
+    if extra is not None:
+        models = merge_model_catalogs(models, parse_model_catalog(_yaml(extra)))
+    return models

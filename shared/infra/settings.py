@@ -65,6 +65,17 @@ class Settings(BaseSettings):
     request_workers: int = Field(
         default=16, gt=0, le=1024, description="Requests a service serves at once, per subject."
     )
+    model_catalog: Path | None = Field(
+        default=None, description="A model catalog file (YAML) merged over the shipped one: add or override models."
+    )
+    placement_default_lease_s: int = Field(
+        default=3600, gt=0, description="Lease of a placed replica when the request names none."
+    )
+    placement_refresh_ms: int = Field(
+        default=5000,
+        gt=0,
+        description="Placement re-reads the whole fleet at least this often (events keep it current).",
+    )
     sku_catalog: Path | None = Field(
         default=None, description="A SKU catalog file (YAML) merged over the shipped one: add SKUs or override prices."
     )

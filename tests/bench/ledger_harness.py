@@ -57,7 +57,19 @@ def inventory(nodes: int = 8) -> dict[str, Any]:
 
 
 class LedgerHarness:
-    def __init__(self, servers: RealServers, workdir: Path, *, nodes: int = 8) -> None:
+    def __init__(
+        self,
+        servers: RealServers,
+        workdir: Path,
+        *,
+        nodes: int = 8,
+        fleet: dict[str, Any] | None = None,
+        services: tuple[str, ...] = (),
+        want_accelerators: int | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.extra_services = services
+        self.want = want_accelerators
         self.servers = dataclasses.replace(servers, run_id=uuid.uuid4().hex[:10], started=[])
         self.workdir = workdir
         self.nodes = nodes
@@ -102,16 +114,18 @@ class LedgerHarness:
         self.database_url = await self.servers.create_database(self.database)
         await asyncio.to_thread(upgrade, self.database_url)
         fleet = self.workdir / "stress-fleet.yaml"
-        fleet.write_text(yaml.safe_dump(inventory(self.nodes)))
+        fleet.write_text(yaml.safe_dump(self.fleet or inventory(self.nodes)))
         self.start("topology_discovery", HETSCHED_TOPOLOGY_INVENTORY=str(fleet))
         self.start("capacity_ledger")
+        for package in self.extra_services:
+            self.start(package)
         self.nc = await nats.connect(self.servers.nats_url)
-        want = self.nodes * 8
+        want = self.want or self.nodes * 8
         deadline = time.monotonic() + 60
         while True:
             try:
-                snap = await self.call(Rpc.LEDGER_SNAPSHOT, {}, timeout=2)
-                if len(snap.get("accelerators", [])) == want:
+                snap = await self.call(Rpc.LEDGER_SNAPSHOT, {"limit": 20_000}, timeout=5)
+                if len(snap.get("accelerators", [])) >= want:
                     self.accelerators = [a["id"] for a in snap["accelerators"]]
                     return self
             except Exception:

@@ -1,0 +1,29 @@
+"""Events of the PLACEMENT stream: every decision with its explanation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from shared.contracts.base import Contract
+
+PLACEMENT_DECIDED = "placement_decided"
+PLACEMENT_REJECTED = "placement_rejected"
+PLACEMENT_RELEASED = "placement_released"
+
+
+class PlacementEvent(Contract):
+    """Payload of `placement_decided` / `placement_rejected`: the reply the caller got."""
+
+    request_id: str = Field(description="The request.", examples=["req-42"])
+    tenant: str = Field(description="Tenant.", examples=["acme"])
+    model: str = Field(description="Model.", examples=["llama3-70b"])
+    reply: dict[str, Any] = Field(description="The `placement.place` reply, explanation included.")
+    decision_ms: float = Field(description="Time the decision took.", examples=[0.4])
+    attempts: int = Field(default=1, description="Ledger commits tried (conflicts retry).", examples=[1])
+
+
+class PlacementReleasedEvent(Contract):
+    allocation_id: str = Field(description="Allocation.", examples=["al-..."])
+    tenant: str = Field(description="Tenant.", examples=["acme"])

@@ -1,0 +1,75 @@
+"""Filter ``hbm``: the host needs ``tp`` available GPUs whose free HBM (usable - reserved) holds the
+per-GPU share. The reason carries the figure: how many bytes the ``tp``-th roomiest GPU misses by."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Final, cast
+
+from shared.domain.memory import MemoryShare
+from shared.domain.placement.framework import SUCCESS, Candidate, Code, CycleState, Scope, Status, no_config
+from shared.domain.placement.hosts import GpuHost, GpuLoad, Host, LoadClass
+
+NAME: Final = "hbm"
+
+
+def with_room(load: GpuLoad, need: int) -> list[int]:
+    """Positions of the available GPUs with at least ``need`` bytes free."""
+    return [p for p, (free, up) in enumerate(zip(load.free, load.available, strict=True)) if up and free >= need]
+
+
+class HbmFilter:
+    name: Final = NAME
+    scope: Final = Scope.PLACEMENT
+
+    def filter(self, state: CycleState, candidate: Candidate) -> Status:
+        load = candidate.load
+        if not isinstance(candidate.host, GpuHost) or not isinstance(load, GpuLoad) or candidate.share is None:
+            return SUCCESS
+        tp, need, free = candidate.tp, candidate.share.total, load.free_desc
+        if len(free) < tp:
+            return Status(Code.TOO_FEW_ACCELERATORS, plugin=NAME, tp=tp, available=len(free))
+        if free[tp - 1] >= need:  # the tp-th roomiest GPU has room, so tp GPUs do
+            return SUCCESS
+        return Status(Code.HBM_SHORT, plugin=NAME, tp=tp, hbm_short_bytes=need - free[tp - 1])
+
+    def filter_bulk(
+        self, state: CycleState, host: Host, tp: int, share: MemoryShare, classes: Sequence[LoadClass]
+    ) -> tuple[list[LoadClass], list[tuple[Status, int]]]:
+        if not isinstance(host, GpuHost):
+            return list(classes), []
+        need = share.total
+        keep: list[LoadClass] = []
+        # Rejections grouped as the rejection tally groups them (tenths of a GB): one status per group.
+        groups: dict[int, list[int]] = {}
+        for cls in classes:
+            free = cast(GpuLoad, cls.load).free_desc  # a GPU host's loads are GpuLoads
+            if len(free) < tp:
+                key = -1 - len(free)
+                short = len(free)
+            elif free[tp - 1] >= need:
+                keep.append(cls)
+                continue
+            else:
+                short = need - free[tp - 1]
+                key = (short + 50_000_000) // 100_000_000  # tenths_of_gb, inlined on this hot loop
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [len(cls.hosts), short]
+            else:
+                group[0] += len(cls.hosts)
+        rejected = [
+            (
+                Status(Code.HBM_SHORT, plugin=NAME, tp=tp, hbm_short_bytes=figure)
+                if key >= 0
+                else Status(Code.TOO_FEW_ACCELERATORS, plugin=NAME, tp=tp, available=figure),
+                count,
+            )
+            for key, (count, figure) in groups.items()
+        ]
+        return keep, rejected
+
+
+def factory(config: Mapping[str, object] | None = None) -> HbmFilter:
+    no_config(NAME, config)
+    return HbmFilter()

@@ -1,0 +1,98 @@
+"""Benchmark: `placement.place` end to end over NATS (decision + ledger commit), open loop.
+
+    python -m tests.bench.placement_e2e [--rate 200] [--seconds 10] [--nodes 1024]
+
+The fleet (1,024 synthetic nodes by default) is large enough that the timed placements do not fill it,
+so nothing is released during the run. Prints p50/p99 of `place`; asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from shared.contracts.subjects import Rpc
+from shared.domain.synthetic import synthetic_inventory
+from tests.bench.ledger_harness import LedgerHarness
+
+MIX = [("llama3-8b", "bf16", 8192, 16), ("llama3-70b", "fp8", 8192, 16), ("mixtral-8x7b", "bf16", 8192, 8)]
+
+
+async def run(h: LedgerHarness, *, rate: float, seconds: float) -> str:
+    rng = random.Random(200)
+    latencies: list[float] = []
+    outcomes: dict[str, int] = {}
+    tasks: list[asyncio.Task[None]] = []
+
+    async def one(i: int) -> None:
+        model, dtype, context, concurrency = rng.choice(MIX)
+        body: dict[str, Any] = {
+            "request_id": f"e2e-{i}",
+            "tenant": "bench",
+            "model": model,
+            "dtype": dtype,
+            "context_tokens": context,
+            "concurrency": concurrency,
+            "backend": "gpu",
+        }
+        started = time.perf_counter()
+        reply = await h.call(Rpc.PLACEMENT_PLACE, body, timeout=30)
+        latencies.append((time.perf_counter() - started) * 1000)
+        status = reply.get("status", "?")
+        outcomes[status] = outcomes.get(status, 0) + 1
+
+    # Warm up (connections, caches) before timing.
+    await asyncio.gather(*[one(-1 - i) for i in range(20)])
+    latencies.clear()
+    outcomes.clear()
+    begin = time.perf_counter()
+    total = int(rate * seconds)
+    for i in range(total):
+        delay = begin + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    achieved = total / (time.perf_counter() - begin)
+    ordered = sorted(latencies)
+    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+    return (
+        f"placement.place over NATS at {rate:.0f}/s for {seconds:.0f} s (achieved {achieved:.0f}/s, "
+        f"{outcomes}): p50 {statistics.median(latencies):.1f} ms, p99 {p99:.1f} ms"
+    )
+
+
+async def _main(args: argparse.Namespace) -> None:
+    from tests.servers import find_servers
+
+    fleet = synthetic_inventory(nodes=args.nodes, rng=random.Random(7), tpu_pods=0)
+    gpus = sum(
+        len(n["nodes"]) * 0 + sum(x["gpus"] for x in n["nodes"])
+        for r in fleet["regions"]
+        for c in r["clusters"]
+        for n in c["racks"]
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = await find_servers(Path(tmp))
+        try:
+            async with LedgerHarness(
+                servers, Path(tmp), fleet=fleet, services=("placement",), want_accelerators=gpus
+            ) as h:
+                await asyncio.sleep(2)  # let placement read the fleet
+                print(await run(h, rate=args.rate, seconds=args.seconds))
+        finally:
+            servers.stop()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", type=float, default=200)
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--nodes", type=int, default=1024)
+    asyncio.run(_main(parser.parse_args()))
