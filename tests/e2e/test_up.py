@@ -93,6 +93,40 @@ def test_up_reaches_six_healthy_services_and_sigterm_leaves_nothing(tmp_path: Pa
         )
         assert "hgx-h100-4x4-01" in table.stdout and "v5e-pod-1" in table.stdout
 
+        # And a replica is placed from the shell, reserved through the ledger.
+        place = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "place",
+            "--model",
+            "llama3-70b",
+            "--dtype",
+            "fp8",
+            "--tenant",
+            "acme",
+            "--context-tokens",
+            "8192",
+            "--concurrency",
+            "16",
+            "--backend",
+            "gpu",
+            "--request-id",
+            "e2e-1",
+            "--json",
+            "--data-dir",
+            str(data_dir),
+        ]
+        deadline = time.monotonic() + 30
+        while True:  # the ledger learns the fleet from topology events a moment after health
+            placed = subprocess.run(place, env=env, capture_output=True, text=True, timeout=60)
+            if placed.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert placed.returncode == 0, placed.stdout + placed.stderr
+        reply = json.loads(placed.stdout)
+        assert reply["status"] == "placed" and reply["allocation_id"] and reply["placements"]
+
         tree = _descendants(up.pid)
         pids = {p.pid for p in tree}
         assert state["servers"]["nats_pid"] in pids and state["servers"]["postgres_pid"] in pids
