@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from shared.contracts.topology import GpuSample
-from shared.domain.fleet import NodeProfile
+from shared.domain.fleet import Accelerator, NodeProfile
+from shared.domain.topology import LinkMatrix
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +19,20 @@ class NodePlace:
     region: str
     cluster: str
     rack: str
+
+    def profile(self, accelerators: Sequence[Accelerator], links: LinkMatrix, *, source: str) -> NodeProfile:
+        """The node's profile: its SKU is its GPUs' one, or ``mixed``."""
+        skus = {a.sku for a in accelerators}
+        return NodeProfile(
+            name=self.name,
+            region=self.region,
+            cluster=self.cluster,
+            rack=self.rack,
+            sku=skus.pop() if len(skus) == 1 else "mixed",
+            accelerators=tuple(accelerators),
+            links=links,
+            source=source,
+        )
 
 
 class ProviderError(RuntimeError):

@@ -103,17 +103,7 @@ class NvidiaSmiProvider:
                     pcie_width_max=device.pcie_link_width_max if device else None,
                 )
             )
-        skus = {a.sku for a in accelerators}
-        return NodeProfile(
-            name=self._place.name,
-            region=self._place.region,
-            cluster=self._place.cluster,
-            rack=self._place.rack,
-            sku=skus.pop() if len(skus) == 1 else "mixed",
-            accelerators=tuple(accelerators),
-            links=links,
-            source=self.name,
-        )
+        return self._place.profile(accelerators, links, source=self.name)
 
     def telemetry(self) -> list[GpuSample]:
         if self._topo_file:  # captured outputs only: nothing live to sample

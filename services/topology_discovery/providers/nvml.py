@@ -181,17 +181,7 @@ class NvmlProvider:
                     level = self._try(nvml.nvmlDeviceGetTopologyCommonAncestor, handles[i], handles[j], default=50)
                     code = _LEVEL_CODES.get(int(level or 50), "SYS")
                 codes[i][j] = codes[j][i] = code
-        skus = {a.sku for a in accelerators}
-        return NodeProfile(
-            name=self._place.name,
-            region=self._place.region,
-            cluster=self._place.cluster,
-            rack=self._place.rack,
-            sku=skus.pop() if len(skus) == 1 else "mixed",
-            accelerators=tuple(accelerators),
-            links=LinkMatrix.from_codes(codes, numa=numa),
-            source=self.name,
-        )
+        return self._place.profile(accelerators, LinkMatrix.from_codes(codes, numa=numa), source=self.name)
 
     def telemetry(self) -> list[GpuSample]:
         self._init()
