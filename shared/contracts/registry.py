@@ -1,0 +1,51 @@
+"""Every request subject and every event with its model: what the AsyncAPI document is made from."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from shared.contracts import fleet, health, ledger, placement, rebalance, reservation, routing, topology
+from shared.contracts import placement_events as pe
+from shared.contracts.subjects import Context, Rpc
+
+RPCS: dict[Rpc, tuple[type[BaseModel], type[BaseModel]]] = {
+    **{rpc: (health.HealthRequest, health.HealthReply) for rpc in Rpc if rpc.value.endswith(".health")},
+    Rpc.FLEET_GET: (fleet.FleetGetRequest, fleet.FleetGetReply),
+    Rpc.FLEET_DESCRIBE: (fleet.FleetDescribeRequest, fleet.FleetDescribeReply),
+    Rpc.TOPOLOGY_REPORT: (topology.TopologyReportRequest, topology.TopologyReportReply),
+    Rpc.LEDGER_COMMIT: (ledger.CommitRequest, ledger.CommitReply),
+    Rpc.LEDGER_COMMIT_BATCH: (ledger.CommitBatchRequest, ledger.CommitBatchReply),
+    Rpc.LEDGER_RELEASE: (ledger.LedgerReleaseRequest, ledger.LedgerReleaseReply),
+    Rpc.LEDGER_RENEW: (ledger.LedgerRenewRequest, ledger.LedgerRenewReply),
+    Rpc.LEDGER_SNAPSHOT: (ledger.SnapshotRequest, ledger.SnapshotReply),
+    Rpc.PLACEMENT_PLACE: (placement.PlaceRequest, placement.PlaceReply),
+    Rpc.PLACEMENT_EXPLAIN: (placement.PlaceRequest, placement.PlaceReply),
+    Rpc.PLACEMENT_RELEASE: (placement.ReleaseRequest, placement.ReleaseReply),
+    Rpc.PLACEMENT_RENEW: (placement.RenewRequest, placement.RenewReply),
+    Rpc.PLACEMENT_ADMIT: (placement.AdmitRequest, placement.AdmitReply),
+    Rpc.RESERVATION_CREATE: (reservation.ReservationCreateRequest, reservation.ReservationCreateReply),
+    Rpc.RESERVATION_CANCEL: (reservation.ReservationCancelRequest, reservation.ReservationCreateReply),
+    Rpc.RESERVATION_STATUS: (reservation.ReservationStatusRequest, reservation.ReservationStatusReply),
+    Rpc.ROUTE_SELECT: (routing.RouteSelectRequest, routing.RouteSelectReply),
+    Rpc.REBALANCE_STATUS: (rebalance.RebalanceStatusRequest, rebalance.RebalanceStatusReply),
+}
+
+EVENTS: dict[tuple[Context, str], type[BaseModel]] = {
+    (Context.TOPOLOGY, topology.NODE_PROFILED): topology.NodeProfileEvent,
+    (Context.TOPOLOGY, topology.NODE_CHANGED): topology.NodeProfileEvent,
+    (Context.TOPOLOGY, topology.NODE_REMOVED): topology.NodeStateEvent,
+    (Context.TOPOLOGY, topology.NODE_LOST): topology.NodeStateEvent,
+    (Context.TOPOLOGY, topology.NODE_RECOVERED): topology.NodeStateEvent,
+    (Context.TOPOLOGY, topology.NODE_PROFILE_FAILED): topology.NodeProfileFailedEvent,
+    (Context.TOPOLOGY, topology.TPU_POD_PROFILED): topology.TpuPodEvent,
+    (Context.TELEMETRY, topology.GPU_TELEMETRY): topology.GpuTelemetryEvent,
+    (Context.LEDGER, ledger.ALLOCATION_COMMITTED): ledger.AllocationEvent,
+    (Context.LEDGER, ledger.ALLOCATION_RELEASED): ledger.AllocationEvent,
+    (Context.LEDGER, ledger.ALLOCATION_EXPIRED): ledger.AllocationEvent,
+    (Context.LEDGER, ledger.ALLOCATIONS_FLAGGED): ledger.AllocationsFlaggedEvent,
+    (Context.LEDGER, ledger.CAPACITY_CHANGED): ledger.CapacityChangedEvent,
+    (Context.LEDGER, ledger.DRIFT_DETECTED): ledger.DriftEvent,
+    (Context.PLACEMENT, pe.PLACEMENT_DECIDED): pe.PlacementEvent,
+    (Context.PLACEMENT, pe.PLACEMENT_REJECTED): pe.PlacementEvent,
+    (Context.PLACEMENT, pe.PLACEMENT_RELEASED): pe.PlacementReleasedEvent,
+}
