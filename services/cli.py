@@ -242,6 +242,54 @@ def fleet(
     render_fleet(reply, console)
 
 
+@app.command()
+def sim(
+    fleet: Annotated[Path, typer.Option("--fleet", help="Fleet inventory YAML (API.md format).")],
+    trace: Annotated[Path, typer.Option("--trace", help="Workload trace (Azure CSV, Mooncake JSONL, plain CSV).")],
+    policy: Annotated[
+        str | None, typer.Option(help="One policy (hetsched, gpu-index, random, first-fit, cheapest-sku); default all.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the model mix and the random policy.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help='Print {"policies": {NAME: KPIS}}.')] = False,
+    plots: Annotated[Path | None, typer.Option("--plots", help="Write per-policy time-series PNGs here.")] = None,
+    bad_rows: Annotated[
+        str, typer.Option("--bad-rows", help="reject (exit non-zero naming the row) or skip.")
+    ] = "reject",
+    limit: Annotated[int | None, typer.Option(help="Only the first N requests of the trace.")] = None,
+) -> None:
+    """Replay a workload trace against a fleet under each placement policy and print the KPIs."""
+    from services.sim_cli import dump_json, render_table, run_sim, write_plots
+    from shared.domain.sim import POLICIES
+    from shared.domain.traces import TraceError
+
+    if bad_rows not in ("reject", "skip"):
+        err.print(f"[red]--bad-rows: expected reject or skip, got {bad_rows!r}[/red]")
+        raise typer.Exit(2)
+    if policy is not None and policy not in POLICIES:
+        err.print(f"[red]--policy: expected one of {', '.join(POLICIES)}, got {policy!r}[/red]")
+        raise typer.Exit(2)
+    try:
+        results, loaded = run_sim(
+            fleet, trace, policy, seed=seed, on_bad_rows="skip" if bad_rows == "skip" else "reject", limit=limit
+        )
+    except TraceError as exc:
+        err.print(f"[red]{trace}: {exc}[/red]")
+        raise typer.Exit(1) from exc
+    except (OSError, ValueError) as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    if loaded.skipped_total:
+        counts = ", ".join(f"{reason}={n}" for reason, n in sorted(loaded.skipped.items()))
+        err.print(f"skipped {loaded.skipped_total} bad rows ({counts})")
+    if as_json:
+        print(dump_json(results))
+    else:
+        render_table(results, console)
+    if plots is not None:
+        for path in write_plots(results, plots):
+            err.print(f"wrote {path}")
+
+
 topo_app = typer.Typer(help="Topology tools.", no_args_is_help=True)
 app.add_typer(topo_app, name="topo")
 

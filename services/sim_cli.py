@@ -1,0 +1,136 @@
+"""`hetsched sim`: the IO shell around the pure simulator (``shared.domain.sim``).
+
+Reads the fleet and the trace, assigns models with the default mix, runs each policy with a
+wall-clock timer around its decisions, and prints a table or JSON; ``--plots`` writes one PNG per
+policy of the per-minute time series (active replicas, queue length, SLO attainment).
+
+Default model mix (all fit the demo fleet): llama3-8b 50 %, llama3-70b 30 %, mixtral-8x7b 20 %.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from shared.domain.placement import FleetSnapshot
+from shared.domain.sim import POLICIES, SimConfig, SimResult, make_policy, simulate
+from shared.domain.traces import OnError, Trace, assign_workload, detect_format, read_trace
+from shared.infra.catalog import load_inventory, load_models, load_skus
+
+DEFAULT_MODEL_MIX: Mapping[str, float] = {"llama3-8b": 0.5, "llama3-70b": 0.3, "mixtral-8x7b": 0.2}
+DEFAULT_TENANTS: Mapping[str, float] = {"tenant-a": 0.5, "tenant-b": 0.3, "tenant-c": 0.2}
+
+
+def load_trace(path: Path, *, on_bad_rows: OnError) -> Trace:
+    """The trace at ``path``; ``TraceError`` names the bad row when ``on_bad_rows`` is ``reject``."""
+    text = path.read_text()
+    return read_trace(text, detect_format(text, path.name), on_error=on_bad_rows)
+
+
+def run_sim(
+    fleet_path: Path,
+    trace_path: Path,
+    policy: str | None = None,
+    *,
+    seed: int = 0,
+    on_bad_rows: OnError = "reject",
+    model_mix: Mapping[str, float] | None = None,
+    limit: int | None = None,
+    config: SimConfig | None = None,
+) -> tuple[dict[str, SimResult], Trace]:
+    """Run one policy (or all of ``POLICIES``) over the trace on the fleet; results by policy name."""
+    skus = load_skus()
+    models = load_models()
+    fleet, _ = load_inventory(fleet_path, skus=skus)
+    trace = load_trace(trace_path, on_bad_rows=on_bad_rows)
+    requests = trace.requests[:limit] if limit is not None else trace.requests
+    assigned = assign_workload(requests, models=model_mix or DEFAULT_MODEL_MIX, tenants=DEFAULT_TENANTS, seed=seed)
+    snapshot = FleetSnapshot.from_fleet(fleet, skus=skus, models=models)
+    names: Sequence[str] = POLICIES if policy is None else (policy,)
+    results = {
+        name: simulate(snapshot, assigned, make_policy(name, seed=seed), config=config, timer=time.perf_counter)
+        for name in names
+    }
+    return results, trace
+
+
+def results_json(results: Mapping[str, SimResult]) -> dict[str, Any]:
+    return {"policies": {name: r.kpis.to_dict() for name, r in results.items()}}
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+_COLUMNS = (
+    ("requests", "requests"),
+    ("placed", "placed"),
+    ("success_rate", "success"),
+    ("slo_attainment", "SLO att."),
+    ("mean_queue_wait_ms", "wait mean ms"),
+    ("p99_queue_wait_ms", "wait p99 ms"),
+    ("replicas", "replicas"),
+    ("nvlink_affinity", "NVLink aff."),
+    ("tp_groups_not_nvlinked", "TP not NVL"),
+    ("tpu_fragmentation", "TPU frag"),
+    ("cost_per_million_tokens", "$/M tok"),
+    ("energy_kwh", "kWh"),
+    ("decision_p50_ms", "dec p50 ms"),
+    ("decision_p99_ms", "dec p99 ms"),
+)
+
+
+def render_table(results: Mapping[str, SimResult], console: Console) -> None:
+    """One row per KPI, one column per policy (fits a narrow terminal)."""
+    table = Table(title="hetsched sim: KPIs per policy")
+    table.add_column("KPI")
+    for name in results:
+        table.add_column(name, justify="right")
+    rows = {name: r.kpis.to_dict() for name, r in results.items()}
+    for key, header in _COLUMNS:
+        table.add_row(header, *(_fmt(rows[name][key]) for name in results))
+    console.print(table)
+
+
+def write_plots(results: Mapping[str, SimResult], plots_dir: Path) -> list[Path]:
+    """One PNG per policy: active replicas, queue length and SLO attainment per minute."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, result in results.items():
+        minutes = [s.minute for s in result.samples]
+        fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
+        axes[0].plot(minutes, [s.active_replicas for s in result.samples])
+        axes[0].set_ylabel("active replicas")
+        axes[1].plot(minutes, [s.queue_length for s in result.samples])
+        axes[1].set_ylabel("queue length")
+        axes[2].plot(
+            minutes, [s.slo_attainment if s.slo_attainment is not None else float("nan") for s in result.samples]
+        )
+        axes[2].set_ylabel("SLO attainment")
+        axes[2].set_ylim(0, 1.05)
+        axes[2].set_xlabel("minute")
+        fig.suptitle(f"policy {name}")
+        path = plots_dir / f"{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def dump_json(results: Mapping[str, SimResult]) -> str:
+    return json.dumps(results_json(results), indent=2)

@@ -1,0 +1,352 @@
+"""A discrete-event simulation of serving a workload on a fleet under one placement policy.
+
+Clock: simulated milliseconds from the trace's first request; nothing reads a real clock (decision
+wall times come from an injected ``timer``, which defaults to one that always returns 0).
+
+Rules (``SimConfig`` holds every number):
+
+* A replica of a model is placed by the policy with ``context_tokens`` of context and ``slots`` KV
+  slots (its concurrency). Each request holds one slot for its lifetime (its e2e time).
+* Scale up: a request arrives (or waits) for a model whose every replica has all slots taken -> the
+  policy is asked for a new replica. If it refuses, the request queues (FIFO per model) and the model
+  is not asked again until some replica is released (capacity changed).
+* Scale down: a replica with no request for ``idle_release_s`` is released (its HBM/TPU slice freed).
+* A queued request is admitted when a slot frees; one that waited more than ``queue_timeout_s`` fails.
+* Latency: ``latency.estimate(model, replica SKU, TP, prompt, output, batch)`` with batch = the
+  replica's occupied slots at admission (held for the request's life: a static-batch approximation).
+  TTFT as seen by the user = queue wait + estimated TTFT.
+* SLO: TTFT <= ``slo_ttft_ms`` (2 s) and TPOT <= ``slo_tpot_ms`` (100 ms); a failed request misses it.
+
+Deterministic: the same requests, fleet, policy and seed give the same result (ties break on ids).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from shared.domain.hardware import Sku
+from shared.domain.latency import ModelShape, estimate
+from shared.domain.placement import AcceleratorCapacity, Decision, FleetSnapshot, PlacementRequest, TpuPodState, apply
+from shared.domain.placement.perf import model_shape
+from shared.domain.sim.kpis import Kpis, ReplicaLife, RequestOutcome, Sample, compute_kpis, nvlinked_group
+from shared.domain.sim.policies import Policy
+from shared.domain.topology.tpu import fragmentation, free
+from shared.domain.traces import AssignedRequest
+
+Timer = Callable[[], float]
+
+
+def zero_timer() -> float:
+    return 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    context_tokens: int = 8192
+    slots: int = 16
+    idle_release_s: float = 60.0
+    queue_timeout_s: float = 30.0
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 100.0
+    sample_period_ms: float = 60_000.0
+    tenant: str = "sim"
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    policy: str
+    kpis: Kpis
+    outcomes: tuple[RequestOutcome, ...]
+    replicas: tuple[ReplicaLife, ...]
+    samples: tuple[Sample, ...]
+    decision_ms: tuple[float, ...]
+
+
+@dataclass(slots=True)
+class _Replica:
+    id: int
+    model: str
+    decision: Decision
+    shape: ModelShape
+    sku: Sku
+    tp: int
+    start_ms: float
+    active: int = 0
+    empty_since: float | None = None
+
+
+def release(snapshot: FleetSnapshot, decision: Decision) -> FleetSnapshot:
+    """The inverse of ``placement.apply`` for a placed decision: its share and TPU slice freed, and the
+    TDP of every GPU that turns idle taken off its rack."""
+    if not decision.placed or decision.share is None:
+        return snapshot
+    if decision.tpu is not None:
+        pods = dict(snapshot.tpu_pods)
+        state = pods[decision.tpu.pod]
+        pods[decision.tpu.pod] = TpuPodState(state.pod, free(state.grid, decision.tpu.slice), state.hbm_per_chip)
+        return snapshot.evolve(tpu_pods=pods)
+    capacity = dict(snapshot.capacity)
+    power = dict(snapshot.rack_power_used_w)
+    for acc_id in decision.accelerators:
+        cap = capacity[acc_id]
+        reserved = max(0, cap.reserved - decision.share.total)
+        capacity[acc_id] = AcceleratorCapacity(
+            cap.id, cap.node, cap.index, cap.sku, cap.usable, reserved, cap.available
+        )
+        if reserved == 0 and cap.reserved > 0:
+            key = snapshot.rack_key(cap.node)
+            power[key] = max(0.0, power.get(key, 0.0) - snapshot.skus[cap.sku].tdp_w)
+    return snapshot.evolve(capacity=capacity, rack_power_used_w=power)
+
+
+# Event kinds, in the order they run at the same instant.
+_DONE, _IDLE, _TIMEOUT, _ARRIVE = 0, 1, 2, 3
+
+
+@dataclass
+class _Sim:
+    snapshot: FleetSnapshot
+    policy: Policy
+    config: SimConfig
+    timer: Timer
+    requests: Sequence[AssignedRequest]
+    events: list[tuple[float, int, int, int]] = field(default_factory=list)
+    seq: int = 0
+    replicas: dict[int, _Replica] = field(default_factory=dict)
+    lives: list[ReplicaLife] = field(default_factory=list)
+    queues: dict[str, deque[int]] = field(default_factory=dict)
+    waiting: set[int] = field(default_factory=set)
+    blocked: set[str] = field(default_factory=set)
+    outcomes: dict[int, RequestOutcome] = field(default_factory=dict)
+    running: dict[int, tuple[int, RequestOutcome]] = field(default_factory=dict)  # request -> (replica, outcome)
+    decision_ms: list[float] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    window_done: int = 0
+    window_met: int = 0
+    next_replica: int = 0
+    tpu_used: bool = False
+    frag_cache: dict[str, tuple[object, float]] = field(default_factory=dict)
+
+    def push(self, time: float, kind: int, ref: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (time, kind, self.seq, ref))
+
+    # -- replicas ----------------------------------------------------------------------------
+
+    def scale_up(self, model: str, now: float) -> _Replica | None:
+        if model in self.blocked:
+            return None
+        self.next_replica += 1
+        request = PlacementRequest(
+            request_id=f"{model}-replica-{self.next_replica}",
+            tenant=self.config.tenant,
+            model=model,
+            context_tokens=self.config.context_tokens,
+            concurrency=self.config.slots,
+        )
+        start = self.timer()
+        decision = self.policy.decide(self.snapshot, request)
+        self.decision_ms.append((self.timer() - start) * 1000.0)
+        if not decision.placed or decision.sku is None or decision.tp is None:
+            self.blocked.add(model)
+            return None
+        self.snapshot = apply(self.snapshot, decision)
+        spec = self.snapshot.models[model]
+        replica = _Replica(
+            id=self.next_replica,
+            model=model,
+            decision=decision,
+            shape=model_shape(spec, spec.dtype, spec.kv_dtype),
+            sku=self.snapshot.skus[decision.sku],
+            tp=decision.tp,
+            start_ms=now,
+        )
+        self.tpu_used = self.tpu_used or decision.tpu is not None
+        self.replicas[replica.id] = replica
+        return replica
+
+    def retire(self, replica: _Replica, now: float) -> None:
+        del self.replicas[replica.id]
+        self.snapshot = release(self.snapshot, replica.decision)
+        self.blocked.clear()
+        d = replica.decision
+        tp_group = d.tpu is None and len(d.accelerators) > 1
+        self.lives.append(
+            ReplicaLife(
+                model=replica.model,
+                sku=replica.sku.name,
+                accelerators=len(d.accelerators),
+                price_usd_per_hour=replica.sku.price_usd_per_hour,
+                tdp_w=replica.sku.tdp_w,
+                tpu=d.tpu is not None,
+                nvlinked=nvlinked_group(self.snapshot.nodes, d.accelerators) if tp_group else None,
+                start_ms=replica.start_ms,
+                end_ms=now,
+            )
+        )
+
+    def free_replica(self, model: str) -> _Replica | None:
+        best: _Replica | None = None
+        for replica in self.replicas.values():
+            if replica.model == model and replica.active < self.config.slots:
+                if best is None or (replica.active, replica.id) < (best.active, best.id):
+                    best = replica
+        return best
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def admit(self, index: int, replica: _Replica, now: float) -> None:
+        req = self.requests[index]
+        replica.active += 1
+        replica.empty_since = None
+        est = estimate(
+            replica.shape, replica.sku, replica.tp, req.input_tokens, max(1, req.output_tokens), replica.active
+        )
+        wait = now - req.arrival_ms
+        ttft = wait + est.ttft_ms
+        met = ttft <= self.config.slo_ttft_ms and est.tpot_ms <= self.config.slo_tpot_ms
+        outcome = RequestOutcome(
+            row=req.row,
+            model=req.model,
+            admitted=True,
+            queued=wait > 0,
+            wait_ms=wait,
+            ttft_ms=ttft,
+            tpot_ms=est.tpot_ms,
+            done_ms=now + est.e2e_ms,
+            slo_met=met,
+            tokens=req.input_tokens + req.output_tokens,
+        )
+        self.running[index] = (replica.id, outcome)
+        self.push(now + est.e2e_ms, _DONE, index)
+
+    def serve(self, model: str, now: float) -> None:
+        """Admit queued requests of ``model`` while slots exist or replicas can be added."""
+        queue = self.queues.get(model)
+        while queue:
+            index = queue[0]
+            if index not in self.waiting:
+                queue.popleft()
+                continue
+            replica = self.free_replica(model) or self.scale_up(model, now)
+            if replica is None:
+                return
+            queue.popleft()
+            self.waiting.discard(index)
+            self.admit(index, replica, now)
+
+    def fail(self, index: int, now: float) -> None:
+        req = self.requests[index]
+        self.outcomes[index] = RequestOutcome(
+            row=req.row,
+            model=req.model,
+            admitted=False,
+            queued=True,
+            wait_ms=now - req.arrival_ms,
+            ttft_ms=None,
+            tpot_ms=None,
+            done_ms=None,
+            slo_met=False,
+            tokens=0,
+        )
+
+    # -- time series ---------------------------------------------------------------------------
+
+    def tpu_fragmentation(self) -> float:
+        if not self.tpu_used or not self.snapshot.tpu_pods:
+            return 0.0
+        values = []
+        for name, state in self.snapshot.tpu_pods.items():
+            cached = self.frag_cache.get(name)
+            if cached is None or cached[0] is not state.grid:
+                cached = self.frag_cache[name] = (state.grid, fragmentation(state.grid))
+            values.append(cached[1])
+        return sum(values) / len(values)
+
+    def sample(self, at: float) -> None:
+        self.samples.append(
+            Sample(
+                minute=at / 60_000.0,
+                active_replicas=len(self.replicas),
+                queue_length=len(self.waiting),
+                slo_attainment=self.window_met / self.window_done if self.window_done else None,
+                tpu_fragmentation=self.tpu_fragmentation(),
+            )
+        )
+        self.window_done = self.window_met = 0
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> float:
+        for index, req in enumerate(self.requests):
+            self.push(req.arrival_ms, _ARRIVE, index)
+        next_sample = self.config.sample_period_ms
+        now = 0.0
+        while self.events:
+            time, kind, _, ref = heapq.heappop(self.events)
+            while next_sample <= time:
+                self.sample(next_sample)
+                next_sample += self.config.sample_period_ms
+            now = time
+            if kind == _ARRIVE:
+                model = self.requests[ref].model
+                queue = self.queues.setdefault(model, deque())
+                queue.append(ref)
+                self.waiting.add(ref)
+                self.serve(model, now)
+                if ref in self.waiting:
+                    self.push(now + self.config.queue_timeout_s * 1000.0, _TIMEOUT, ref)
+            elif kind == _TIMEOUT:
+                if ref in self.waiting:
+                    self.waiting.discard(ref)
+                    self.fail(ref, now)
+            elif kind == _DONE:
+                replica_id, outcome = self.running.pop(ref)
+                self.outcomes[ref] = outcome
+                self.window_done += 1
+                self.window_met += outcome.slo_met
+                replica = self.replicas[replica_id]
+                replica.active -= 1
+                self.serve(replica.model, now)
+                if replica.active == 0:
+                    replica.empty_since = now
+                    self.push(now + self.config.idle_release_s * 1000.0, _IDLE, replica.id)
+            elif kind == _IDLE:
+                idle = self.replicas.get(ref)
+                if idle is not None and idle.active == 0 and idle.empty_since is not None:
+                    if now - idle.empty_since >= self.config.idle_release_s * 1000.0:
+                        self.retire(idle, now)
+                        for model in sorted(m for m, q in self.queues.items() if q):
+                            self.serve(model, now)
+        self.sample(now)
+        for replica in sorted(self.replicas.values(), key=lambda r: r.id):
+            self.retire(replica, now)
+        return now
+
+
+def simulate(
+    snapshot: FleetSnapshot,
+    requests: Sequence[AssignedRequest],
+    policy: Policy,
+    *,
+    config: SimConfig | None = None,
+    timer: Timer = zero_timer,
+) -> SimResult:
+    """Replay ``requests`` (arrival order) on ``snapshot`` with ``policy``; ``timer`` (seconds) times decisions."""
+    config = config or SimConfig()
+    ordered = sorted(requests, key=lambda r: (r.arrival_ms, r.row))
+    sim = _Sim(snapshot=snapshot, policy=policy, config=config, timer=timer, requests=ordered)
+    sim.run()
+    outcomes = tuple(sim.outcomes[i] for i in sorted(sim.outcomes))
+    kpis = compute_kpis(outcomes, sim.lives, sim.samples, sim.decision_ms)
+    return SimResult(
+        policy=policy.name,
+        kpis=kpis,
+        outcomes=outcomes,
+        replicas=tuple(sim.lives),
+        samples=tuple(sim.samples),
+        decision_ms=tuple(sim.decision_ms),
+    )

@@ -1,0 +1,156 @@
+"""What a simulation run is judged by: per-request outcomes and replica lifetimes folded into KPIs.
+
+* ``success_rate`` = admitted / requests; ``slo_attainment`` = requests meeting the SLO / requests
+  (a failed request misses it); queue waits are over the requests that waited at all.
+* ``nvlink_affinity`` = share of GPU TP>1 groups whose every GPU pair is NVLinked (the node's
+  ``LinkMatrix``; across nodes, the same NVLink fabric clique); None when there was no such group.
+* ``cost_per_million_tokens`` = sum over replicas of price x accelerators x lifetime hours, divided by
+  the tokens (prompt + output) of the requests served, x 1e6. ``energy_kwh`` = TDP x accelerators x
+  lifetime. ``fill_rate`` is None (no reservation filler in the simulator).
+* ``tpu_fragmentation`` = mean of ``topology.tpu.fragmentation`` over pods at sample times, 0 when no
+  replica ever used a TPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shared.domain.fleet import NodeProfile
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    row: int
+    model: str
+    admitted: bool
+    queued: bool
+    wait_ms: float
+    ttft_ms: float | None
+    tpot_ms: float | None
+    done_ms: float | None
+    slo_met: bool
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLife:
+    model: str
+    sku: str
+    accelerators: int
+    price_usd_per_hour: float
+    tdp_w: float
+    tpu: bool
+    nvlinked: bool | None  # None unless a GPU TP>1 group
+    start_ms: float
+    end_ms: float
+
+    @property
+    def hours(self) -> float:
+        return (self.end_ms - self.start_ms) / 3_600_000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """The state at the end of one sample period (a minute by default)."""
+
+    minute: float
+    active_replicas: int
+    queue_length: int
+    slo_attainment: float | None  # of the requests completed in the period
+    tpu_fragmentation: float
+
+
+@dataclass(frozen=True, slots=True)
+class Kpis:
+    requests: int
+    placed: int
+    failed: int
+    queued: int
+    success_rate: float
+    mean_queue_wait_ms: float
+    p99_queue_wait_ms: float
+    slo_attainment: float
+    replicas: int
+    tp_groups: int
+    nvlink_affinity: float | None
+    tp_groups_not_nvlinked: int
+    fill_rate: float | None
+    tpu_fragmentation: float
+    cost_per_million_tokens: float | None
+    energy_kwh: float
+    decisions: int
+    decision_p50_ms: float
+    decision_p99_ms: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _split(acc_id: str) -> tuple[str, int]:
+    node, _, gpu = acc_id.rpartition("/")
+    return node, int(gpu.removeprefix("gpu"))
+
+
+def nvlinked_group(nodes: Mapping[str, NodeProfile], accelerators: Sequence[str]) -> bool:
+    """Whether every pair of the GPUs ``accelerators`` (ids ``<node>/gpu<i>``) is NVLinked."""
+    parts = [_split(a) for a in accelerators]
+    names = {n for n, _ in parts}
+    if len(names) == 1:
+        links = nodes[parts[0][0]].links
+        idx = [i for _, i in parts]
+        return all(links.is_nvlinked(a, b) for k, a in enumerate(idx) for b in idx[k + 1 :])
+    fabrics = set()
+    for node, index in parts:
+        fabric = next((acc.fabric for acc in nodes[node].accelerators if acc.index == index), None)
+        if fabric is None or not fabric.cluster_uuid.strip("0-"):
+            return False
+        fabrics.add((fabric.cluster_uuid, fabric.clique_id))
+    return len(fabrics) == 1
+
+
+def compute_kpis(
+    outcomes: Sequence[RequestOutcome],
+    replicas: Sequence[ReplicaLife],
+    samples: Sequence[Sample],
+    decision_ms: Sequence[float],
+) -> Kpis:
+    total = len(outcomes)
+    placed = sum(o.admitted for o in outcomes)
+    waits = [o.wait_ms for o in outcomes if o.queued]
+    groups = [r for r in replicas if r.nvlinked is not None]
+    linked = sum(1 for r in groups if r.nvlinked)
+    tokens = sum(o.tokens for o in outcomes if o.admitted)
+    dollars = sum(r.price_usd_per_hour * r.accelerators * r.hours for r in replicas)
+    return Kpis(
+        requests=total,
+        placed=placed,
+        failed=total - placed,
+        queued=len(waits),
+        success_rate=placed / total if total else 0.0,
+        mean_queue_wait_ms=sum(waits) / len(waits) if waits else 0.0,
+        p99_queue_wait_ms=percentile(waits, 99),
+        slo_attainment=sum(o.slo_met for o in outcomes) / total if total else 0.0,
+        replicas=len(replicas),
+        tp_groups=len(groups),
+        nvlink_affinity=linked / len(groups) if groups else None,
+        tp_groups_not_nvlinked=len(groups) - linked,
+        fill_rate=None,
+        tpu_fragmentation=sum(s.tpu_fragmentation for s in samples) / len(samples) if samples else 0.0,
+        cost_per_million_tokens=dollars / tokens * 1e6 if tokens else None,
+        energy_kwh=sum(r.tdp_w * r.accelerators * r.hours for r in replicas) / 1000.0,
+        decisions=len(decision_ms),
+        decision_p50_ms=percentile(decision_ms, 50),
+        decision_p99_ms=percentile(decision_ms, 99),
+    )

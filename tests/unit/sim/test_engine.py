@@ -1,0 +1,142 @@
+"""The simulator core: determinism, NVLink accounting of a baseline, queueing and timeouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.domain.placement import FleetSnapshot
+from shared.domain.sim import SimConfig, make_policy, simulate
+from shared.domain.sim.policies import POLICIES
+from shared.domain.traces import AssignedRequest, TraceRequest, assign_workload
+from shared.infra.catalog import demo_fleet_path, load_inventory, load_models, load_skus
+
+MIX = {"llama3-8b": 0.5, "llama3-70b": 0.3, "mixtral-8x7b": 0.2}
+
+FLEET_4P4 = """
+regions:
+  - name: r
+    clusters:
+      - name: c
+        racks:
+          - name: k
+            power_kw: 30
+            nodes:
+              - name: n1
+                sku: H100-SXM-80GB
+                gpus: 8
+                topology: "4+4"
+"""
+
+FLEET_ONE_GPU = """
+regions:
+  - name: r
+    clusters:
+      - name: c
+        racks:
+          - name: k
+            power_kw: 30
+            nodes:
+              - name: solo
+                sku: H100-SXM-80GB
+                gpus: 1
+                topology: pcie
+"""
+
+
+def _snapshot(path: Path, reserved: dict[str, int] | None = None) -> FleetSnapshot:
+    skus = load_skus()
+    fleet, _ = load_inventory(path, skus=skus)
+    return FleetSnapshot.from_fleet(fleet, skus=skus, models=load_models(), reserved=reserved)
+
+
+def _fleet(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(text)
+    return path
+
+
+def _synthetic(n: int) -> list[TraceRequest]:
+    return [
+        TraceRequest(arrival_ms=i * 150.0, input_tokens=200 + (i * 37) % 1500, output_tokens=20 + i % 180, row=i + 1)
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def demo() -> FleetSnapshot:
+    return _snapshot(demo_fleet_path())
+
+
+def _kpis_without_timing(result: object) -> dict[str, object]:
+    kpis = result.kpis.to_dict()  # type: ignore[attr-defined]
+    return {k: v for k, v in kpis.items() if not k.startswith("decision_p")}
+
+
+def _counter_timer() -> object:
+    ticks = iter(range(10**9))
+    return lambda: float(next(ticks))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_same_seed_same_kpis(demo: FleetSnapshot, policy: str) -> None:
+    requests = assign_workload(_synthetic(400), models=MIX, tenants={"t": 1.0}, seed=7)
+    first = simulate(demo, requests, make_policy(policy, seed=7), timer=_counter_timer())  # type: ignore[arg-type]
+    second = simulate(demo, requests, make_policy(policy, seed=7))
+    assert _kpis_without_timing(first) == _kpis_without_timing(second)
+    assert first.outcomes == second.outcomes
+    assert first.kpis.requests == 400
+
+
+def test_different_seeds_may_differ(demo: FleetSnapshot) -> None:
+    results = set()
+    for seed in (1, 2, 3):
+        requests = assign_workload(_synthetic(400), models=MIX, tenants={"t": 1.0}, seed=seed)
+        results.add(
+            tuple(sorted(_kpis_without_timing(simulate(demo, requests, make_policy("random", seed=seed))).items()))
+        )
+    assert len(results) > 1
+
+
+def test_gpu_index_makes_a_tp_group_that_is_not_an_nvlink_clique(tmp_path: Path) -> None:
+    path = _fleet(tmp_path, FLEET_4P4)
+    usable = _snapshot(path).capacity["n1/gpu0"].usable
+    snapshot = _snapshot(path, reserved={"n1/gpu0": usable})  # GPU 0 is full: the 4-window starts at 1
+    requests = [
+        AssignedRequest(arrival_ms=0.0, input_tokens=500, output_tokens=50, row=1, model="llama3-70b", tenant="t")
+    ]
+    ours = simulate(snapshot, requests, make_policy("hetsched"))
+    theirs = simulate(snapshot, requests, make_policy("gpu-index"))
+    assert theirs.kpis.tp_groups == 1
+    assert theirs.kpis.tp_groups_not_nvlinked == 1
+    assert theirs.kpis.nvlink_affinity == 0.0
+    assert ours.kpis.placed == 1
+    assert ours.kpis.tp_groups_not_nvlinked == 0
+    assert ours.kpis.nvlink_affinity in (None, 1.0)
+
+
+def test_queueing_and_timeouts_are_counted(tmp_path: Path) -> None:
+    snapshot = _snapshot(_fleet(tmp_path, FLEET_ONE_GPU))
+    # 40 KV slots of 8192 tokens: one llama3-8b replica fills the single GPU, a second does not fit.
+    config = SimConfig(slots=40, queue_timeout_s=5.0, idle_release_s=1.0)
+
+    def request(row: int, at: float, output: int) -> AssignedRequest:
+        return AssignedRequest(
+            arrival_ms=at, input_tokens=100, output_tokens=output, row=row, model="llama3-8b", tenant="t"
+        )
+
+    long = [request(i + 1, float(i), 4000) for i in range(40)]
+    waiting = [request(41 + i, 100.0 + i, 5) for i in range(5)]
+    late = [request(100, 600_000.0, 5)]
+    result = simulate(snapshot, [*long, *waiting, *late], make_policy("hetsched"), config=config)
+    kpis = result.kpis
+    assert kpis.requests == 46
+    assert kpis.queued == 5
+    first_done = min(o.done_ms for o in result.outcomes[:40] if o.done_ms is not None)
+    expected_failed = 5 if first_done > 100.0 + 5_000.0 else 0
+    assert kpis.failed == expected_failed
+    assert kpis.placed == 46 - expected_failed
+    assert kpis.mean_queue_wait_ms > 0
+    assert kpis.success_rate == kpis.placed / 46
+    assert kpis.replicas == 2  # released after 1 s idle, placed again for the late request
