@@ -256,6 +256,10 @@ def sim(
         str, typer.Option("--bad-rows", help="reject (exit non-zero naming the row) or skip.")
     ] = "reject",
     limit: Annotated[int | None, typer.Option(help="Only the first N requests of the trace.")] = None,
+    live: Annotated[
+        bool, typer.Option("--live", help="Ask a running stack's placement.place for every replica (see README).")
+    ] = False,
+    data_dir: DataDirOption = None,
 ) -> None:
     """Replay a workload trace against a fleet under each placement policy and print the KPIs."""
     from services.sim_cli import dump_json, render_table, run_sim, write_plots
@@ -268,9 +272,25 @@ def sim(
     if policy is not None and policy not in POLICIES:
         err.print(f"[red]--policy: expected one of {', '.join(POLICIES)}, got {policy!r}[/red]")
         raise typer.Exit(2)
+    live_policy = None
+    if live:
+        from services.sim_live import LivePolicy
+
+        nats_url, _db, prefix = _endpoints(_settings(data_dir))
+        try:
+            live_policy = LivePolicy(nats_url=nats_url, subjects=Subjects(prefix))
+        except Exception as exc:
+            err.print(f"[red]--live: no stack at {nats_url}: {type(exc).__name__} {exc}[/red]")
+            raise typer.Exit(2) from exc
     try:
         results, loaded = run_sim(
-            fleet, trace, policy, seed=seed, on_bad_rows="skip" if bad_rows == "skip" else "reject", limit=limit
+            fleet,
+            trace,
+            policy,
+            seed=seed,
+            on_bad_rows="skip" if bad_rows == "skip" else "reject",
+            limit=limit,
+            live=live_policy,
         )
     except TraceError as exc:
         err.print(f"[red]{trace}: {exc}[/red]")
@@ -278,6 +298,9 @@ def sim(
     except (OSError, ValueError) as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
+    finally:
+        if live_policy is not None:
+            live_policy.close()
     if loaded.skipped_total:
         counts = ", ".join(f"{reason}={n}" for reason, n in sorted(loaded.skipped.items()))
         err.print(f"skipped {loaded.skipped_total} bad rows ({counts})")

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shared.domain.placement import FleetSnapshot
-from shared.domain.sim import POLICIES, SimConfig, SimResult, make_policy, simulate
+from shared.domain.sim import POLICIES, Policy, SimConfig, SimResult, make_policy, simulate
 from shared.domain.traces import OnError, Trace, assign_workload, detect_format, read_trace
 from shared.infra.catalog import load_inventory, load_models, load_skus
 
@@ -43,8 +43,10 @@ def run_sim(
     model_mix: Mapping[str, float] | None = None,
     limit: int | None = None,
     config: SimConfig | None = None,
+    live: Policy | None = None,
 ) -> tuple[dict[str, SimResult], Trace]:
-    """Run one policy (or all of ``POLICIES``) over the trace on the fleet; results by policy name."""
+    """Run one policy (or all of ``POLICIES``, or only ``live``) over the trace on the fleet; results by
+    policy name."""
     skus = load_skus()
     models = load_models()
     fleet, _ = load_inventory(fleet_path, skus=skus)
@@ -52,6 +54,8 @@ def run_sim(
     requests = trace.requests[:limit] if limit is not None else trace.requests
     assigned = assign_workload(requests, models=model_mix or DEFAULT_MODEL_MIX, tenants=DEFAULT_TENANTS, seed=seed)
     snapshot = FleetSnapshot.from_fleet(fleet, skus=skus, models=models)
+    if live is not None:
+        return {live.name: simulate(snapshot, assigned, live, config=config, timer=time.perf_counter)}, trace
     names: Sequence[str] = POLICIES if policy is None else (policy,)
     results = {
         name: simulate(snapshot, assigned, make_policy(name, seed=seed), config=config, timer=time.perf_counter)

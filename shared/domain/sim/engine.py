@@ -32,7 +32,7 @@ from shared.domain.latency import ModelShape, estimate
 from shared.domain.placement import AcceleratorCapacity, Decision, FleetSnapshot, PlacementRequest, TpuPodState, apply
 from shared.domain.placement.perf import model_shape
 from shared.domain.sim.kpis import Kpis, ReplicaLife, RequestOutcome, Sample, compute_kpis, nvlinked_group
-from shared.domain.sim.policies import Policy
+from shared.domain.sim.policies import Policy, ReleasingPolicy
 from shared.domain.topology.tpu import fragmentation, free
 from shared.domain.traces import AssignedRequest
 
@@ -171,6 +171,8 @@ class _Sim:
     def retire(self, replica: _Replica, now: float) -> None:
         del self.replicas[replica.id]
         self.snapshot = release(self.snapshot, replica.decision)
+        if isinstance(self.policy, ReleasingPolicy):
+            self.policy.released(replica.decision)
         self.blocked.clear()
         d = replica.decision
         tp_group = d.tpu is None and len(d.accelerators) > 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from shared.domain.memory import MemoryShare, per_accelerator_share
 from shared.domain.models import ModelSpec
@@ -32,6 +32,14 @@ class Policy(Protocol):
     name: str
 
     def decide(self, snapshot: FleetSnapshot, request: PlacementRequest) -> Decision: ...
+
+
+@runtime_checkable
+class ReleasingPolicy(Protocol):
+    """A policy that holds something outside the simulation (a live stack's allocation) and must be told
+    when the simulation retires a replica it placed."""
+
+    def released(self, decision: Decision) -> None: ...
 
 
 @dataclass
