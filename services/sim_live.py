@@ -19,13 +19,7 @@ from shared.contracts.subjects import Rpc, Subjects
 from shared.domain.memory import MemoryShare
 from shared.domain.placement import Decision, FleetSnapshot, PlacementRequest, TpuPlacement, apply
 from shared.domain.placement.types import chip_id
-
-
-def _block(origin: list[int], shape: list[int]) -> list[tuple[int, ...]]:
-    coords: list[tuple[int, ...]] = [()]
-    for start, extent in zip(origin, shape, strict=True):
-        coords = [(*c, start + i) for c in coords for i in range(extent)]
-    return coords
+from shared.domain.topology.tpu import TpuSlice
 
 
 def to_decision(request_id: str, reply: dict[str, Any]) -> Decision:
@@ -45,7 +39,9 @@ def to_decision(request_id: str, reply: dict[str, Any]) -> Decision:
     accelerators: tuple[str, ...] = tuple(a for p in reply.get("placements", []) for a in p["accelerators"])
     if reply.get("tpu_slice"):
         block = reply["tpu_slice"]
-        chips = tuple(chip_id(block["pod"], c) for c in _block(block["origin"], block["shape"]))
+        chips = tuple(
+            chip_id(block["pod"], c) for c in TpuSlice(tuple(block["origin"]), tuple(block["shape"])).coords()
+        )
         tpu = TpuPlacement(pod=block["pod"], origin=tuple(block["origin"]), shape=tuple(block["shape"]), chips=chips)
         accelerators = chips
     first = (reply.get("placements") or [{}])[0]

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shared.domain.fleet import Fleet, NodeProfile, Rack, TpuPod
+from shared.domain.fleet import Fleet, NodeProfile, Rack, TpuPod, tpu_chip_id
 from shared.domain.hardware import Sku
 from shared.domain.memory import DEFAULT_CEILING, MemoryShare, usable_hbm
 from shared.domain.models import ModelSpec
@@ -86,8 +86,8 @@ def tpu_sku_name(tpu_type: TpuType) -> str:
 
 
 def chip_id(pod: str, coord: Iterable[int]) -> str:
-    """A TPU chip's id: ``"<pod>/<x>.<y>[.<z>]"``."""
-    return f"{pod}/{'.'.join(str(c) for c in coord)}"
+    """A TPU chip's id: ``"<pod>/<x>.<y>[.<z>]"`` (the ledger's id for it, see ``fleet.tpu_chip_id``)."""
+    return tpu_chip_id(pod, tuple(coord))
 
 
 class _Memo:
