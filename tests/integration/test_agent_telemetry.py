@@ -46,6 +46,6 @@ async def test_agent_publishes_gpu_telemetry(settings: Settings) -> None:
             subject=Subjects(settings.subject_prefix).event(Context.TELEMETRY, GPU_TELEMETRY),
         )
     mine = [e for e in found if e["payload"]["node"] == "tele-01"]
-    assert 3 <= len(mine) <= 6  # one per 0.1 s over ~0.55 s
+    assert 2 <= len(mine) <= 8  # one per 0.1 s over ~0.55 s (loose: a loaded CI machine runs late)
     assert mine[0]["type"] == "telemetry.gpu" and mine[0]["payload"]["gpus"][1]["memory_used_bytes"] == 2 * 2**30
     assert len({e["event_id"] for e in mine}) == len(mine)
