@@ -27,7 +27,7 @@ from shared.contracts.ledger import (
 )
 from shared.contracts.subjects import Context, Subjects
 from shared.domain.ledger import AcceleratorState, ShareRequest, apply_shares, check_fit
-from shared.infra.outbox import enqueue
+from shared.infra.outbox import enqueue, enqueue_many
 
 SCHEMA = "ledger"
 SOURCE = "capacity-ledger"
@@ -474,64 +474,51 @@ async def end_allocation(
     if row["state"] != "active":
         return "already", row
     ids = [row["id"]]
-    children = (
-        (
-            await session.execute(
-                text(
-                    "SELECT * FROM ledger.allocations WHERE parent_id = :id AND state = 'active' ORDER BY id FOR UPDATE"
-                ),
-                {"id": allocation_id},
-            )
-        )
-        .mappings()
-        .all()
+    apg = await driver(session)  # the session's first statement opened the transaction
+    children = await apg.fetch(
+        "SELECT * FROM ledger.allocations WHERE parent_id = $1 AND state = 'active' ORDER BY id FOR UPDATE",
+        allocation_id,
     )
     ids += [c["id"] for c in children]
-    share_rows = (
-        await session.execute(
-            text(
-                "SELECT allocation_id, accelerator_id, weights, kv, activation, workspace, total, counts "
-                "FROM ledger.shares WHERE allocation_id = ANY(:ids) AND active"
-            ),
-            {"ids": ids},
-        )
-    ).all()
-    await lock_accelerators(session, [s.accelerator_id for s in share_rows if s.counts])
-    await session.execute(
-        text("UPDATE ledger.shares SET active = false WHERE allocation_id = ANY(:ids) AND active"), {"ids": ids}
+    share_rows = await apg.fetch(
+        "SELECT allocation_id, accelerator_id, weights, kv, activation, workspace, total, counts "
+        "FROM ledger.shares WHERE allocation_id = ANY($1::text[]) AND active",
+        ids,
     )
-    await session.execute(
-        text("UPDATE ledger.allocations SET state = :state, ended_at = now() WHERE id = ANY(:ids)"),
-        {"ids": ids, "state": state},
+    await lock_accelerators(session, [s["accelerator_id"] for s in share_rows if s["counts"]])
+    await apg.execute("UPDATE ledger.shares SET active = false WHERE allocation_id = ANY($1::text[]) AND active", ids)
+    await apg.execute(
+        "UPDATE ledger.allocations SET state = $2, ended_at = now() WHERE id = ANY($1::text[])", ids, state
     )
     by_allocation: dict[str, list[ShareRequest]] = {}
     for s in share_rows:
-        by_allocation.setdefault(s.allocation_id, []).append(
-            ShareRequest(s.accelerator_id, s.weights, s.kv, s.activation, s.workspace)
+        by_allocation.setdefault(s["allocation_id"], []).append(
+            ShareRequest(s["accelerator_id"], s["weights"], s["kv"], s["activation"], s["workspace"])
         )
-    await session.execute(
-        insert(JOURNAL),
-        [
-            {
-                "op": state,
-                "allocation_id": s.allocation_id,
-                "accelerator_id": s.accelerator_id,
-                "delta": -s.total if s.counts else 0,
-                "details": {},
-            }
-            for s in share_rows
-        ]
-        or [{"op": state, "allocation_id": allocation_id, "accelerator_id": None, "delta": 0, "details": {}}],
+    journal = [
+        (state, s["allocation_id"], s["accelerator_id"], -s["total"] if s["counts"] else 0) for s in share_rows
+    ] or [(state, allocation_id, None, 0)]
+    await apg.executemany(
+        "INSERT INTO ledger.journal (op, allocation_id, accelerator_id, delta, details) VALUES ($1, $2, $3, $4, '{}')",
+        journal,
     )
-    for ended in [row, *children]:
-        await emit(
-            session,
-            subjects,
-            event,
-            allocation_payload(ended, by_allocation.get(ended["id"], [])),
-            tenant=ended["tenant"],
-            correlation_id=ended["request_id"],
-        )
+    subject = subjects.event(Context.LEDGER, event)
+    await enqueue_many(
+        session=session,
+        schema=SCHEMA,
+        events=[
+            (
+                subject,
+                event_envelope(
+                    event,
+                    allocation_payload(ended, by_allocation.get(ended["id"], [])),
+                    tenant=ended["tenant"],
+                    correlation_id=ended["request_id"],
+                ),
+            )
+            for ended in [row, *children]
+        ],
+    )
     return "ok", row
 
 

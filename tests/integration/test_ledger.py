@@ -47,7 +47,8 @@ async def ledger(service_processes: ServiceProcesses, settings: Settings) -> Asy
     assert all(h["status"] == "ok" for h in health.values()), health
     client = await nats.connect(settings.nats_url or "")
     deadline = time.monotonic() + 30
-    while len((await call(client, settings, Rpc.LEDGER_SNAPSHOT, {}))["accelerators"]) < 76:  # the demo's 76 GPUs
+    # The demo's 76 GPUs and its TPU chips (256 + 512): tests compare whole snapshots before and after.
+    while len((await call(client, settings, Rpc.LEDGER_SNAPSHOT, {}))["accelerators"]) < 76 + 256 + 512:
         assert time.monotonic() < deadline, "the ledger never learnt the demo fleet's accelerators"
         await asyncio.sleep(0.2)
     yield client

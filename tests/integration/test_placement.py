@@ -56,6 +56,10 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
     while (await call(nc, settings, Rpc.PLACEMENT_EXPLAIN, probe))["status"] != "placed":  # GPUs and TPU chips known
         assert time.monotonic() < deadline, "placement never saw the demo fleet"
         await asyncio.sleep(0.2)
+    # Every accelerator registered (76 GPUs, 768 TPU chips): tests compare whole ledger snapshots.
+    while len((await call(nc, settings, Rpc.LEDGER_SNAPSHOT, {}))["accelerators"]) < 76 + 256 + 512:
+        assert time.monotonic() < deadline, "the ledger never learnt the whole demo fleet"
+        await asyncio.sleep(0.2)
     yield nc
     await nc.close()
     for name in ("pl_placement", "pl_ledger", "pl_topology"):
