@@ -3,14 +3,14 @@ second (``placement.perf``), as the cheapest feasible candidate's over this one'
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Final
 
-from shared.domain.placement.framework import Candidate, CycleState, Scope, StateKey, demand_of, no_config
+from shared.domain.placement.framework import Candidate, CycleState, demand_of, no_config
 from shared.domain.placement.perf import perf
+from shared.domain.placement.scores.relative import RelativeFigureScore
 
 NAME: Final = "cost"
-_PER_SKU_TP: Final[StateKey[tuple[float, dict[tuple[str, int], float]]]] = StateKey(NAME)
 
 
 def usd_per_million_tokens(state: CycleState, candidate: Candidate) -> float:
@@ -19,20 +19,9 @@ def usd_per_million_tokens(state: CycleState, candidate: Candidate) -> float:
     return sku.price_usd_per_hour * candidate.tp / 3600 / estimate.tokens_per_s * 1e6
 
 
-class CostScore:
-    name: Final = NAME
-    scope: Final = Scope.HOST  # reads the SKU, the TP degree and the request only
-
-    def prescore(self, state: CycleState, candidates: Sequence[Candidate]) -> None:
-        # The figure depends on (SKU, TP) only: work it out once per pair, not per candidate.
-        first = {(c.host.sku.name, c.tp): c for c in candidates}
-        values = {key: usd_per_million_tokens(state, c) for key, c in first.items()}
-        state.write(_PER_SKU_TP, (min(values.values(), default=0.0), values))
-
-    def score(self, state: CycleState, candidate: Candidate) -> float:
-        best, values = state.read(_PER_SKU_TP)
-        own = values[(candidate.host.sku.name, candidate.tp)]
-        return min(1.0, best / own) if own > 0 else 1.0
+class CostScore(RelativeFigureScore):
+    def __init__(self) -> None:
+        super().__init__(NAME, usd_per_million_tokens)
 
 
 def factory(config: Mapping[str, object] | None = None) -> CostScore:

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Final
 
-from shared.domain.placement.framework import Candidate, CycleState, Scope, StateKey, demand_of, no_config
+from shared.domain.placement.framework import Candidate, CycleState, demand_of, no_config
 from shared.domain.placement.perf import perf
+from shared.domain.placement.scores.relative import RelativeFigureScore
 
 NAME: Final = "energy"
-_PER_SKU_TP: Final[StateKey[tuple[float, dict[tuple[str, int], float]]]] = StateKey(NAME)
 
 
 def joules_per_token(state: CycleState, candidate: Candidate) -> float:
@@ -19,20 +19,9 @@ def joules_per_token(state: CycleState, candidate: Candidate) -> float:
     return sku.tdp_w * candidate.tp / estimate.tokens_per_s
 
 
-class EnergyScore:
-    name: Final = NAME
-    scope: Final = Scope.HOST  # reads the SKU, the TP degree and the request only
-
-    def prescore(self, state: CycleState, candidates: Sequence[Candidate]) -> None:
-        # The figure depends on (SKU, TP) only: work it out once per pair, not per candidate.
-        first = {(c.host.sku.name, c.tp): c for c in candidates}
-        values = {key: joules_per_token(state, c) for key, c in first.items()}
-        state.write(_PER_SKU_TP, (min(values.values(), default=0.0), values))
-
-    def score(self, state: CycleState, candidate: Candidate) -> float:
-        best, values = state.read(_PER_SKU_TP)
-        own = values[(candidate.host.sku.name, candidate.tp)]
-        return min(1.0, best / own) if own > 0 else 1.0
+class EnergyScore(RelativeFigureScore):
+    def __init__(self) -> None:
+        super().__init__(NAME, joules_per_token)
 
 
 def factory(config: Mapping[str, object] | None = None) -> EnergyScore:
