@@ -4,19 +4,32 @@
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from shared.contracts.base import Contract, ErrorBody, Request
 
-# Event names (subject `<prefix>.events.ledger.<name>`).
-ALLOCATION_COMMITTED = "allocation_committed"
-ALLOCATION_RELEASED = "allocation_released"
-ALLOCATION_EXPIRED = "allocation_expired"
-ALLOCATIONS_FLAGGED = "allocations_flagged"
-CAPACITY_CHANGED = "capacity_changed"
-DRIFT_DETECTED = "drift_detected"
+
+
+class LedgerEvent(StrEnum):
+    """Event names of the LEDGER stream (subject `<prefix>.events.ledger.<name>`)."""
+
+    ALLOCATION_COMMITTED = "allocation_committed"
+    ALLOCATION_RELEASED = "allocation_released"
+    ALLOCATION_EXPIRED = "allocation_expired"
+    ALLOCATIONS_FLAGGED = "allocations_flagged"
+    CAPACITY_CHANGED = "capacity_changed"
+    DRIFT_DETECTED = "drift_detected"
+
+
+ALLOCATION_COMMITTED = LedgerEvent.ALLOCATION_COMMITTED
+ALLOCATION_RELEASED = LedgerEvent.ALLOCATION_RELEASED
+ALLOCATION_EXPIRED = LedgerEvent.ALLOCATION_EXPIRED
+ALLOCATIONS_FLAGGED = LedgerEvent.ALLOCATIONS_FLAGGED
+CAPACITY_CHANGED = LedgerEvent.CAPACITY_CHANGED
+DRIFT_DETECTED = LedgerEvent.DRIFT_DETECTED
 
 
 class SnapshotRequest(Request):

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 from pydantic import Field
 
 from shared.contracts.base import Contract
 
-PLACEMENT_DECIDED = "placement_decided"
-PLACEMENT_REJECTED = "placement_rejected"
-PLACEMENT_RELEASED = "placement_released"
+
+
+class PlacementEventName(StrEnum):
+    """Event names of the PLACEMENT stream (subject `<prefix>.events.placement.<name>`)."""
+
+    PLACEMENT_DECIDED = "placement_decided"
+    PLACEMENT_REJECTED = "placement_rejected"
+    PLACEMENT_RELEASED = "placement_released"
+
+
+PLACEMENT_DECIDED = PlacementEventName.PLACEMENT_DECIDED
+PLACEMENT_REJECTED = PlacementEventName.PLACEMENT_REJECTED
+PLACEMENT_RELEASED = PlacementEventName.PLACEMENT_RELEASED
 
 
 class PlacementEvent(Contract):

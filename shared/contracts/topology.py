@@ -2,21 +2,83 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 from pydantic import Field, model_validator
 
 from shared.contracts.base import Contract, ErrorBody, Request
 
-# Event names (subject `<prefix>.events.topology.<name>`; envelope type `topology.<name>`).
-NODE_PROFILED = "node_profiled"
-NODE_CHANGED = "node_changed"
-NODE_REMOVED = "node_removed"
-NODE_LOST = "node_lost"
-NODE_RECOVERED = "node_recovered"
-NODE_PROFILE_FAILED = "node_profile_failed"
-TPU_POD_PROFILED = "tpu_pod_profiled"
-GPU_TELEMETRY = "gpu"  # on the TELEMETRY stream: `<prefix>.events.telemetry.gpu`
+
+
+class TopologyEvent(StrEnum):
+    """Event names of the TOPOLOGY stream (subject `<prefix>.events.topology.<name>`)."""
+
+    NODE_PROFILED = "node_profiled"
+    NODE_CHANGED = "node_changed"
+    NODE_REMOVED = "node_removed"
+    NODE_LOST = "node_lost"
+    NODE_RECOVERED = "node_recovered"
+    NODE_PROFILE_FAILED = "node_profile_failed"
+    TPU_POD_PROFILED = "tpu_pod_profiled"
+
+
+class TelemetryEvent(StrEnum):
+    """Event names of the TELEMETRY stream (`<prefix>.events.telemetry.<name>`)."""
+
+    GPU = "gpu"
+
+
+NODE_PROFILED = TopologyEvent.NODE_PROFILED
+NODE_CHANGED = TopologyEvent.NODE_CHANGED
+NODE_REMOVED = TopologyEvent.NODE_REMOVED
+NODE_LOST = TopologyEvent.NODE_LOST
+NODE_RECOVERED = TopologyEvent.NODE_RECOVERED
+NODE_PROFILE_FAILED = TopologyEvent.NODE_PROFILE_FAILED
+TPU_POD_PROFILED = TopologyEvent.TPU_POD_PROFILED
+GPU_TELEMETRY = TelemetryEvent.GPU
+
+
+class FabricInfoPayload(Contract):
+    """A GPU's NVLink fabric membership (GH200 NVL / NVL72), from NVML's GPU fabric info."""
+
+    cluster_uuid: str = Field(description="Fabric cluster UUID.", examples=["c0ffee00-0000-0000-0000-000000000001"])
+    clique_id: int = Field(description="Clique within the cluster: GPUs of one clique share NVLink.", examples=[1])
+    state: str = Field(default="completed", description="Fabric registration state.", examples=["completed"])
+    status_ok: bool = Field(default=True, description="Fabric status reported healthy.", examples=[True])
+
+
+class AcceleratorProfile(Contract):
+    """One GPU as a provider profiled it."""
+
+    index: int = Field(ge=0, description="GPU index on the node, as nvidia-smi numbers it.", examples=[0])
+    sku: str = Field(description="Catalog SKU.", examples=["H100-SXM-80GB"])
+    hbm_bytes: int = Field(ge=0, description="HBM bytes.", examples=[85_899_345_920])
+    uuid: str | None = Field(default=None, description="GPU UUID.", examples=["GPU-5f1c..."])
+    pci_bus_id: str | None = Field(default=None, description="PCI bus id.", examples=["00000000:18:00.0"])
+    numa_node: int | None = Field(default=None, description="NUMA node.", examples=[0])
+    cpu_affinity: str | None = Field(default=None, description="CPU set close to the GPU.", examples=["0-47"])
+    power_limit_w: float | None = Field(default=None, description="Power limit.", examples=[700.0])
+    pcie_gen_max: int | None = Field(default=None, description="Max PCIe generation.", examples=[5])
+    pcie_width_max: int | None = Field(default=None, description="Max PCIe lanes.", examples=[16])
+    fabric: FabricInfoPayload | None = Field(default=None, description="Multi-node NVLink fabric, if any.")
+
+
+class NodeProfilePayload(Contract):
+    """A node profile on the wire (agent reports, `node_profiled`, `fleet.describe`): where the node sits,
+    its GPUs and the `nvidia-smi topo -m` link matrix between them."""
+
+    name: str = Field(min_length=1, description="Node name.", examples=["dgx-h100-01"])
+    region: str = Field(description="Region.", examples=["us-west-1"])
+    cluster: str = Field(description="Cluster.", examples=["c1"])
+    rack: str = Field(description="Rack.", examples=["r1"])
+    sku: str = Field(description="SKU of its GPUs.", examples=["H100-SXM-80GB"])
+    source: str = Field(default="inventory", description="`inventory`, `nvml` or `nvidia-smi`.", examples=["nvml"])
+    links: list[list[str]] = Field(
+        description="GPU x GPU link codes (`X`, `NV18`, `PIX`, `SYS`, ...).", examples=[[["X", "NV18"], ["NV18", "X"]]]
+    )
+    numa: list[int | None] = Field(default_factory=list, description="NUMA node per GPU.", examples=[[0, 0]])
+    accelerators: list[AcceleratorProfile] = Field(description="GPUs, in index order.")
 
 
 class ProfileError(Contract):
@@ -31,7 +93,7 @@ class TopologyReportRequest(Request):
     """An agent's report about its node: a fresh profile, or the error that stopped profiling."""
 
     node: str = Field(min_length=1, description="Node name.", examples=["dgx-h100-01"])
-    profile: dict[str, Any] | None = Field(
+    profile: NodeProfilePayload | None = Field(
         default=None, description="The node profile (see `node_profiled`).", examples=[None]
     )
     error: ProfileError | None = Field(default=None, description="Set instead of `profile` when profiling failed.")
@@ -64,7 +126,7 @@ class NodeProfileEvent(Contract):
     kind: str = Field(description="NVLink layout of the node.", examples=["fully_connected"])
     fingerprint: str = Field(description="Profile digest.", examples=["9f2c"])
     previous_fingerprint: str | None = Field(default=None, description="Digest before the change.")
-    profile: dict[str, Any] = Field(description="The whole node profile.")
+    profile: NodeProfilePayload = Field(description="The whole node profile.")
     domains: list[dict[str, Any]] = Field(default_factory=list, description="The node's NVLink domains.")
 
 

@@ -28,6 +28,43 @@ from shared.domain.topology.tpu import TpuType
 
 
 @dataclass(frozen=True, slots=True)
+class AcceleratorId:
+    """The one accelerator id every service uses: ``<node>/gpu<index>`` for a GPU, ``<pod>/<x>.<y>[.<z>]``
+    for a TPU chip. Build ids with ``gpu``/``tpu`` and read them with ``parse``; nobody formats or
+    splits the string by hand."""
+
+    host: str
+    gpu_index: int | None = None
+    chip: tuple[int, ...] | None = None
+
+    @staticmethod
+    def gpu(node: str, index: int) -> str:
+        return f"{node}/gpu{index}"
+
+    @staticmethod
+    def tpu(pod: str, coord: Sequence[int]) -> str:
+        return f"{pod}/{'.'.join(str(c) for c in coord)}"
+
+    @staticmethod
+    def parse(value: str) -> AcceleratorId:
+        """Split an id into its host (node or pod) and GPU index or chip coordinate."""
+        host, sep, local = value.rpartition("/")
+        if not sep or not host or not local:
+            raise ValueError(f"not an accelerator id: {value!r}")
+        if local.startswith("gpu") and local[3:].isdigit():
+            return AcceleratorId(host=host, gpu_index=int(local[3:]))
+        parts = local.split(".")
+        if all(p.isdigit() for p in parts):
+            return AcceleratorId(host=host, chip=tuple(int(p) for p in parts))
+        raise ValueError(f"not an accelerator id: {value!r}")
+
+    def __str__(self) -> str:
+        if self.gpu_index is not None:
+            return AcceleratorId.gpu(self.host, self.gpu_index)
+        return AcceleratorId.tpu(self.host, self.chip or ())
+
+
+@dataclass(frozen=True, slots=True)
 class Accelerator:
     """One GPU of a node. ``index`` is the GPU's index on its node, as nvidia-smi numbers it."""
 
@@ -64,7 +101,7 @@ class NodeProfile:
             )
 
     def accelerator_id(self, index: int) -> str:
-        return f"{self.name}/gpu{index}"
+        return AcceleratorId.gpu(self.name, index)
 
     @property
     def topology(self) -> NodeTopology:
@@ -107,7 +144,7 @@ class TpuPod:
 
 def tpu_chip_id(pod: str, coord: Sequence[int]) -> str:
     """Ledger id of one TPU chip: ``<pod>/<x>.<y>`` (v5e) or ``<pod>/<x>.<y>.<z>`` (v5p)."""
-    return f"{pod}/{'.'.join(str(c) for c in coord)}"
+    return AcceleratorId.tpu(pod, coord)
 
 
 def tpu_chip_ids(pod: TpuPod) -> list[str]:
@@ -155,7 +192,7 @@ def fleet_domains(nodes: Iterable[NodeProfile]) -> tuple[Domain, ...]:
     in_fabric: set[tuple[str, int]] = set()
     domains: list[Domain] = []
     for multi in fabric:
-        members = tuple(f"{g.node_id}/gpu{g.gpu_index}" for g in multi.gpus)
+        members = tuple(AcceleratorId.gpu(g.node_id, g.gpu_index) for g in multi.gpus)
         in_fabric.update((g.node_id, g.gpu_index) for g in multi.gpus)
         domains.append(
             Domain(

@@ -15,14 +15,19 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared.contracts.base import CONTRACT_MAJOR_VERSION, ErrorCode, Request, major_version, rejected
 from shared.contracts.envelope import EventEnvelope
+from shared.contracts.registry import EVENTS
+from shared.contracts.subjects import Context
 from shared.contracts.streams import StreamSpec
 from shared.infra.inbox import claim
+from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
 log = logging.getLogger("hetsched.bus")
 
 RequestT = TypeVar("RequestT", bound=Request)
 Handler = Callable[[RequestT], Awaitable[BaseModel]]
 EventHandler = Callable[[AsyncSession, EventEnvelope], Awaitable[None]]
+# called as handler(uow=UnitOfWork, event=EventEnvelope, payload=<contract model>)
+TypedEventHandler = Callable[..., Awaitable[None]]
 
 
 def _stream_config(spec: StreamSpec) -> StreamConfig:
@@ -125,5 +130,56 @@ def idempotent(
         async with sessions() as session, session.begin():
             if await claim(session=session, schema=schema, consumer=consumer, event_id=event.event_id):
                 await handler(session, event)
+
+    return on_message
+
+
+def consume(
+    *,
+    uow: UnitOfWorkFactory,
+    schema: str,
+    consumer: str,
+    context: Context,
+    handlers: dict[str, TypedEventHandler],
+) -> Callable[[bytes], Awaitable[None]]:
+    """Apply one context's events by name, each event id once, with its effects and their events in
+    one transaction; the payload reaches the handler as its contract model (``EVENTS``).
+
+    A message that is not an envelope, or whose payload does not match its contract, is logged and
+    dropped (redelivering it cannot help); an exception from a handler propagates so the
+    subscriber's ack policy redelivers the event.
+    """
+
+    async def on_message(raw: bytes) -> None:
+        try:
+            event = EventEnvelope.model_validate_json(raw)
+        except ValidationError as exc:
+            log.warning("dropping a message that is not an event envelope", extra={"error": str(exc)[:300]})
+            return
+        name = event.type.rsplit(".", 1)[-1]
+        handler = handlers.get(name)
+        if handler is None:
+            return
+        model = EVENTS.get((context, name))
+        try:
+            payload = model.model_validate(event.payload) if model is not None else event.payload
+        except ValidationError as exc:
+            log.warning(
+                "dropping an event whose payload does not match its contract",
+                extra={"event_id": str(event.event_id), "type": event.type, "error": str(exc)[:300]},
+            )
+            return
+        emitted = False
+        async with uow.sessions() as session, session.begin():
+            if await claim(session=session, schema=schema, consumer=consumer, event_id=event.event_id):
+
+                async def work(unit: UnitOfWork) -> None:
+                    nonlocal emitted
+                    await handler(uow=unit, event=event, payload=payload)
+                    emitted = bool(unit.events)
+
+                await uow.run(work, session=session)
+        if emitted:
+            uow.wake()
 
     return on_message

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
-# One schema per service (DESIGN §6); only the owner writes its schema.
+if TYPE_CHECKING:
+    from shared.infra.settings import Settings
+
+# One schema per service (DESIGN §6); only the owner reads or writes its schema.
 SCHEMAS = ("topology", "ledger", "placement", "reservation", "routing", "rebalance")
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/hetsched"
+
+
+def role_of(schema: str) -> str:
+    """The Postgres role a service connects as: rights on its own schema only (migration 0005)."""
+    return f"hetsched_{schema}"
 
 
 def async_url(url: str) -> str:
@@ -33,3 +44,15 @@ def make_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
 
 def make_sessions(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def service_database_url(settings: Settings, schema: str) -> str:
+    """The URL a service connects with: the configured server and database, as the service's own role
+    (unless ``HETSCHED_DATABASE_ROLES`` is off), so a read of another service's schema fails loudly."""
+    url = settings.database_url or DEFAULT_DATABASE_URL
+    if not settings.database_roles:
+        return url
+    parsed = make_url(url).set(username=role_of(schema))
+    password = settings.database_role_password.get_secret_value() if settings.database_role_password else None
+    parsed = parsed.set(password=password)
+    return parsed.render_as_string(hide_password=False)

@@ -1,15 +1,19 @@
 """What every service shares: wiring a FastStream app from a declarative service definition.
 
-A service module declares its name, schema and request/reply routes; ``build_app`` wires the broker,
-the health subject, typed dispatch for every route (a route with no handler yet answers
-``not_implemented``), the database engine, stream creation and the outbox relay.
+A service's ``app.py`` declares its name, schema, request/reply routes, event consumers and
+background loops, plus ``wire(runtime) -> Ctx``, which builds the service's objects once (handlers
+with their dependencies passed by keyword). ``build_app`` wires the broker, the health subject,
+typed dispatch for every route (a route with no handler yet answers ``not_implemented``), the
+database engine (as the service's own role), stream creation, the outbox relay and the unit of
+work. Route, consumer and loop factories receive the ``Ctx``; nothing lives in module globals.
+See docs/SERVICE.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -29,15 +33,17 @@ from shared.contracts.base import ErrorCode, Request, rejected
 from shared.contracts.health import HealthReply, HealthRequest
 from shared.contracts.streams import stream_name, stream_specs
 from shared.contracts.subjects import Context, Rpc, Subjects
-from shared.infra.bus import EventHandler, ensure_streams, idempotent
-from shared.infra.db import make_engine, make_sessions
+from shared.infra.bus import EventHandler, TypedEventHandler, consume, ensure_streams, idempotent
+from shared.infra.clock import Clock, system_clock
+from shared.infra.db import make_engine, make_sessions, service_database_url
 from shared.infra.outbox import OutboxRelay
 from shared.infra.requests import Endpoint, RequestServer
+from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings
 from shared.infra.telemetry import configure_telemetry
+from shared.infra.uow import UnitOfWorkFactory
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
-DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/hetsched"
 
 
 def hetsched_version() -> str:
@@ -49,7 +55,8 @@ def hetsched_version() -> str:
 
 @dataclass
 class Runtime:
-    """The live parts of one service process, handed to route factories and lifecycle hooks."""
+    """The live parts of one service process. Only wiring (``wire``, ``build_app``) sees it; handlers
+    get what they use passed by keyword."""
 
     name: str
     schema: str
@@ -58,11 +65,31 @@ class Runtime:
     engine: AsyncEngine
     sessions: async_sessionmaker[AsyncSession]
     log: logging.Logger
+    uow: UnitOfWorkFactory
+    rpc: RpcClient
+    clock: Clock = system_clock
     uses_database: bool = True
     nc: NatsClient | None = None
     js: JetStreamContext | None = None
     relay: OutboxRelay | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    @property
+    def nats(self) -> NatsClient:
+        """The service's NATS connection (raises before the service has started)."""
+        if self.nc is None:
+            raise RuntimeError(f"{self.name}: NATS is not connected yet (the service has not started)")
+        return self.nc
+
+    @property
+    def jetstream(self) -> JetStreamContext:
+        if self.js is None:
+            raise RuntimeError(f"{self.name}: JetStream is not available yet (the service has not started)")
+        return self.js
+
+    def wake_relay(self) -> None:
+        if self.relay is not None:
+            self.relay.wake()
 
     def spawn(self, coro: Awaitable[Any], *, name: str) -> None:
         """Run a background loop for the life of the service (cancelled at stop)."""
@@ -74,8 +101,9 @@ class Runtime:
 # FastStream's default for NATS would drop a message whose handler raised.
 EVENT_ACK_POLICY = AckPolicy.NACK_ON_ERROR
 
-RouteFactory = Callable[[Runtime], Callable[[Any], Awaitable[BaseModel]]]
-Hook = Callable[[Runtime], Awaitable[None]]
+# Factories take the service's Ctx (what ``wire`` built), or the Runtime for a definition without ``wire``.
+RouteFactory = Callable[[Any], Callable[[Any], Awaitable[BaseModel]]]
+Hook = Callable[[Any], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -88,13 +116,36 @@ class Route:
 
 
 @dataclass(frozen=True)
+class Consumer:
+    """A durable, explicit-ack, idempotent consumer of one context's events, in stream order.
+
+    ``on`` maps event names to handler factories; each handler is called as
+    ``handler(uow=..., event=envelope, payload=<the contract model of that event>)`` inside the
+    transaction that records the event as processed. Events of other names are acknowledged and
+    skipped. One consumer per context keeps the context's order (a node lost, then recovered).
+    """
+
+    context: Context
+    durable: str
+    on: Mapping[str, Callable[[Any], TypedEventHandler]]
+
+
+@dataclass(frozen=True)
 class EventRoute:
-    """A durable, explicit-ack, idempotent consumer of one context's events (``event`` may be ``*``)."""
+    """A durable consumer of raw envelopes (``event`` may be ``*``); prefer ``Consumer``."""
 
     context: Context
     event: str
     durable: str
-    factory: Callable[[Runtime], EventHandler]
+    factory: Callable[[Any], EventHandler]
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A background loop for the life of the service (a sweeper, a detector)."""
+
+    name: str
+    factory: Callable[[Any], Callable[[], Awaitable[None]]]
 
 
 @dataclass(frozen=True)
@@ -106,8 +157,14 @@ class ServiceDefinition:
     on_start: tuple[Hook, ...] = ()
     on_stop: tuple[Hook, ...] = ()
     events: tuple[EventRoute, ...] = ()
-    # Other subscriptions (core NATS, e.g. heartbeats), wired with the runtime.
-    extra: Callable[[NatsBroker, Runtime], None] | None = None
+    consumers: tuple[Consumer, ...] = ()
+    loops: tuple[Loop, ...] = ()
+    # Builds the service's objects once per app; every factory and hook then receives what it returns.
+    wire: Callable[[Runtime], Any] | None = None
+    # Other subscriptions (core NATS, e.g. heartbeats), wired with the context.
+    extra: Callable[[NatsBroker, Any], None] | None = None
+    # Extra health checks (name -> "ok" or why not), e.g. how stale a read model is.
+    checks: Callable[[Any], Mapping[str, str]] | None = None
 
 
 def _not_implemented(service: str, rpc: Rpc) -> Callable[[Any], Awaitable[BaseModel]]:
@@ -117,7 +174,9 @@ def _not_implemented(service: str, rpc: Rpc) -> Callable[[Any], Awaitable[BaseMo
     return handler
 
 
-def _health(runtime: Runtime) -> Callable[[HealthRequest], Awaitable[BaseModel]]:
+def _health(
+    runtime: Runtime, extra: Callable[[], Mapping[str, str]] | None
+) -> Callable[[HealthRequest], Awaitable[BaseModel]]:
     async def handler(_request: HealthRequest) -> BaseModel:
         checks: dict[str, str] = {}
         if runtime.uses_database:
@@ -128,6 +187,8 @@ def _health(runtime: Runtime) -> Callable[[HealthRequest], Awaitable[BaseModel]]
             except Exception as exc:
                 checks["postgres"] = f"error: {type(exc).__name__}"
         checks["nats"] = "ok" if runtime.nc is not None and runtime.nc.is_connected else "error: disconnected"
+        if extra is not None:
+            checks.update(extra())
         healthy = all(v == "ok" for v in checks.values())
         return HealthReply(
             status="ok" if healthy else "degraded", service=runtime.name, version=hetsched_version(), checks=checks
@@ -136,20 +197,18 @@ def _health(runtime: Runtime) -> Callable[[HealthRequest], Awaitable[BaseModel]]
     return handler
 
 
-def _subscribe_events(broker: NatsBroker, runtime: Runtime, route: EventRoute) -> None:
-    settings = runtime.settings
-    durable = f"{settings.subject_prefix}-{runtime.schema}-{route.durable}"
-    apply = idempotent(
-        sessions=runtime.sessions, schema=runtime.schema, consumer=route.durable, handler=route.factory(runtime)
-    )
+def _durable(runtime: Runtime, name: str) -> str:
+    return f"{runtime.settings.subject_prefix}-{runtime.schema}-{name}"
 
+
+def _subscribe(broker: NatsBroker, runtime: Runtime, *, subject: str, context: Context, durable: str, apply: Any) -> None:
     async def on_event(msg: NatsMessage) -> None:
         await apply(msg.body)
 
     on_event.__name__ = durable.replace("-", "_").replace(".", "_")
     broker.subscriber(
-        runtime.subjects.event(route.context, route.event),
-        stream=JStream(stream_name(route.context, stream_prefix=settings.stream_prefix), declare=False),
+        subject,
+        stream=JStream(stream_name(context, stream_prefix=runtime.settings.stream_prefix), declare=False),
         durable=durable,
         pull_sub=PullSub(batch_size=64, timeout=1.0),
         ack_policy=EVENT_ACK_POLICY,
@@ -157,13 +216,52 @@ def _subscribe_events(broker: NatsBroker, runtime: Runtime, route: EventRoute) -
     )(on_event)
 
 
+def _subscribe_events(broker: NatsBroker, runtime: Runtime, route: EventRoute, ctx: Any) -> None:
+    apply = idempotent(
+        sessions=runtime.sessions, schema=runtime.schema, consumer=route.durable, handler=route.factory(ctx)
+    )
+    _subscribe(
+        broker,
+        runtime,
+        subject=runtime.subjects.event(route.context, route.event),
+        context=route.context,
+        durable=_durable(runtime, route.durable),
+        apply=apply,
+    )
+
+
+def _subscribe_consumer(broker: NatsBroker, runtime: Runtime, consumer: Consumer, ctx: Any) -> None:
+    handlers = {name: factory(ctx) for name, factory in consumer.on.items()}
+    subject = (
+        runtime.subjects.event(consumer.context, next(iter(handlers)))
+        if len(handlers) == 1
+        else runtime.subjects.events_of(consumer.context)
+    )
+    apply = consume(
+        uow=runtime.uow, schema=runtime.schema, consumer=consumer.durable, context=consumer.context, handlers=handlers
+    )
+    _subscribe(
+        broker,
+        runtime,
+        subject=subject,
+        context=consumer.context,
+        durable=_durable(runtime, consumer.durable),
+        apply=apply,
+    )
+
+
 def build_app(
-    definition: ServiceDefinition, settings: Settings, *, database: bool = True
+    definition: ServiceDefinition,
+    settings: Settings,
+    *,
+    database: bool = True,
+    clock: Clock = system_clock,
+    rpc: RpcClient | None = None,
 ) -> tuple[FastStream, Runtime]:
     """Wire one service. Nothing connects until the app starts.
 
     ``database=False`` is for processes that own no state (topology agents): no outbox relay, and
-    health does not check Postgres.
+    health does not check Postgres. ``clock`` and ``rpc`` let a test hand in its own.
     """
     log = logging.getLogger(f"hetsched.{definition.name}")
     tracer_provider, meter_provider = configure_telemetry(service=definition.name, exporter=settings.otel_exporter)
@@ -179,34 +277,54 @@ def build_app(
         if settings.otel_exporter != "none"
         else [],
     )
-    engine = make_engine(settings.database_url or DEFAULT_DATABASE_URL, pool_size=settings.db_pool_size)
+    engine = make_engine(service_database_url(settings, definition.schema), pool_size=settings.db_pool_size)
+    sessions = make_sessions(engine)
+    subjects = Subjects(settings.subject_prefix)
+    holder: list[Runtime] = []
     runtime = Runtime(
         name=definition.name,
         schema=definition.schema,
         settings=settings,
-        subjects=Subjects(settings.subject_prefix),
+        subjects=subjects,
         engine=engine,
-        sessions=make_sessions(engine),
+        sessions=sessions,
         log=log,
+        uow=UnitOfWorkFactory(
+            sessions=sessions,
+            schema=definition.schema,
+            source=definition.name,
+            subjects=subjects,
+            clock=clock,
+            wake=lambda: holder[0].wake_relay(),
+        ),
+        rpc=rpc or RpcClient(lambda: holder[0].nats, subjects, timeout_s=settings.rpc_timeout_ms / 1000),
+        clock=clock,
         uses_database=database,
     )
+    holder.append(runtime)
+    ctx: Any = definition.wire(runtime) if definition.wire is not None else runtime
     queue = f"{settings.subject_prefix}.{definition.schema}"
     requests = RequestServer()
-    requests.add(Endpoint(runtime.subjects.rpc(definition.health), queue, HealthRequest, _health(runtime), 4))
+    extra_checks = (lambda: definition.checks(ctx)) if definition.checks is not None else None  # type: ignore[misc]
+    requests.add(
+        Endpoint(runtime.subjects.rpc(definition.health), queue, HealthRequest, _health(runtime, extra_checks), 4)
+    )
     for route in definition.routes:
-        handler = route.factory(runtime) if route.factory else _not_implemented(definition.name, route.rpc)
+        handler = route.factory(ctx) if route.factory else _not_implemented(definition.name, route.rpc)
         requests.add(Endpoint(runtime.subjects.rpc(route.rpc), queue, route.model, handler, settings.request_workers))
     for event_route in definition.events:
-        _subscribe_events(broker, runtime, event_route)
+        _subscribe_events(broker, runtime, event_route, ctx)
+    for consumer in definition.consumers:
+        _subscribe_consumer(broker, runtime, consumer, ctx)
     if definition.extra is not None:
-        definition.extra(broker, runtime)
+        definition.extra(broker, ctx)
 
     app = FastStream(broker, logger=log)
 
     @app.on_startup
     async def _connect() -> None:
-        # Our own connection for JetStream management and the relay, so publishing does not depend
-        # on FastStream internals.
+        # Our own connection for JetStream management, the relay and calls to other services, so
+        # publishing does not depend on FastStream internals.
         runtime.nc = await nats.connect(
             nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name=definition.name
         )
@@ -230,7 +348,9 @@ def build_app(
             )
             runtime.spawn(runtime.relay.run(), name="outbox-relay")
         for hook in definition.on_start:
-            await hook(runtime)
+            await hook(ctx)
+        for loop in definition.loops:
+            runtime.spawn(loop.factory(ctx)(), name=loop.name)
         await requests.start(runtime.nc)  # last: answer only once everything behind the answers runs
 
     @app.after_startup
@@ -241,7 +361,7 @@ def build_app(
     async def _stop() -> None:
         await requests.stop()  # first: no new requests, in-flight ones finish
         for hook in definition.on_stop:
-            await hook(runtime)
+            await hook(ctx)
         if runtime.relay is not None:
             runtime.relay.stop()
         for task in runtime.tasks:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -52,6 +52,18 @@ class Settings(BaseSettings):
     log_level: str = Field(default="INFO", description="Python logging level.")
     log_format: str = Field(default="json", pattern=r"^(json|text)$", description="`json` or `text`.")
     request_timeout_ms: int = Field(default=5000, gt=0, description="Timeout of CLI requests over NATS.")
+    rpc_timeout_ms: int = Field(
+        default=10_000, gt=0, description="Timeout of a service's requests to another service (e.g. ledger.commit)."
+    )
+    database_roles: bool = Field(
+        default=True,
+        description="Each service connects as its own Postgres role `hetsched_<schema>` (rights on its schema only; "
+        "created by the migrations). Off: every service connects as the user of `HETSCHED_DATABASE_URL`.",
+    )
+    database_role_password: SecretStr | None = Field(
+        default=None,
+        description="Password of the per-service roles (set by the migrations when given; none with trust auth).",
+    )
     outbox_poll_ms: int = Field(default=100, gt=0, description="Outbox relay poll interval.")
     outbox_batch: int = Field(default=256, gt=0, le=10_000, description="Rows the relay publishes per pass.")
     stream_duplicate_window_s: float = Field(

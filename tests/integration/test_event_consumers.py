@@ -9,11 +9,12 @@ from datetime import UTC, datetime
 import nats
 import pytest
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.subjects import Context, Rpc, Subjects
 from shared.infra.bus import EventHandler
+from shared.infra.db import async_url, role_of
 from shared.infra.service import EventRoute, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
 
@@ -27,7 +28,7 @@ async def test_consumer_redelivers_after_an_error_and_applies_each_event_once(se
         async def apply(session: AsyncSession, event: EventEnvelope) -> None:
             await session.execute(
                 text(
-                    "INSERT INTO public.probe_events (event_id, n) VALUES (:id, 1) "
+                    "INSERT INTO rebalance.probe_events (event_id, n) VALUES (:id, 1) "
                     "ON CONFLICT (event_id) DO UPDATE SET n = probe_events.n + 1"
                 ),
                 {"id": event.event_id},
@@ -45,8 +46,12 @@ async def test_consumer_redelivers_after_an_error_and_applies_each_event_once(se
         events=(EventRoute(Context.REBALANCE, "probe_x", "probe", factory),),
     )
     app, runtime = build_app(definition, settings)
-    async with runtime.engine.begin() as conn:
-        await conn.execute(text("CREATE TABLE IF NOT EXISTS public.probe_events (event_id uuid PRIMARY KEY, n int)"))
+    # The service connects as its own role, which may not create tables: the migrating user does.
+    admin = create_async_engine(async_url(settings.database_url or ""))
+    async with admin.begin() as conn:
+        await conn.execute(text("CREATE TABLE IF NOT EXISTS rebalance.probe_events (event_id uuid PRIMARY KEY, n int)"))
+        await conn.execute(text(f"GRANT ALL ON rebalance.probe_events TO {role_of('rebalance')}"))
+    await admin.dispose()
 
     subject = Subjects(settings.subject_prefix).event(Context.REBALANCE, "probe_x")
     plain = new_event(type="rebalance.probe_x", source="t", payload={}, occurred_at=datetime.now(UTC))
@@ -64,7 +69,7 @@ async def test_consumer_redelivers_after_an_error_and_applies_each_event_once(se
 
         async def counts() -> dict[uuid.UUID, int]:
             async with runtime.engine.connect() as conn:
-                rows = (await conn.execute(text("SELECT event_id, n FROM public.probe_events"))).all()
+                rows = (await conn.execute(text("SELECT event_id, n FROM rebalance.probe_events"))).all()
             return {r.event_id: r.n for r in rows}
 
         for _ in range(100):

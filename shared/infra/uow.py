@@ -1,0 +1,138 @@
+"""The unit of work every service writes through (DESIGN §4, §5).
+
+One transaction holds a service's state change and the events that announce it (the outbox); on
+commit the relay is woken so the events leave at once, and a transaction Postgres asks to retry
+(deadlock, serialisation failure, a concurrent duplicate insert) runs again from scratch.
+
+    async def release(self, request):
+        async def work(uow: UnitOfWork) -> Outcome:
+            outcome = await store.end(session=uow.session, ...)
+            uow.emit(LedgerEvent.ALLOCATION_RELEASED, payload, tenant=request.tenant)
+            return outcome
+        return await self._uow.run(work)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import TypeVar
+
+from pydantic import BaseModel
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from shared.contracts.envelope import EventEnvelope, new_event
+from shared.contracts.subjects import Context, Subjects
+from shared.infra.clock import Clock, system_clock
+from shared.infra.outbox import enqueue_many
+
+T = TypeVar("T")
+
+# deadlock, serialization failure, a concurrent insert of the same key: the transaction may succeed again
+RETRYABLE_SQLSTATES = frozenset({"40P01", "40001", "23505"})
+
+
+def sqlstate(exc: DBAPIError) -> str | None:
+    """The SQLSTATE behind a SQLAlchemy error raised by asyncpg (it nests the driver's exception)."""
+    orig = exc.orig
+    return getattr(getattr(orig, "__cause__", None), "sqlstate", None) or getattr(orig, "sqlstate", None)
+
+
+@dataclass
+class UnitOfWork:
+    """One open transaction: its session, the time it started and the events it will publish."""
+
+    session: AsyncSession
+    now: datetime
+    subjects: Subjects
+    source: str
+    events: list[tuple[str, EventEnvelope]] = field(default_factory=list)
+
+    def emit(
+        self,
+        context: Context,
+        name: StrEnum | str,
+        payload: BaseModel,
+        *,
+        tenant: str | None = None,
+        correlation_id: str | None = None,
+        causation_id: str | uuid.UUID | None = None,
+    ) -> EventEnvelope:
+        """Queue an event; it is written to the outbox in this transaction, after the work."""
+        event = new_event(
+            type=f"{context.value}.{name}",
+            source=self.source,
+            payload=payload.model_dump(mode="json"),
+            occurred_at=self.now,
+            tenant=tenant,
+            correlation_id=correlation_id,
+            causation_id=str(causation_id) if causation_id is not None else None,
+        )
+        self.events.append((self.subjects.event(context, str(name)), event))
+        return event
+
+
+class UnitOfWorkFactory:
+    """Opens units of work on one service's schema; built once per service in its ``wire``."""
+
+    def __init__(
+        self,
+        *,
+        sessions: async_sessionmaker[AsyncSession],
+        schema: str,
+        source: str,
+        subjects: Subjects,
+        clock: Clock = system_clock,
+        wake: Callable[[], None] | None = None,
+        attempts: int = 5,
+    ) -> None:
+        self.sessions = sessions
+        self.schema = schema
+        self.source = source
+        self.subjects = subjects
+        self.clock = clock
+        self._wake = wake
+        self._attempts = attempts
+
+    async def run(self, work: Callable[[UnitOfWork], Awaitable[T]], *, session: AsyncSession | None = None) -> T:
+        """Run ``work`` in one transaction with its events; retried from scratch when Postgres asks.
+
+        With ``session`` the work joins that open transaction (an event consumer's, which holds the
+        inbox claim): no retry and no commit here, the caller's transaction decides.
+        """
+        if session is not None:
+            uow = UnitOfWork(session=session, now=self.clock(), subjects=self.subjects, source=self.source)
+            result = await work(uow)
+            await enqueue_many(session=session, schema=self.schema, events=uow.events)
+            return result
+        for attempt in range(self._attempts):
+            try:
+                async with self.sessions() as new_session, new_session.begin():
+                    uow = UnitOfWork(
+                        session=new_session, now=self.clock(), subjects=self.subjects, source=self.source
+                    )
+                    result = await work(uow)
+                    await enqueue_many(session=new_session, schema=self.schema, events=uow.events)
+                if uow.events:
+                    self.wake()
+                return result
+            except DBAPIError as exc:
+                if sqlstate(exc) not in RETRYABLE_SQLSTATES or attempt == self._attempts - 1:
+                    raise
+                await asyncio.sleep(0.002 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    async def read(self, work: Callable[[AsyncSession], Awaitable[T]]) -> T:
+        """Run a read-only query on a fresh session."""
+        async with self.sessions() as session:
+            return await work(session)
+
+    def wake(self) -> None:
+        """Ask the relay for a pass now (a consumer calls it after its transaction committed)."""
+        if self._wake is not None:
+            self._wake()
