@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.domain.errors import ErrorCode
+
 CONTRACT_MAJOR_VERSION = 1
+
+__all__ = ["CONTRACT_MAJOR_VERSION", "Contract", "ErrorBody", "ErrorCode", "Rejected", "Request", "rejected"]
 
 
 class Contract(BaseModel):
@@ -24,21 +27,6 @@ class Request(Contract):
         description="Contract version the caller speaks; only the major part is checked.",
         examples=[1, "1.0"],
     )
-
-
-class ErrorCode(StrEnum):
-    """The closed list of error codes (API.md). ``not_implemented`` marks a subject not built yet."""
-
-    INVALID_REQUEST = "invalid_request"
-    UNKNOWN_MODEL = "unknown_model"
-    UNKNOWN_SKU = "unknown_sku"
-    NO_CAPACITY = "no_capacity"
-    NOT_FOUND = "not_found"
-    FORBIDDEN = "forbidden"
-    CONFLICT = "conflict"
-    UNSUPPORTED_VERSION = "unsupported_version"
-    NOT_IMPLEMENTED = "not_implemented"
-    INTERNAL = "internal"
 
 
 class ErrorBody(Contract):

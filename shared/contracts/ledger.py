@@ -12,7 +12,6 @@ from pydantic import Field, model_validator
 from shared.contracts.base import Contract, ErrorBody, Request
 
 
-
 class LedgerEvent(StrEnum):
     """Event names of the LEDGER stream (subject `<prefix>.events.ledger.<name>`)."""
 

@@ -10,7 +10,6 @@ from pydantic import Field
 from shared.contracts.base import Contract
 
 
-
 class PlacementEventName(StrEnum):
     """Event names of the PLACEMENT stream (subject `<prefix>.events.placement.<name>`)."""
 

@@ -10,7 +10,6 @@ from pydantic import Field, model_validator
 from shared.contracts.base import Contract, ErrorBody, Request
 
 
-
 class TopologyEvent(StrEnum):
     """Event names of the TOPOLOGY stream (subject `<prefix>.events.topology.<name>`)."""
 

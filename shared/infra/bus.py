@@ -16,8 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from shared.contracts.base import CONTRACT_MAJOR_VERSION, ErrorCode, Request, major_version, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.registry import EVENTS
-from shared.contracts.subjects import Context
 from shared.contracts.streams import StreamSpec
+from shared.contracts.subjects import Context
 from shared.infra.inbox import claim
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -65,7 +65,9 @@ class RpcClient:
         self.timeout_s = timeout_s
 
     @classmethod
-    async def connect(cls, url: str, subjects: Subjects, *, timeout_s: float = 5.0, name: str = "hetsched") -> RpcClient:
+    async def connect(
+        cls, url: str, subjects: Subjects, *, timeout_s: float = 5.0, name: str = "hetsched"
+    ) -> RpcClient:
         """A client on a connection of its own (the command line, tests); close it with ``close``."""
         nc = await nats.connect(url, name=name, connect_timeout=max(1, int(timeout_s)), max_reconnect_attempts=2)
         return cls(nc, subjects, timeout_s=timeout_s)
@@ -99,7 +101,7 @@ class RpcClient:
             return answer
         if not isinstance(answer, reply):
             raise RpcError(rpc, f"expected {reply.__name__}, got {type(answer).__name__}")
-        return cast(ReplyT, answer)
+        return answer
 
     async def fleet(self, *, region: str | None = None, limit: int | None = None) -> FleetGetReply | Rejected:
         """Every page of ``fleet.get`` merged into one reply (pods and racks come with the first page)."""
@@ -130,7 +132,9 @@ class RpcClient:
         accelerators: list[Any] = []
         cursor: str | None = None
         while True:
-            page = await self.ask(Rpc.LEDGER_SNAPSHOT, SnapshotRequest(node=node, cursor=cursor, limit=limit), SnapshotReply)
+            page = await self.ask(
+                Rpc.LEDGER_SNAPSHOT, SnapshotRequest(node=node, cursor=cursor, limit=limit), SnapshotReply
+            )
             if isinstance(page, Rejected):
                 return page
             accelerators.extend(page.accelerators)

@@ -201,7 +201,9 @@ def _durable(runtime: Runtime, name: str) -> str:
     return f"{runtime.settings.subject_prefix}-{runtime.schema}-{name}"
 
 
-def _subscribe(broker: NatsBroker, runtime: Runtime, *, subject: str, context: Context, durable: str, apply: Any) -> None:
+def _subscribe(
+    broker: NatsBroker, runtime: Runtime, *, subject: str, context: Context, durable: str, apply: Any
+) -> None:
     async def on_event(msg: NatsMessage) -> None:
         await apply(msg.body)
 

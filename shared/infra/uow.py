@@ -113,9 +113,7 @@ class UnitOfWorkFactory:
         for attempt in range(self._attempts):
             try:
                 async with self.sessions() as new_session, new_session.begin():
-                    uow = UnitOfWork(
-                        session=new_session, now=self.clock(), subjects=self.subjects, source=self.source
-                    )
+                    uow = UnitOfWork(session=new_session, now=self.clock(), subjects=self.subjects, source=self.source)
                     result = await work(uow)
                     await enqueue_many(session=new_session, schema=self.schema, events=uow.events)
                 if uow.events:

@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import cast
 
 from shared.domain.memory import MemoryShare
 from shared.domain.placement.framework import (
@@ -98,7 +97,7 @@ def decide(
         return Decision(
             request_id=request.request_id,
             status="rejected",
-            error_code=cast(ErrorCode, status.code.value),
+            error_code=ErrorCode(status.code.value),
             message=reason,
             explanation=(reason,),
         )
@@ -138,7 +137,7 @@ def decide(
     return Decision(
         request_id=request.request_id,
         status="rejected",
-        error_code="no_capacity",
+        error_code=ErrorCode.NO_CAPACITY,
         message=message,
         explanation=(message, *_demand_lines(demand), *demand.notes, *(r.describe() for r in rejections)),
         rejections=rejections,

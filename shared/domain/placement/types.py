@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shared.domain.capacity import AcceleratorCapacity
+from shared.domain.errors import ErrorCode
 from shared.domain.fleet import Fleet, NodeProfile, Rack, TpuPod, tpu_chip_id
 from shared.domain.hardware import Sku
 from shared.domain.memory import DEFAULT_CEILING, MemoryShare, usable_hbm
@@ -22,7 +24,6 @@ RackKey = tuple[str, str, str]
 
 Backend = Literal["gpu", "tpu", "any"]
 DecisionStatus = Literal["placed", "rejected"]
-ErrorCode = Literal["unknown_model", "unknown_sku", "invalid_request", "no_capacity"]
 
 __all__ = [
     "AcceleratorCapacity",
@@ -42,29 +43,6 @@ __all__ = [
     "chip_id",
     "tpu_sku_name",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class AcceleratorCapacity:
-    """One GPU as the ledger sees it. ``id`` is ``"<node>/gpu<index>"``; bytes are HBM bytes."""
-
-    id: str
-    node: str
-    index: int
-    sku: str
-    usable: int
-    reserved: int
-    available: bool = True
-
-    @property
-    def free(self) -> int:
-        """Bytes still allocatable: usable - reserved, never below 0, and 0 when unavailable."""
-        return max(0, self.usable - self.reserved) if self.available else 0
-
-    @property
-    def idle(self) -> bool:
-        """Nothing reserved: placing on it turns it from idle to busy (it then draws its TDP)."""
-        return self.reserved == 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from shared.domain.errors import ErrorCode
 from shared.domain.memory import MemoryShare, per_accelerator_share
 from shared.domain.models import ModelSpec
 from shared.domain.placement import Decision, FleetSnapshot, PlacementRequest, decide
@@ -57,7 +58,7 @@ _Chooser = Callable[[FleetSnapshot, str, int, MemoryShare], tuple[str, ...] | No
 
 
 def _rejected(request: PlacementRequest, message: str) -> Decision:
-    return Decision(request_id=request.request_id, status="rejected", error_code="no_capacity", message=message)
+    return Decision(request_id=request.request_id, status="rejected", error_code=ErrorCode.NO_CAPACITY, message=message)
 
 
 def _placed(
@@ -135,7 +136,7 @@ def _node_major(
 ) -> Decision:
     spec = snapshot.models.get(request.model)
     if spec is None:
-        return Decision(request_id=request.request_id, status="rejected", error_code="unknown_model")
+        return Decision(request_id=request.request_id, status="rejected", error_code=ErrorCode.UNKNOWN_MODEL)
     shares = {tp: _share(spec, request, tp) for tp in _tps(spec)}
     for node in _gpu_nodes(snapshot, skus):
         for tp, share in shares.items():
@@ -168,7 +169,7 @@ class CheapestSkuPolicy:
     def decide(self, snapshot: FleetSnapshot, request: PlacementRequest) -> Decision:
         spec = snapshot.models.get(request.model)
         if spec is None:
-            return Decision(request_id=request.request_id, status="rejected", error_code="unknown_model")
+            return Decision(request_id=request.request_id, status="rejected", error_code=ErrorCode.UNKNOWN_MODEL)
         best: tuple[float, str] | None = None
         for sku_name in sorted({snapshot.nodes[n].sku for n in _gpu_nodes(snapshot)}):
             sku = snapshot.skus[sku_name]
@@ -200,7 +201,7 @@ class RandomPolicy:
         self._draws += 1
         spec = snapshot.models.get(request.model)
         if spec is None:
-            return Decision(request_id=request.request_id, status="rejected", error_code="unknown_model")
+            return Decision(request_id=request.request_id, status="rejected", error_code=ErrorCode.UNKNOWN_MODEL)
         for tp in _tps(spec):
             share = _share(spec, request, tp)
             feasible = [
