@@ -5,6 +5,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 COPY pyproject.toml README.md alembic.ini ./
 COPY shared ./shared
 COPY services ./services
+COPY hetsched ./hetsched
 COPY migrations ./migrations
 RUN pip install --no-cache-dir . && useradd --system hetsched
 USER hetsched

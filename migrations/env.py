@@ -12,7 +12,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
-from services.tables import register_all_tables
+from migrations.metadata import register_all_tables
 from shared.infra.db import SCHEMAS, async_url
 
 register_all_tables()

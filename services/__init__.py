@@ -1,1 +1,1 @@
-"""The six hetsched services, the local stack launcher and the CLI."""
+"""The six hetsched services, one package each (`python -m services.<name>`); `registry` lists them."""

@@ -6,7 +6,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -108,12 +107,3 @@ def service_processes(settings: Settings, tmp_path_factory: pytest.TempPathFacto
     procs = ServiceProcesses(settings, tmp_path_factory.mktemp("service-logs"))
     yield procs
     procs.stop_all()
-
-
-def wait_until(predicate: object, *, timeout_s: float, interval_s: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(interval_s)
-    raise AssertionError(f"condition not met within {timeout_s}s")

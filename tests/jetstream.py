@@ -9,7 +9,10 @@ from nats.js import JetStreamContext
 
 
 async def read_all(js: JetStreamContext, *, stream: str, subject: str) -> list[dict[str, Any]]:
-    """Every message on ``subject`` in ``stream`` as parsed JSON, with its Nats-Msg-Id under ``_msg_id``."""
+    """Every JSON object on ``subject`` in ``stream``, with its Nats-Msg-Id under ``_msg_id``.
+
+    Messages that are not JSON objects are left out: the run's tests share each stream, and some
+    publish garbage on purpose (a consumer must survive it)."""
     sub = await js.pull_subscribe(subject, stream=stream)
     out: list[dict[str, Any]] = []
     try:
@@ -19,10 +22,14 @@ async def read_all(js: JetStreamContext, *, stream: str, subject: str) -> list[d
             except TimeoutError:
                 break
             for msg in msgs:
-                body = json.loads(msg.data)
-                body["_msg_id"] = (msg.headers or {}).get("Nats-Msg-Id")
-                out.append(body)
                 await msg.ack()
+                try:
+                    body = json.loads(msg.data)
+                except ValueError:
+                    continue
+                if isinstance(body, dict):
+                    body["_msg_id"] = (msg.headers or {}).get("Nats-Msg-Id")
+                    out.append(body)
     finally:
         await sub.unsubscribe()
     return out

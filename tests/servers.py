@@ -14,7 +14,7 @@ from pathlib import Path
 import asyncpg
 import nats
 
-from services.embedded import EmbeddedNats, EmbeddedPostgres
+from hetsched.embedded import EmbeddedNats, EmbeddedPostgres
 from shared.infra.db import plain_url
 
 

@@ -14,7 +14,7 @@ Create Date: 2026-11-30
 import os
 from collections.abc import Sequence
 
-from alembic import op
+from alembic import context, op
 
 revision: str = "0005_service_roles"
 down_revision: str | None = "0004_placement"
@@ -29,7 +29,8 @@ def _role(schema: str) -> str:
 
 
 def upgrade() -> None:
-    password = os.environ.get("HETSCHED_DATABASE_ROLE_PASSWORD")
+    # From the launcher's settings (shared.infra.migrate.upgrade), else the environment (alembic CLI).
+    password = context.config.attributes.get("role_password") or os.environ.get("HETSCHED_DATABASE_ROLE_PASSWORD")
     for schema in SCHEMAS:
         role = _role(schema)
         # Concurrent migrations of two databases may both try to create the role: either wins.

@@ -13,14 +13,15 @@ ApplyBatch = Callable[[Sequence[CommitRequest]], Awaitable[list[CommitReply]]]
 
 
 class CommitBatcher:
-    """Feeds ``apply`` with up to ``max_batch`` queued commits at a time, from ``lanes`` concurrent loops.
+    """Feeds ``apply`` (given at ``start``) with up to ``max_batch`` queued commits at a time, from
+    ``lanes`` concurrent loops.
 
     If a batch fails as a whole (an unexpected database error), each of its commits is retried alone,
     so one bad commit cannot take others down with it.
     """
 
-    def __init__(self, apply: ApplyBatch, *, max_batch: int = 256, lanes: int = 2) -> None:
-        self._apply = apply
+    def __init__(self, *, max_batch: int = 256, lanes: int = 2) -> None:
+        self._apply: ApplyBatch | None = None
         self._max = max_batch
         self._lanes = lanes
         self._queue: asyncio.Queue[tuple[CommitRequest, asyncio.Future[CommitReply]]] = asyncio.Queue()
@@ -28,7 +29,8 @@ class CommitBatcher:
         self.batches = 0
         self.commits = 0
 
-    def start(self) -> None:
+    def start(self, apply: ApplyBatch) -> None:
+        self._apply = apply
         self._tasks = [asyncio.create_task(self._lane(), name=f"commit-lane-{i}") for i in range(self._lanes)]
 
     async def stop(self) -> None:
@@ -37,11 +39,15 @@ class CommitBatcher:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def submit(self, request: CommitRequest) -> CommitReply:
+        if self._apply is None:
+            raise RuntimeError("the commit batcher has not been started")
         future: asyncio.Future[CommitReply] = asyncio.get_running_loop().create_future()
         await self._queue.put((request, future))
         return await future
 
     async def _lane(self) -> None:
+        apply = self._apply
+        assert apply is not None  # start() set it before creating the lanes
         while True:
             items = [await self._queue.get()]
             while len(items) < self._max and not self._queue.empty():
@@ -49,7 +55,7 @@ class CommitBatcher:
             self.batches += 1
             self.commits += len(items)
             try:
-                replies = await self._apply([request for request, _ in items])
+                replies = await apply([request for request, _ in items])
             except Exception:
                 replies = None
             if replies is not None:
@@ -59,7 +65,7 @@ class CommitBatcher:
                 continue
             for request, future in items:
                 try:
-                    (reply,) = await self._apply([request])
+                    (reply,) = await apply([request])
                     if not future.done():
                         future.set_result(reply)
                 except Exception as exc:

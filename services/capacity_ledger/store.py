@@ -1,47 +1,79 @@
-"""The ledger's transactions. Every one locks accelerator rows in id order before touching shares, so
-concurrent commits, releases, expiries and capacity changes never deadlock; the database trigger
-refuses any over-commit even if this code were wrong."""
+"""The ledger's SQL over its own schema. Every transaction locks accelerator rows in id order before
+touching shares, so concurrent commits, releases, expiries and capacity changes never deadlock; the
+database trigger refuses any over-commit even if the code above were wrong.
+
+No rules here: what to write is decided in ``shared.domain.ledger``. The commit path talks to the
+asyncpg connection under the session's transaction (see ``driver``) because it is the hot path.
+"""
 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import insert, text
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.capacity_ledger.tables import Allocation, Journal, LedgerAccelerator, Share
-from shared.contracts.base import ErrorCode, rejected
-from shared.contracts.envelope import new_event
-from shared.contracts.ledger import (
-    ALLOCATION_COMMITTED,
-    AcceleratorBalance,
-    AllocationEvent,
-    CommitReply,
-    CommitRequest,
-    ShareOut,
+from shared.domain.capacity import AcceleratorCapacity
+from shared.domain.fleet import AcceleratorId
+from shared.domain.ledger import (
+    AllocationRecord,
+    AllocationState,
+    CommitIntent,
+    EndedAllocation,
+    ExistingAllocation,
+    ReplicaPool,
 )
-from shared.contracts.subjects import Context, Subjects
-from shared.domain.ledger import AcceleratorState, ShareRequest, apply_shares, check_fit
-from shared.infra.outbox import enqueue, enqueue_many
-
-SCHEMA = "ledger"
-SOURCE = "capacity-ledger"
-ALLOCATIONS = Allocation.__table__  # type: ignore[attr-defined]
-SHARES = Share.__table__  # type: ignore[attr-defined]
-JOURNAL = Journal.__table__  # type: ignore[attr-defined]
-ACCELERATORS = LedgerAccelerator.__table__  # type: ignore[attr-defined]
+from shared.domain.memory import MemoryShare
 
 
-def _now() -> datetime:
-    return datetime.now(UTC)
+@dataclass(frozen=True, slots=True)
+class NewAllocation:
+    """An accepted commit to write."""
+
+    id: str
+    intent: CommitIntent
+    lease_expires_at: datetime
+    created_at: datetime
 
 
-async def driver(session: AsyncSession) -> Any:
+@dataclass(frozen=True, slots=True)
+class AcceleratorSpec:
+    """An accelerator as topology reports it, with the usable bytes the ledger allows on it."""
+
+    id: str
+    sku: str
+    hbm_total: int
+    ceiling: float
+    usable: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeAvailability:
+    """A node's accelerators after an availability change, and the active allocations flagged on them."""
+
+    view: dict[str, AcceleratorCapacity]
+    flagged: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """One accelerator of a snapshot with the allocations that count on it."""
+
+    capacity: AcceleratorCapacity
+    allocations: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotPage:
+    entries: list[LedgerEntry]
+    next_cursor: str | None
+
+
+async def driver(*, session: AsyncSession) -> Any:
     """The asyncpg connection under the session's transaction: the hot path skips SQLAlchemy's statement
     machinery (it halves a single commit's time) while staying in the same transaction.
 
@@ -56,110 +88,71 @@ async def driver(session: AsyncSession) -> Any:
     return driver_connection
 
 
-async def lock_accelerators(session: AsyncSession, ids: Iterable[str]) -> dict[str, AcceleratorState]:
-    """Lock the rows (id order: the one lock order every transaction uses) and return their state."""
-    ids = sorted(set(ids))
-    if not ids:
-        return {}
-    rows = await (await driver(session)).fetch(
-        "SELECT id, hbm_usable, reserved, available FROM ledger.accelerators WHERE id = ANY($1) ORDER BY id FOR UPDATE",
-        ids,
-    )
-    return {r["id"]: AcceleratorState(r["id"], r["hbm_usable"], r["reserved"], r["available"]) for r in rows}
+def _index(accelerator_id: str) -> int:
+    """The GPU index of an id (-1 for a TPU chip, which has a coordinate instead)."""
+    try:
+        gpu = AcceleratorId.parse(accelerator_id).gpu_index
+    except ValueError:
+        return -1
+    return -1 if gpu is None else gpu
 
 
-def balances(view: dict[str, AcceleratorState], ids: Iterable[str]) -> list[AcceleratorBalance]:
-    return [
-        AcceleratorBalance(id=i, usable=view[i].usable, reserved=view[i].reserved, available=view[i].available)
-        for i in sorted(set(ids))
-        if i in view
-    ]
-
-
-def event_envelope(
-    event: str,
-    payload: dict[str, Any],
-    *,
-    tenant: str | None = None,
-    correlation_id: str | None = None,
-) -> Any:
-    return new_event(
-        type=f"ledger.{event}",
-        source=SOURCE,
-        payload=payload,
-        occurred_at=_now(),
-        tenant=tenant,
-        correlation_id=correlation_id,
+def _capacity(row: Any) -> AcceleratorCapacity:
+    return AcceleratorCapacity(
+        id=row["id"],
+        node=row["node"],
+        index=_index(row["id"]),
+        sku=row["sku"],
+        usable=row["hbm_usable"],
+        reserved=row["reserved"],
+        available=row["available"],
     )
 
 
-async def emit(
-    session: AsyncSession,
-    subjects: Subjects,
-    event: str,
-    payload: dict[str, Any],
-    *,
-    tenant: str | None = None,
-    correlation_id: str | None = None,
-    causation_id: str | None = None,
-) -> None:
-    envelope = new_event(
-        type=f"ledger.{event}",
-        source=SOURCE,
-        payload=payload,
-        occurred_at=_now(),
-        tenant=tenant,
-        correlation_id=correlation_id,
-        causation_id=causation_id,
-    )
-    await enqueue(session=session, schema=SCHEMA, subject=subjects.event(Context.LEDGER, event), event=envelope)
+def _share(weights: int, kv: int, activation: int, workspace: int) -> MemoryShare:
+    return MemoryShare(weights=weights, kv=kv, activation=activation, workspace=workspace)
 
 
-def _shares(request: CommitRequest) -> list[ShareRequest]:
-    return [ShareRequest(s.accelerator_id, s.weights, s.kv, s.activation, s.workspace) for s in request.shares]
-
-
-def _share_out(share: ShareRequest) -> ShareOut:
-    return ShareOut(
-        accelerator_id=share.accelerator_id,
-        weights=share.weights,
-        kv=share.kv,
-        activation=share.activation,
-        workspace=share.workspace,
-        total=share.total,
-    )
-
-
-def allocation_payload(row: Any, shares: Sequence[ShareRequest]) -> dict[str, Any]:
-    return AllocationEvent(
-        allocation_id=row["id"],
+def _record(row: Any) -> AllocationRecord:
+    return AllocationRecord(
+        id=row["id"],
         request_id=row["request_id"],
         tenant=row["tenant"],
         kind=row["kind"],
+        state=AllocationState(row["state"]),
+        lease_expires_at=row["lease_expires_at"],
         parent_id=row["parent_id"],
         preemptible=row["preemptible"],
         priority=row["priority"],
-        lease_expires_at=row["lease_expires_at"],
-        counts_against_hbm=row["kind"] == "replica",
-        shares=[_share_out(s) for s in shares],
-    ).model_dump(mode="json")
+    )
 
 
-@dataclass
-class _Pending:
-    index: int
-    request: CommitRequest
-    shares: list[ShareRequest]
-    row: dict[str, Any]
+async def lock_accelerators(*, session: AsyncSession, ids: Iterable[str]) -> dict[str, AcceleratorCapacity]:
+    """Lock the rows (id order: the one lock order every transaction uses) and return their state."""
+    wanted = sorted(set(ids))
+    if not wanted:
+        return {}
+    rows = await (await driver(session=session)).fetch(
+        "SELECT id, node, sku, hbm_usable, reserved, available FROM ledger.accelerators "
+        "WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+        wanted,
+    )
+    return {r["id"]: _capacity(r) for r in rows}
 
 
-async def _existing(session: AsyncSession, commits: Sequence[CommitRequest]) -> dict[tuple[str, str], Any]:
-    keys = sorted({(c.tenant, c.request_id) for c in commits})
+# -- commit ------------------------------------------------------------------------------------
+
+
+async def existing_allocations(
+    *, session: AsyncSession, keys: Iterable[tuple[str, str]]
+) -> dict[tuple[str, str], ExistingAllocation]:
+    """The allocations already stored under these (tenant, request_id) keys, with their shares."""
+    wanted = sorted(set(keys))
     # Through the session on purpose: this is the batch's first statement and opens its transaction.
     rows = (
         await session.execute(
             text(
-                "SELECT a.id, a.tenant, a.request_id, a.lease_expires_at, a.state, "
+                "SELECT a.id, a.tenant, a.request_id, a.lease_expires_at, "
                 "COALESCE(json_agg(json_build_array(s.accelerator_id, s.weights, s.kv, s.activation, s.workspace)) "
                 "FILTER (WHERE s.accelerator_id IS NOT NULL), '[]') AS shares "
                 "FROM ledger.allocations a LEFT JOIN ledger.shares s ON s.allocation_id = a.id "
@@ -167,176 +160,116 @@ async def _existing(session: AsyncSession, commits: Sequence[CommitRequest]) -> 
                 "(SELECT * FROM unnest(CAST(:tenants AS text[]), CAST(:rids AS text[]))) "
                 "GROUP BY a.id"
             ),
-            {"tenants": [k[0] for k in keys], "rids": [k[1] for k in keys]},
+            {"tenants": [k[0] for k in wanted], "rids": [k[1] for k in wanted]},
         )
     ).mappings()
+    out: dict[tuple[str, str], ExistingAllocation] = {}
+    for r in rows:
+        shares = json.loads(r["shares"]) if isinstance(r["shares"], str) else r["shares"]
+        out[(r["tenant"], r["request_id"])] = ExistingAllocation(
+            id=r["id"],
+            lease_expires_at=r["lease_expires_at"],
+            shares=tuple((s[0], _share(s[1], s[2], s[3], s[4])) for s in shares),
+        )
+    return out
+
+
+async def lock_replica_pools(*, session: AsyncSession, ids: Iterable[str]) -> dict[str, ReplicaPool]:
+    """Lock the replica allocations requests will live in, with their KV pools and what is in use."""
+    wanted = sorted(set(ids))
+    if not wanted:
+        return {}
+    apg = await driver(session=session)
+    rows = await apg.fetch(
+        "SELECT id, tenant, state, kind FROM ledger.allocations WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE",
+        wanted,
+    )
+    found = [r["id"] for r in rows]
+    pools: dict[str, dict[str, int]] = {i: {} for i in found}
+    used: dict[str, dict[str, int]] = {i: {} for i in found}
+    shares = await apg.fetch(
+        "SELECT s.allocation_id, a.parent_id, s.accelerator_id, s.kv FROM ledger.shares s "
+        "JOIN ledger.allocations a ON a.id = s.allocation_id "
+        "WHERE s.active AND (s.allocation_id = ANY($1::text[]) OR a.parent_id = ANY($1::text[]))",
+        found,
+    )
+    for s in shares:
+        if s["allocation_id"] in pools:
+            pools[s["allocation_id"]][s["accelerator_id"]] = s["kv"]
+        elif s["parent_id"] in used:
+            into = used[s["parent_id"]]
+            into[s["accelerator_id"]] = into.get(s["accelerator_id"], 0) + s["kv"]
     return {
-        (r["tenant"], r["request_id"]): _Existing(r["id"], r["lease_expires_at"], _as_json(r["shares"])) for r in rows
+        r["id"]: ReplicaPool(
+            id=r["id"],
+            tenant=r["tenant"],
+            kind=r["kind"],
+            active=r["state"] == AllocationState.ACTIVE,
+            pool=pools[r["id"]],
+            used=used[r["id"]],
+        )
+        for r in rows
     }
 
 
-@dataclass(frozen=True)
-class _Existing:
-    id: str
-    lease_expires_at: datetime
-    shares: list[list[Any]]
+async def insert_allocations(*, session: AsyncSession, allocations: Sequence[NewAllocation]) -> None:
+    """Write accepted commits (allocations, shares, journal) in one statement: one round trip however
+    many the batch holds. The shares' trigger keeps the reserved totals and refuses an over-commit."""
+    if not allocations:
+        return
+    await (await driver(session=session)).execute(
+        INSERT_COMMITS,
+        json.dumps(
+            [
+                {
+                    "id": a.id,
+                    "request_id": a.intent.request_id,
+                    "tenant": a.intent.tenant,
+                    "kind": a.intent.kind,
+                    "parent_id": a.intent.parent_id,
+                    "state": AllocationState.ACTIVE.value,
+                    "preemptible": a.intent.preemptible,
+                    "priority": a.intent.priority,
+                    "lease_expires_at": a.lease_expires_at.isoformat(),
+                    "flagged": False,
+                    "created_at": a.created_at.isoformat(),
+                }
+                for a in allocations
+            ]
+        ),
+        json.dumps(
+            [
+                {
+                    "allocation_id": a.id,
+                    "accelerator_id": accelerator_id,
+                    "weights": s.weights,
+                    "kv": s.kv,
+                    "activation": s.activation,
+                    "workspace": s.workspace,
+                    "total": s.total,
+                    "counts": a.intent.counts_against_hbm,
+                    "active": True,
+                }
+                for a in allocations
+                for accelerator_id, s in a.intent.shares
+            ]
+        ),
+        json.dumps(
+            [
+                {
+                    "op": "commit",
+                    "allocation_id": a.id,
+                    "accelerator_id": accelerator_id,
+                    "delta": s.total if a.intent.counts_against_hbm else 0,
+                    "details": {"tenant": a.intent.tenant, "request_id": a.intent.request_id, "kind": a.intent.kind},
+                }
+                for a in allocations
+                for accelerator_id, s in a.intent.shares
+            ]
+        ),
+    )
 
 
-def _as_json(value: Any) -> Any:
-    return json.loads(value) if isinstance(value, str) else value
-
-
-def _same_shares(stored: Any, shares: Sequence[ShareRequest]) -> bool:
-    have = sorted(tuple(s) for s in stored)
-    want = sorted([s.accelerator_id, s.weights, s.kv, s.activation, s.workspace] for s in shares)
-    return [list(h) for h in have] == [list(w) for w in want]
-
-
-async def commit_batch(
-    session: AsyncSession, commits: Sequence[CommitRequest], *, subjects: Subjects, default_lease_s: int
-) -> list[CommitReply]:
-    """Apply commits in one transaction (the caller's); each is all-or-nothing on its own.
-
-    A commit whose (tenant, request_id) exists returns that allocation (``duplicate``) and reserves
-    nothing. One that does not fit is refused with the fresh view: ``conflict`` when the caller's
-    ``expected`` view differs from the current one (it decided on stale data), else ``no_capacity``.
-    """
-    now = _now()
-    results: list[CommitReply | None] = [None] * len(commits)
-    existing = await _existing(session, commits)
-    all_ids = [s.accelerator_id for c in commits for s in c.shares]
-    view = await lock_accelerators(session, all_ids)
-    pending: list[_Pending] = []
-    parents = await _lock_parents(session, [c.parent_id for c in commits if c.parent_id])
-    seen_keys: set[tuple[str, str]] = set()
-    for i, request in enumerate(commits):
-        shares = _shares(request)
-        ids = [s.accelerator_id for s in shares]
-        key = (request.tenant, request.request_id)
-        if key in existing or key in seen_keys:
-            results[i] = _duplicate(request, existing.get(key), shares, view, ids)
-            continue
-        if request.lease_expires_at is not None and request.lease_expires_at <= now:
-            results[i] = _reject(request, ErrorCode.INVALID_REQUEST, "lease_expires_at is in the past")
-            continue
-        unknown = [a for a in ids if a not in view]
-        if unknown:
-            results[i] = _reject(request, ErrorCode.NOT_FOUND, f"unknown accelerator(s): {', '.join(sorted(unknown))}")
-            continue
-        if request.kind == "request":
-            problem = _check_child(request, shares, parents)
-            if problem is not None:
-                results[i] = _reject(request, *problem)
-                continue
-            fit_ok = True
-        else:
-            fit = check_fit(view, shares)
-            fit_ok = fit.ok
-            if not fit_ok:
-                stale = request.expected is not None and any(
-                    request.expected.get(a) is not None and request.expected[a] != view[a].reserved for a in ids
-                )
-                code = ErrorCode.CONFLICT if stale else ErrorCode.NO_CAPACITY
-                results[i] = _reject(request, code, fit.describe(), view=balances(view, ids))
-                continue
-            view = apply_shares(view, shares)
-        lease = request.lease_expires_at or now + timedelta(seconds=request.lease_s or default_lease_s)
-        row = {
-            "id": f"al-{uuid.uuid4().hex}",
-            "request_id": request.request_id,
-            "tenant": request.tenant,
-            "kind": request.kind,
-            "parent_id": request.parent_id,
-            "state": "active",
-            "preemptible": request.preemptible,
-            "priority": request.priority,
-            "lease_expires_at": lease,
-            "flagged": False,
-            "created_at": now,
-        }
-        seen_keys.add(key)
-        pending.append(_Pending(i, request, shares, row))
-        if request.kind == "request" and request.parent_id:
-            parents[request.parent_id]["used"] = _add_kv(parents[request.parent_id]["used"], shares)
-    if pending:
-        subject = subjects.event(Context.LEDGER, ALLOCATION_COMMITTED)
-        events = [
-            event_envelope(
-                ALLOCATION_COMMITTED,
-                allocation_payload(p.row, p.shares),
-                tenant=p.request.tenant,
-                correlation_id=p.request.request_id,
-            )
-            for p in pending
-        ]
-        await (await driver(session)).execute(
-            INSERT_COMMITS,
-            json.dumps([p.row for p in pending], default=_json_default),
-            json.dumps(
-                [
-                    {
-                        "allocation_id": p.row["id"],
-                        "accelerator_id": s.accelerator_id,
-                        "weights": s.weights,
-                        "kv": s.kv,
-                        "activation": s.activation,
-                        "workspace": s.workspace,
-                        "total": s.total,
-                        "counts": p.request.kind == "replica",
-                        "active": True,
-                    }
-                    for p in pending
-                    for s in p.shares
-                ]
-            ),
-            json.dumps(
-                [
-                    {
-                        "op": "commit",
-                        "allocation_id": p.row["id"],
-                        "accelerator_id": s.accelerator_id,
-                        "delta": s.total if p.request.kind == "replica" else 0,
-                        "details": {
-                            "tenant": p.request.tenant,
-                            "request_id": p.request.request_id,
-                            "kind": p.request.kind,
-                        },
-                    }
-                    for p in pending
-                    for s in p.shares
-                ]
-            ),
-            json.dumps(
-                [
-                    {
-                        "event_id": str(e.event_id),
-                        "subject": subject,
-                        "event_type": e.type,
-                        "payload": e.model_dump(mode="json"),
-                    }
-                    for e in events
-                ]
-            ),
-        )
-        for p in pending:
-            results[p.index] = CommitReply(
-                status="committed",
-                request_id=p.request.request_id,
-                allocation_id=p.row["id"],
-                lease_expires_at=p.row["lease_expires_at"],
-                view=balances(view, [s.accelerator_id for s in p.shares]),
-            )
-    return [r for r in results if r is not None]
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    raise TypeError(type(value).__name__)
-
-
-# Allocations, shares (the trigger checks the invariant), journal and outbox rows of a batch of
-# commits in one statement: one round trip however many commits the batch holds.
 INSERT_COMMITS = """
 WITH a AS (
     INSERT INTO ledger.allocations (id, request_id, tenant, kind, parent_id, state, preemptible, priority,
@@ -357,107 +290,16 @@ WITH a AS (
     FROM json_to_recordset($3::json)
          AS x(op text, allocation_id text, accelerator_id text, delta bigint, details jsonb)
     RETURNING 1
-), o AS (
-    INSERT INTO ledger.outbox (event_id, subject, event_type, payload)
-    SELECT event_id, subject, event_type, payload
-    FROM json_to_recordset($4::json) AS x(event_id uuid, subject text, event_type text, payload jsonb)
-    RETURNING 1
 )
-SELECT (SELECT count(*) FROM a), (SELECT count(*) FROM s), (SELECT count(*) FROM j), (SELECT count(*) FROM o)
+SELECT (SELECT count(*) FROM a), (SELECT count(*) FROM s), (SELECT count(*) FROM j)
 """
-
-
-def _reject(request: CommitRequest, code: ErrorCode, message: str, **details: Any) -> CommitReply:
-    body = rejected(code, message, **{k: [b.model_dump() for b in v] if k == "view" else v for k, v in details.items()})
-    return CommitReply(status="rejected", request_id=request.request_id, error=body.error, view=details.get("view", []))
-
-
-def _duplicate(
-    request: CommitRequest, row: Any, shares: Sequence[ShareRequest], view: dict[str, AcceleratorState], ids: list[str]
-) -> CommitReply:
-    if row is None:  # the same request id twice in one batch
-        return _reject(request, ErrorCode.INVALID_REQUEST, "request_id appears twice in this batch")
-    if not _same_shares(row.shares, shares):
-        return _reject(request, ErrorCode.INVALID_REQUEST, "request_id was already used for different shares")
-    return CommitReply(
-        status="committed",
-        request_id=request.request_id,
-        allocation_id=row.id,
-        duplicate=True,
-        lease_expires_at=row.lease_expires_at,
-        view=balances(view, ids),
-    )
-
-
-async def _lock_parents(session: AsyncSession, parent_ids: list[str]) -> dict[str, dict[str, Any]]:
-    """Lock replica allocations that requests will live in, with their KV pools and what is in use."""
-    if not parent_ids:
-        return {}
-    rows = await session.execute(
-        text("SELECT id, tenant, state, kind FROM ledger.allocations WHERE id = ANY(:ids) ORDER BY id FOR UPDATE"),
-        {"ids": sorted(set(parent_ids))},
-    )
-    parents: dict[str, dict[str, Any]] = {
-        r.id: {"tenant": r.tenant, "state": r.state, "kind": r.kind, "pool": {}, "used": {}} for r in rows
-    }
-    shares = await session.execute(
-        text(
-            "SELECT s.allocation_id, a.parent_id, s.accelerator_id, s.kv FROM ledger.shares s "
-            "JOIN ledger.allocations a ON a.id = s.allocation_id "
-            "WHERE s.active AND (s.allocation_id = ANY(:ids) OR a.parent_id = ANY(:ids))"
-        ),
-        {"ids": list(parents)},
-    )
-    for r in shares:
-        if r.allocation_id in parents:
-            parents[r.allocation_id]["pool"][r.accelerator_id] = r.kv
-        elif r.parent_id in parents:
-            used = parents[r.parent_id]["used"]
-            used[r.accelerator_id] = used.get(r.accelerator_id, 0) + r.kv
-    return parents
-
-
-def _add_kv(used: dict[str, int], shares: Sequence[ShareRequest]) -> dict[str, int]:
-    out = dict(used)
-    for s in shares:
-        out[s.accelerator_id] = out.get(s.accelerator_id, 0) + s.total
-    return out
-
-
-def _check_child(
-    request: CommitRequest, shares: Sequence[ShareRequest], parents: dict[str, dict[str, Any]]
-) -> tuple[ErrorCode, str] | None:
-    parent = parents.get(request.parent_id or "")
-    if parent is None:
-        return ErrorCode.NOT_FOUND, f"no replica allocation {request.parent_id!r}"
-    if parent["tenant"] != request.tenant:
-        return ErrorCode.FORBIDDEN, "the replica belongs to another tenant"
-    if parent["kind"] != "replica" or parent["state"] != "active":
-        return ErrorCode.CONFLICT, f"replica {request.parent_id} is not active"
-    for s in shares:
-        pool = parent["pool"].get(s.accelerator_id)
-        if pool is None:
-            return ErrorCode.INVALID_REQUEST, f"{s.accelerator_id} is not one of the replica's accelerators"
-        free = pool - parent["used"].get(s.accelerator_id, 0)
-        if s.total > free:
-            return ErrorCode.NO_CAPACITY, f"{s.accelerator_id}: KV pool short by {(s.total - free) / 1e9:.2f} GB"
-    return None
 
 
 # -- release / expire / renew ----------------------------------------------------------------
 
 
-async def end_allocation(
-    session: AsyncSession,
-    allocation_id: str,
-    *,
-    subjects: Subjects,
-    state: str,
-    event: str,
-    tenant: str | None = None,
-) -> tuple[str, Any]:
-    """End an allocation (and the requests inside a replica). Returns ("ok" | "already" | "not_found" |
-    "forbidden", row)."""
+async def lock_allocation(*, session: AsyncSession, allocation_id: str) -> AllocationRecord | None:
+    """The allocation, locked for the rest of the transaction (the transaction's first statement)."""
     row = (
         (
             await session.execute(
@@ -467,103 +309,69 @@ async def end_allocation(
         .mappings()
         .first()
     )
-    if row is None:
-        return "not_found", None
-    if tenant is not None and row["tenant"] != tenant:
-        return "forbidden", row
-    if row["state"] != "active":
-        return "already", row
-    ids = [row["id"]]
-    apg = await driver(session)  # the session's first statement opened the transaction
+    return None if row is None else _record(row)
+
+
+async def end_allocation(
+    *, session: AsyncSession, allocation: AllocationRecord, state: AllocationState, now: datetime
+) -> list[EndedAllocation]:
+    """End a locked, active allocation and the active requests inside it (a replica's); their shares
+    stop counting. Returns each ended allocation with the shares it gave back, the named one first."""
+    apg = await driver(session=session)  # lock_allocation's statement opened the transaction
     children = await apg.fetch(
         "SELECT * FROM ledger.allocations WHERE parent_id = $1 AND state = 'active' ORDER BY id FOR UPDATE",
-        allocation_id,
+        allocation.id,
     )
-    ids += [c["id"] for c in children]
+    ended = [allocation, *(_record(c) for c in children)]
+    ids = [a.id for a in ended]
     share_rows = await apg.fetch(
         "SELECT allocation_id, accelerator_id, weights, kv, activation, workspace, total, counts "
         "FROM ledger.shares WHERE allocation_id = ANY($1::text[]) AND active",
         ids,
     )
-    await lock_accelerators(session, [s["accelerator_id"] for s in share_rows if s["counts"]])
+    await lock_accelerators(session=session, ids=[s["accelerator_id"] for s in share_rows if s["counts"]])
     await apg.execute("UPDATE ledger.shares SET active = false WHERE allocation_id = ANY($1::text[]) AND active", ids)
     await apg.execute(
-        "UPDATE ledger.allocations SET state = $2, ended_at = now() WHERE id = ANY($1::text[])", ids, state
+        "UPDATE ledger.allocations SET state = $2, ended_at = $3 WHERE id = ANY($1::text[])", ids, state.value, now
     )
-    by_allocation: dict[str, list[ShareRequest]] = {}
-    for s in share_rows:
-        by_allocation.setdefault(s["allocation_id"], []).append(
-            ShareRequest(s["accelerator_id"], s["weights"], s["kv"], s["activation"], s["workspace"])
-        )
     journal = [
-        (state, s["allocation_id"], s["accelerator_id"], -s["total"] if s["counts"] else 0) for s in share_rows
-    ] or [(state, allocation_id, None, 0)]
+        (state.value, s["allocation_id"], s["accelerator_id"], -s["total"] if s["counts"] else 0) for s in share_rows
+    ] or [(state.value, allocation.id, None, 0)]
     await apg.executemany(
         "INSERT INTO ledger.journal (op, allocation_id, accelerator_id, delta, details) VALUES ($1, $2, $3, $4, '{}')",
         journal,
     )
-    subject = subjects.event(Context.LEDGER, event)
-    await enqueue_many(
-        session=session,
-        schema=SCHEMA,
-        events=[
-            (
-                subject,
-                event_envelope(
-                    event,
-                    allocation_payload(ended, by_allocation.get(ended["id"], [])),
-                    tenant=ended["tenant"],
-                    correlation_id=ended["request_id"],
-                ),
-            )
-            for ended in [row, *children]
-        ],
-    )
-    return "ok", row
-
-
-async def renew(session: AsyncSession, allocation_id: str, *, tenant: str, expires_at: datetime) -> tuple[str, Any]:
-    row = (
-        (
-            await session.execute(
-                text("SELECT * FROM ledger.allocations WHERE id = :id FOR UPDATE"), {"id": allocation_id}
-            )
+    shares: dict[str, list[tuple[str, MemoryShare]]] = {}
+    for s in share_rows:
+        shares.setdefault(s["allocation_id"], []).append(
+            (s["accelerator_id"], _share(s["weights"], s["kv"], s["activation"], s["workspace"]))
         )
-        .mappings()
-        .first()
-    )
-    if row is None:
-        return "not_found", None
-    if row["tenant"] != tenant:
-        return "forbidden", row
-    if row["state"] != "active":
-        return "ended", row
+    return [EndedAllocation(a, tuple(shares.get(a.id, ()))) for a in ended]
+
+
+async def set_lease(*, session: AsyncSession, allocation_id: str, expires_at: datetime) -> None:
+    """Move a locked allocation's lease end (journaled)."""
     await session.execute(
         text("UPDATE ledger.allocations SET lease_expires_at = :at WHERE id = :id"),
         {"id": allocation_id, "at": expires_at},
     )
     await session.execute(
-        insert(JOURNAL),
-        [
-            {
-                "op": "renew",
-                "allocation_id": allocation_id,
-                "accelerator_id": None,
-                "delta": 0,
-                "details": {"lease_expires_at": expires_at.isoformat()},
-            }
-        ],
+        text(
+            "INSERT INTO ledger.journal (op, allocation_id, accelerator_id, delta, details) "
+            "VALUES ('renew', :id, NULL, 0, CAST(:details AS jsonb))"
+        ),
+        {"id": allocation_id, "details": json.dumps({"lease_expires_at": expires_at.isoformat()})},
     )
-    return "ok", row
 
 
-async def expired_ids(session: AsyncSession, *, limit: int) -> list[str]:
+async def expired_ids(*, session: AsyncSession, now: datetime, limit: int) -> list[str]:
+    """Active allocations whose lease ended before ``now``, oldest first."""
     rows = await session.execute(
         text(
-            "SELECT id FROM ledger.allocations WHERE state = 'active' AND lease_expires_at < now() "
+            "SELECT id FROM ledger.allocations WHERE state = 'active' AND lease_expires_at < :now "
             "ORDER BY lease_expires_at LIMIT :limit"
         ),
-        {"limit": limit},
+        {"now": now, "limit": limit},
     )
     return [r.id for r in rows]
 
@@ -571,14 +379,14 @@ async def expired_ids(session: AsyncSession, *, limit: int) -> list[str]:
 # -- snapshot ----------------------------------------------------------------------------------
 
 
-async def snapshot(
-    session: AsyncSession, *, node: str | None, after: str | None, limit: int
-) -> tuple[list[dict[str, Any]], str | None]:
+async def snapshot(*, session: AsyncSession, node: str | None, after: str | None, limit: int) -> SnapshotPage:
+    """Accelerators in id order after ``after`` (the cursor), at most ``limit``; ``next_cursor`` is the
+    last id of the page while more follow."""
     rows = (
         (
             await session.execute(
                 text(
-                    "SELECT a.id, a.node, a.hbm_usable, a.reserved, a.available, "
+                    "SELECT a.id, a.node, a.sku, a.hbm_usable, a.reserved, a.available, "
                     "COALESCE(array_agg(s.allocation_id ORDER BY s.allocation_id) "
                     "FILTER (WHERE s.allocation_id IS NOT NULL AND s.counts), '{}') AS allocations "
                     "FROM ledger.accelerators a LEFT JOIN ledger.shares s ON s.accelerator_id = a.id AND s.active "
@@ -593,23 +401,26 @@ async def snapshot(
         .all()
     )
     more = len(rows) > limit
-    rows = rows[:limit]
-    return [dict(r) for r in rows], (rows[-1]["id"] if more and rows else None)
+    page = rows[:limit]
+    return SnapshotPage(
+        entries=[LedgerEntry(_capacity(r), tuple(r["allocations"])) for r in page],
+        next_cursor=page[-1]["id"] if more and page else None,
+    )
 
 
 # -- capacity (from topology events) ---------------------------------------------------------
 
 
 async def upsert_capacity(
-    session: AsyncSession, *, node: str, accelerators: Sequence[tuple[str, str, int]], ceiling: float, usable: Any
-) -> dict[str, AcceleratorState]:
-    """Register or resize a node's accelerators (id, sku, hbm_total); reserved bytes are kept."""
-    existing = await session.execute(
+    *, session: AsyncSession, node: str, accelerators: Sequence[AcceleratorSpec]
+) -> dict[str, AcceleratorCapacity]:
+    """Register or resize a node's accelerators; reserved bytes are kept."""
+    await session.execute(
         text("SELECT id FROM ledger.accelerators WHERE node = :node ORDER BY id FOR UPDATE"), {"node": node}
     )
-    _ = existing.all()
-    await lock_accelerators(session, [a[0] for a in accelerators])
-    for acc_id, sku, total in sorted(accelerators):
+    ids = [a.id for a in accelerators]
+    await lock_accelerators(session=session, ids=ids)
+    if accelerators:
         await session.execute(
             text(
                 "INSERT INTO ledger.accelerators (id, node, sku, hbm_total, ceiling, hbm_usable, reserved, available) "
@@ -618,21 +429,15 @@ async def upsert_capacity(
                 "hbm_total = EXCLUDED.hbm_total, ceiling = EXCLUDED.ceiling, hbm_usable = EXCLUDED.hbm_usable, "
                 "updated_at = now()"
             ),
-            {
-                "id": acc_id,
-                "node": node,
-                "sku": sku,
-                "total": total,
-                "ceiling": ceiling,
-                "usable": usable(total, ceiling),
-            },
+            [
+                {"id": a.id, "node": node, "sku": a.sku, "total": a.hbm_total, "ceiling": a.ceiling, "usable": a.usable}
+                for a in sorted(accelerators, key=lambda a: a.id)
+            ],
         )
-    return await lock_accelerators(session, [a[0] for a in accelerators])
+    return await lock_accelerators(session=session, ids=ids)
 
 
-async def set_node_available(
-    session: AsyncSession, *, node: str, available: bool
-) -> tuple[dict[str, AcceleratorState], list[str]]:
+async def set_node_available(*, session: AsyncSession, node: str, available: bool) -> NodeAvailability:
     """Mark a node's accelerators (un)available; when unavailable, flag the active allocations on them."""
     ids = [
         r.id
@@ -641,7 +446,7 @@ async def set_node_available(
         )
     ]
     if not ids:
-        return {}, []
+        return NodeAvailability({}, [])
     await session.execute(
         text("UPDATE ledger.accelerators SET available = :available, updated_at = now() WHERE node = :node"),
         {"node": node, "available": available},
@@ -659,16 +464,32 @@ async def set_node_available(
             )
         ]
     await session.execute(
-        insert(JOURNAL),
-        [
-            {
-                "op": "available" if available else "unavailable",
-                "allocation_id": None,
-                "accelerator_id": i,
-                "delta": 0,
-                "details": {"node": node, "flagged": len(flagged)},
-            }
-            for i in ids
-        ],
+        text(
+            "INSERT INTO ledger.journal (op, allocation_id, accelerator_id, delta, details) "
+            "SELECT :op, NULL, id, 0, CAST(:details AS jsonb) FROM unnest(CAST(:ids AS text[])) AS id"
+        ),
+        {
+            "op": "available" if available else "unavailable",
+            "ids": ids,
+            "details": json.dumps({"node": node, "flagged": len(flagged)}),
+        },
     )
-    return await lock_accelerators(session, ids), sorted(flagged)
+    return NodeAvailability(await lock_accelerators(session=session, ids=ids), sorted(flagged))
+
+
+async def node_accelerators(*, session: AsyncSession, node: str) -> list[AcceleratorCapacity]:
+    """A node's accelerators as the ledger has them (not locked)."""
+    rows = (
+        (
+            await session.execute(
+                text(
+                    "SELECT id, node, sku, hbm_usable, reserved, available FROM ledger.accelerators "
+                    "WHERE node = :node ORDER BY id"
+                ),
+                {"node": node},
+            )
+        )
+        .mappings()
+        .all()
+    )
+    return [_capacity(r) for r in rows]

@@ -1,221 +1,282 @@
-"""Placement's view of the fleet: topology (nodes, racks, TPU pods) and the ledger's capacity, read
-from their tables and kept fresh — re-read on every topology/ledger event (debounced) and at least
-every `HETSCHED_PLACEMENT_REFRESH_MS`. A stale view costs a retry, never an over-commit: the ledger
-checks every commit against its own rows."""
+"""Placement's own view of the fleet: seeded from `fleet.get` and `ledger.snapshot` (paged RPC) and kept
+current from the TOPOLOGY and LEDGER streams. No other service's tables are read.
+
+A sync cannot miss an event between the snapshots and the streams: ordered (ephemeral) JetStream
+consumers that deliver only new events start first and buffer; then the snapshots are fetched; then
+the buffered events are applied on top, and later ones as they come. An event the snapshots already
+hold changes nothing (the fold in ``shared.domain.placement.view`` counts each allocation once per
+accelerator). An ordered consumer that detects a gap restarts itself from the last sequence it saw.
+
+How stale the view may be is reported in placement's health (check ``view``): ``ok`` while every
+event older than ``HETSCHED_PLACEMENT_STALE_AFTER_MS`` is applied; otherwise how many events wait and
+how old the newest applied one is. A stale view costs a retry, never an over-commit: the ledger checks
+every commit against its own rows. ``HETSCHED_PLACEMENT_REFRESH_MS`` > 0 re-syncs the whole view that
+often (off by default: the streams keep it current).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Mapping
-from dataclasses import replace
-from typing import Any
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
 
-from sqlalchemy import text
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+from pydantic import BaseModel, ValidationError
 
-from shared.domain.fleet import NodeProfile, Rack, TpuPod, profile_from_dict, tpu_chip_ids
+from services.placement.mapping import apply_event, view_from
+from shared.contracts.base import Rejected
+from shared.contracts.envelope import EventEnvelope
+from shared.contracts.fleet import FleetDescribeReply, FleetDescribeRequest
+from shared.contracts.registry import EVENTS
+from shared.contracts.streams import stream_name
+from shared.contracts.subjects import Context, Rpc, Subjects
+from shared.contracts.topology import NodeProfilePayload
 from shared.domain.hardware import Sku
 from shared.domain.models import ModelSpec
-from shared.domain.placement.types import AcceleratorCapacity, Decision, FleetSnapshot, TpuPodState, apply
-from shared.domain.topology.tpu import TpuGrid, TpuType
-from shared.infra.service import Runtime
+from shared.domain.placement.types import FleetSnapshot
+from shared.domain.placement.view import AssumeKey, FleetView
+from shared.infra.clock import Clock
+from shared.infra.rpc import RpcClient
 
-RackKey = tuple[str, str, str]
+STREAMS = (Context.TOPOLOGY, Context.LEDGER)
+RETRY_S = 0.5
+DESCRIBE_AT_ONCE = 8
+
+
+class SyncError(Exception):
+    """A snapshot the view is seeded from could not be had."""
+
+
+@dataclass
+class Progress:
+    """How far one stream has been applied: its last sequence, what the server still holds after it,
+    and when the last applied event happened."""
+
+    sequence: int = 0
+    pending: int = 0
+    occurred_at: datetime | None = None
+
+
+class _Feed:
+    """One stream's new events for one view: buffered until the view is seeded, then applied as they come."""
+
+    def __init__(self, context: Context, *, log: logging.Logger) -> None:
+        self.context = context
+        self.log = log
+        self.progress = Progress()
+        self.subscription: Subscription | None = None
+        self._buffer: list[tuple[str, BaseModel]] | None = []
+        self._view: FleetView | None = None
+        self._closed = False
+
+    async def on_message(self, msg: Msg) -> None:
+        if self._closed:
+            return
+        meta = msg.metadata
+        self.progress.sequence = meta.sequence.stream
+        self.progress.pending = meta.num_pending
+        try:
+            envelope = EventEnvelope.model_validate_json(msg.data)
+        except ValidationError as exc:
+            self.log.warning("dropping a message that is not an event envelope", extra={"error": str(exc)[:300]})
+            return
+        self.progress.occurred_at = envelope.occurred_at
+        name = envelope.type.rsplit(".", 1)[-1]
+        model = EVENTS.get((self.context, name))
+        if model is None:
+            return
+        try:
+            payload = model.model_validate(envelope.payload)
+        except ValidationError as exc:
+            self.log.warning(
+                "dropping an event whose payload does not match its contract",
+                extra={"event_id": str(envelope.event_id), "type": envelope.type, "error": str(exc)[:300]},
+            )
+            return
+        if self._view is None:
+            assert self._buffer is not None
+            self._buffer.append((name, payload))
+        else:
+            self._apply(self._view, name, payload)
+
+    def _apply(self, view: FleetView, name: str, payload: BaseModel) -> None:
+        try:
+            apply_event(view, name, payload)
+        except ValueError as exc:  # e.g. a profile whose link matrix does not match its GPUs
+            self.log.warning("ignoring an event the view cannot apply", extra={"type": name, "error": str(exc)})
+
+    def attach(self, view: FleetView) -> None:
+        """Apply what was buffered, then every later event, to ``view`` (no await in between)."""
+        for name, payload in self._buffer or ():
+            self._apply(view, name, payload)
+        self._buffer = None
+        self._view = view
+
+    async def close(self) -> None:
+        self._closed = True
+        if self.subscription is not None:
+            try:
+                await self.subscription.unsubscribe()
+            except Exception:  # the connection may be gone already; the server drops the consumer
+                self.log.debug("could not unsubscribe an ordered consumer", exc_info=True)
 
 
 class ReadModel:
-    def __init__(self, runtime: Runtime, *, skus: Mapping[str, Sku], models: Mapping[str, ModelSpec]) -> None:
-        self.runtime = runtime
-        self.skus = dict(skus)
-        self.models = dict(models)
-        self.nodes: dict[str, NodeProfile] = {}
-        self.racks: dict[RackKey, Rack] = {}
-        self.pods: dict[str, TpuPod] = {}
-        self.snapshot = FleetSnapshot(
-            nodes={}, capacity={}, racks={}, rack_power_used_w={}, tpu_pods={}, skus=self.skus, models=self.models
-        )
-        self._topology_dirty = True
-        self._dirty = asyncio.Event()
-        self._lock = asyncio.Lock()
-        self.chips: dict[str, int] = {}
-        self._assumed: set[tuple[Any, Any]] = set()
-        self.refreshed_at = 0.0
+    """The view decisions read, and the sync that keeps it (see the module docstring)."""
 
-    def invalidate(self, *, topology: bool = False) -> None:
-        self._topology_dirty = self._topology_dirty or topology
-        self._dirty.set()
-
-    async def _load_topology(self) -> None:
-        async with self.runtime.sessions() as session:
-            rows = (await session.execute(text("SELECT profile FROM topology.nodes WHERE state = 'up'"))).scalars()
-            self.nodes = {p.name: p for p in (profile_from_dict(r) for r in rows)}
-            self.racks = {
-                (r.region, r.cluster, r.name): Rack(
-                    name=r.name, region=r.region, cluster=r.cluster, power_kw=r.power_kw
-                )
-                for r in await session.execute(text("SELECT region, cluster, name, power_kw FROM topology.racks"))
-            }
-            self.pods = {
-                r.name: TpuPod(
-                    name=r.name, region=r.region, type=TpuType(r.type), shape=tuple(r.shape), cluster=r.cluster
-                )
-                for r in await session.execute(text("SELECT name, region, cluster, type, shape FROM topology.tpu_pods"))
-            }
-        self._topology_dirty = False
-
-    def _derived(
-        self, capacity: Mapping[str, AcceleratorCapacity]
-    ) -> tuple[dict[RackKey, float], dict[str, TpuPodState]]:
-        """Rack power drawn (TDP of every busy GPU) and TPU grids (a chip with bytes reserved is taken)."""
-        power: dict[RackKey, float] = {}
-        for acc in capacity.values():
-            if acc.reserved > 0:
-                node = self.nodes[acc.node]
-                key = (node.region, node.cluster, node.rack)
-                sku = self.skus.get(acc.sku)
-                power[key] = power.get(key, 0.0) + (sku.tdp_w if sku else 0.0)
-        pods: dict[str, TpuPodState] = {}
-        for pod in self.pods.values():
-            ids = tpu_chip_ids(pod)
-            if not all(i in self.chips for i in ids):
-                continue  # the ledger has not registered this pod's chips yet
-            occupancy = bytes(1 if self.chips[i] > 0 else 0 for i in ids)
-            sku = self.skus.get(f"TPU-{pod.type.value.upper()}")
-            pods[pod.name] = TpuPodState(
-                pod=pod, grid=TpuGrid(pod.type, pod.shape, occupancy), hbm_per_chip=sku.hbm_bytes if sku else 0
-            )
-        return power, pods
-
-    def on_ledger_event(self, event: Mapping[str, Any]) -> None:
-        """Apply one LEDGER event to the view without reading the database.
-
-        Commits add their shares, releases and expiries remove them, capacity changes set the
-        accelerators' state. A commit this process already assumed is not counted twice. Events are
-        taken at most once from core NATS; the periodic full refresh repairs anything missed.
-        """
-        kind = str(event.get("type", "")).rsplit(".", 1)[-1]
-        payload = event.get("payload") or {}
-        capacity = dict(self.snapshot.capacity)
-        changed = False
-        if kind in ("allocation_committed", "allocation_released", "allocation_expired"):
-            if not payload.get("counts_against_hbm", True):
-                return
-            sign = 1 if kind == "allocation_committed" else -1
-            key = (payload.get("tenant"), payload.get("request_id"))
-            if sign == 1 and key in self._assumed:
-                self._assumed.discard(key)
-                return
-            for share in payload.get("shares", []):
-                acc_id, total = str(share["accelerator_id"]), int(share["total"])
-                if acc_id in self.chips:
-                    self.chips[acc_id] = max(0, self.chips[acc_id] + sign * total)
-                    changed = True
-                elif acc_id in capacity:
-                    cap = capacity[acc_id]
-                    capacity[acc_id] = replace(cap, reserved=max(0, cap.reserved + sign * total))
-                    changed = True
-        elif kind == "capacity_changed":
-            for balance in payload.get("accelerators", []):
-                acc_id = str(balance["id"])
-                if acc_id in capacity:
-                    capacity[acc_id] = replace(
-                        capacity[acc_id],
-                        usable=int(balance["usable"]),
-                        reserved=int(balance["reserved"]),
-                        available=bool(balance["available"]),
-                    )
-                    changed = True
-                elif acc_id in self.chips:
-                    self.chips[acc_id] = int(balance["reserved"])
-                    changed = True
-                else:
-                    self.invalidate()  # a new accelerator: read it properly
-        if changed:
-            power, pods = self._derived(capacity)
-            self.snapshot = self._next(capacity, power, pods)
-
-    def assume(self, decision: Decision, *, tenant: str) -> None:
-        """Count a decision in the view before the ledger confirms it (the scheduler's "assume"), so
-        concurrent decisions do not all pick the same GPUs; the next refresh replaces it with the truth."""
-        try:
-            self.snapshot = apply(self.snapshot, decision)
-            self._assumed.add((tenant, f"placement/{decision.request_id}"))
-        except ValueError:
-            self.invalidate()  # the view moved under the decision: the ledger will arbitrate
-
-    async def refresh(self) -> FleetSnapshot:
-        """Re-read the fleet; callers that arrive while a read is running share its result."""
-        asked = time.monotonic()
-        async with self._lock:
-            if self.refreshed_at >= asked:
-                return self.snapshot
-            return await self._refresh()
-
-    async def _refresh(self) -> FleetSnapshot:
-        if self._topology_dirty:
-            await self._load_topology()
-        async with self.runtime.sessions() as session:
-            rows = (
-                await session.execute(
-                    text("SELECT id, node, sku, hbm_usable, reserved, available FROM ledger.accelerators")
-                )
-            ).all()
-        capacity: dict[str, AcceleratorCapacity] = {}
-        chips: dict[str, int] = {}
-        for r in rows:
-            if r.node in self.pods:
-                chips[r.id] = r.reserved
-                continue
-            if r.node not in self.nodes:
-                continue
-            index = int(r.id.rsplit("/gpu", 1)[1])
-            capacity[r.id] = AcceleratorCapacity(
-                id=r.id,
-                node=r.node,
-                index=index,
-                sku=r.sku,
-                usable=r.hbm_usable,
-                reserved=r.reserved,
-                available=r.available,
-            )
-        self.chips = chips
-        self._assumed.clear()
-        power, pods = self._derived(capacity)
-        self.snapshot = self._next(capacity, power, pods)
-        self.refreshed_at = time.monotonic()
-        return self.snapshot
-
-    def _next(
+    def __init__(
         self,
-        capacity: dict[str, AcceleratorCapacity],
-        power: dict[RackKey, float],
-        pods: dict[str, TpuPodState],
-    ) -> FleetSnapshot:
-        """The new snapshot: when only the ledger's state changed it evolves the previous one, so the
-        placement index is updated for what changed instead of rebuilt."""
-        old = self.snapshot
-        if old.nodes == self.nodes and old.racks == self.racks:
-            return old.evolve(capacity=capacity, rack_power_used_w=power, tpu_pods=pods)
-        return FleetSnapshot(
-            nodes=dict(self.nodes),
-            capacity=capacity,
-            racks=dict(self.racks),
-            rack_power_used_w=power,
-            tpu_pods=pods,
-            skus=self.skus,
-            models=self.models,
-        )
+        *,
+        rpc: RpcClient,
+        jetstream: Callable[[], JetStreamContext],
+        subjects: Subjects,
+        stream_prefix: str,
+        skus: Mapping[str, Sku],
+        models: Mapping[str, ModelSpec],
+        clock: Clock,
+        log: logging.Logger,
+        stale_after_ms: int,
+        resync_ms: int = 0,
+    ) -> None:
+        self._rpc = rpc
+        self._jetstream = jetstream
+        self._subjects = subjects
+        self._stream_prefix = stream_prefix
+        self._skus = dict(skus)
+        self._models = dict(models)
+        self._clock = clock
+        self._log = log
+        self._stale_after_ms = stale_after_ms
+        self._resync_ms = resync_ms
+        self.view = FleetView(skus=self._skus, models=self._models)
+        self.synced_at: datetime | None = None
+        self._feeds: dict[Context, _Feed] = {}
+        self._lock = asyncio.Lock()
+        self._problem = "not loaded yet"
+
+    # -- what decisions use ----------------------------------------------------------------------
+
+    @property
+    def snapshot(self) -> FleetSnapshot:
+        return self.view.snapshot
+
+    def assume(self, key: AssumeKey, held: Mapping[str, int]) -> int:
+        return self.view.assume(key, held)
+
+    def confirm(self, token: int, allocation_id: str) -> None:
+        self.view.confirm(token, allocation_id)
+
+    def forget(self, token: int) -> None:
+        self.view.forget(token)
+
+    # -- sync ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """One sync attempt, so the first requests find a view; ``run`` retries when it failed."""
+        try:
+            await self.sync()
+        except Exception as exc:  # the other services may not be up yet: `run` retries
+            self._problem = str(exc) or type(exc).__name__
+            self._log.warning("placement's first fleet sync failed; retrying", extra={"error": self._problem})
 
     async def run(self) -> None:
-        period = self.runtime.settings.placement_refresh_ms / 1000
+        """Retry a failed sync; with a resync period, re-sync that often; otherwise nothing to do."""
         while True:
+            if self.synced_at is None:
+                await asyncio.sleep(RETRY_S)
+            elif self._resync_ms:
+                await asyncio.sleep(self._resync_ms / 1000)
+            else:
+                return  # the streams keep the view current
             try:
-                await asyncio.wait_for(self._dirty.wait(), timeout=period)
-                await asyncio.sleep(0.05)  # debounce a burst of events into one read
-            except TimeoutError:
-                pass
-            self._dirty.clear()
+                await self.sync()
+            except Exception as exc:  # keep the last view and try again
+                self._problem = str(exc) or type(exc).__name__
+                self._log.warning("placement could not sync its fleet view", extra={"error": self._problem})
+
+    async def sync(self) -> None:
+        """Start new feeds, fetch the snapshots, seed a new view, apply what arrived meanwhile, swap."""
+        async with self._lock:
+            feeds = {context: _Feed(context, log=self._log) for context in STREAMS}
             try:
-                await self.refresh()
-            except Exception:
-                self.runtime.log.exception("placement could not refresh its fleet view; keeping the last one")
+                for feed in feeds.values():
+                    feed.subscription = await self._jetstream().subscribe(
+                        self._subjects.events_of(feed.context),
+                        stream=stream_name(feed.context, stream_prefix=self._stream_prefix),
+                        cb=feed.on_message,
+                        ordered_consumer=True,
+                        deliver_policy=DeliverPolicy.NEW,
+                    )
+                view = await self._seed()
+            except BaseException:
+                for feed in feeds.values():
+                    await feed.close()
+                raise
+            view.adopt(self.view)  # decisions whose commits are in flight stay counted
+            for feed in feeds.values():
+                feed.attach(view)
+            old, self._feeds, self.view = self._feeds, feeds, view
+            self.synced_at = self._clock()
+            self._problem = ""
+            for feed in old.values():
+                await feed.close()
+        self._log.info(
+            "placement synced its fleet view",
+            extra={"nodes": len(view.profiles), "accelerators": len(view.ledger.usable), "pods": len(view.pods)},
+        )
+
+    async def _seed(self) -> FleetView:
+        fleet = await self._rpc.fleet(profiles=True)
+        if isinstance(fleet, Rejected):
+            raise SyncError(f"fleet.get refused: {fleet.error.message}")
+        ledger = await self._rpc.ledger_snapshot()
+        if isinstance(ledger, Rejected):
+            raise SyncError(f"ledger.snapshot refused: {ledger.error.message}")
+        profiles = {n.name: n.profile for n in fleet.nodes if n.profile is not None}
+        profiles.update(await self._describe([n.name for n in fleet.nodes if n.profile is None]))
+        return view_from(fleet=fleet, profiles=profiles, ledger=ledger, skus=self._skus, models=self._models)
+
+    async def _describe(self, names: list[str]) -> dict[str, NodeProfilePayload]:
+        """Profiles ``fleet.get`` did not send (a topology service that ignores ``profiles``), one by one."""
+        gate = asyncio.Semaphore(DESCRIBE_AT_ONCE)
+
+        async def one(name: str) -> tuple[str, NodeProfilePayload | None]:
+            async with gate:
+                reply = await self._rpc.ask(Rpc.FLEET_DESCRIBE, FleetDescribeRequest(node=name), FleetDescribeReply)
+            if isinstance(reply, Rejected):
+                return name, None  # gone since fleet.get: its events follow
+            try:
+                return name, NodeProfilePayload.model_validate(reply.profile)
+            except ValidationError:
+                return name, None
+
+        found = await asyncio.gather(*(one(name) for name in names))
+        return {name: profile for name, profile in found if profile is not None}
+
+    async def stop(self) -> None:
+        for feed in self._feeds.values():
+            await feed.close()
+        self._feeds = {}
+
+    # -- how stale -------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, str]:
+        """``view``: ``ok``, or why the view may be older than ``stale_after_ms``."""
+        if self.synced_at is None:
+            return {"view": f"starting: {self._problem}"}
+        now = self._clock()
+        behind = []
+        for context, feed in self._feeds.items():
+            progress = feed.progress
+            if progress.pending and progress.occurred_at is not None:
+                lag_ms = (now - progress.occurred_at).total_seconds() * 1000
+                if lag_ms > self._stale_after_ms:
+                    behind.append(
+                        f"{context.value} {progress.pending} events pending, last applied {lag_ms:.0f} ms old"
+                    )
+        return {"view": "behind: " + "; ".join(behind) if behind else "ok"}

@@ -1,28 +1,47 @@
-"""Agent mode: one per node. Profiles the node (NVML or nvidia-smi), reports changes to the fleet,
-sends heartbeats and GPU telemetry. Owns no state: a restart simply reports again."""
+"""Agent mode: one per node. Profiles the node (NVML or nvidia-smi), reports changes to the fleet
+(`topology.report`), sends heartbeats and GPU telemetry. Owns no state: a restart simply reports again."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import socket
-import uuid
-from datetime import UTC, datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
 
 from services.topology_discovery.providers import NodePlace, ProviderError, TopologyProvider
 from services.topology_discovery.providers.nvidia_smi import NvidiaSmiProvider
 from services.topology_discovery.providers.nvml import NvmlProvider
+from shared.contracts.base import Rejected
 from shared.contracts.envelope import new_event
-from shared.contracts.subjects import Context, Rpc
-from shared.contracts.topology import GPU_TELEMETRY, GpuTelemetryEvent, Heartbeat, ProfileError, TopologyReportRequest
-from shared.domain.fleet import profile_to_dict
-from shared.infra.service import Runtime
+from shared.contracts.subjects import Context, Rpc, Subjects
+from shared.contracts.topology import (
+    GpuTelemetryEvent,
+    Heartbeat,
+    ProfileError,
+    TelemetryEvent,
+    TopologyReportReply,
+    TopologyReportRequest,
+)
+from shared.infra.clock import Clock
+from shared.infra.outbox import msg_id_headers
+from shared.infra.profiles import profile_to_payload
+from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.settings import Settings
+
+SOURCE = "topology-agent"
+
+
+def node_name(settings: Settings) -> str:
+    return settings.topology_node or socket.gethostname()
 
 
 def make_provider(settings: Settings) -> TopologyProvider:
     place = NodePlace(
-        name=settings.topology_node or socket.gethostname(),
+        name=node_name(settings),
         region=settings.region,
         cluster=settings.topology_cluster,
         rack=settings.topology_rack,
@@ -37,88 +56,110 @@ def make_provider(settings: Settings) -> TopologyProvider:
     return NvmlProvider(place=place, sku_override=settings.topology_sku)
 
 
+@dataclass(frozen=True, slots=True)
+class AgentIntervals:
+    scan_s: float
+    heartbeat_s: float
+    telemetry_s: float
+
+    @staticmethod
+    def from_settings(settings: Settings) -> AgentIntervals:
+        return AgentIntervals(
+            scan_s=settings.topology_scan_s,
+            heartbeat_s=settings.topology_heartbeat_s,
+            telemetry_s=settings.telemetry_interval_s,
+        )
+
+
 class Agent:
-    def __init__(self, runtime: Runtime, provider: TopologyProvider) -> None:
-        self.runtime = runtime
+    def __init__(
+        self,
+        *,
+        node: str,
+        provider: TopologyProvider,
+        rpc: RpcClient,
+        nats: Callable[[], NatsClient],
+        jetstream: Callable[[], JetStreamContext],
+        subjects: Subjects,
+        clock: Clock,
+        intervals: AgentIntervals,
+        log: logging.Logger,
+    ) -> None:
+        self.node = node
         self.provider = provider
-        self.node = runtime.settings.topology_node or socket.gethostname()
+        self._rpc = rpc
+        self._nats = nats
+        self._jetstream = jetstream
+        self._subjects = subjects
+        self._clock = clock
+        self._intervals = intervals
+        self._log = log
         self.reported: str | None = None  # fingerprint the fleet acknowledged
         self.last_error: str | None = None
 
-    async def _request(self, body: TopologyReportRequest) -> dict[str, object] | None:
-        assert self.runtime.nc is not None
+    async def _report(self, request: TopologyReportRequest) -> TopologyReportReply | Rejected | None:
         try:
-            msg = await self.runtime.nc.request(
-                self.runtime.subjects.rpc(Rpc.TOPOLOGY_REPORT), body.model_dump_json().encode(), timeout=10
-            )
-        except Exception as exc:
-            self.runtime.log.warning("fleet did not take the report; retrying next scan", extra={"error": repr(exc)})
+            return await self._rpc.ask(Rpc.TOPOLOGY_REPORT, request, TopologyReportReply)
+        except RpcError as exc:
+            self._log.warning("fleet did not take the report; retrying next scan", extra={"error": str(exc)})
             return None
-        reply: dict[str, object] = json.loads(msg.data)
-        return reply
 
     async def scan_once(self) -> None:
         try:
             profile = await asyncio.to_thread(self.provider.profile)
         except ProviderError as exc:
             message = str(exc)
-            self.runtime.log.error(
-                "profiling failed; the previous profile stays", extra={"error": message, "line": exc.line}
-            )
+            self._log.error("profiling failed; the previous profile stays", extra={"error": message, "line": exc.line})
             if message != self.last_error:
                 error = ProfileError(message=message, line=exc.line, provider=self.provider.name)
-                if await self._request(TopologyReportRequest(node=self.node, error=error)) is not None:
+                if await self._report(TopologyReportRequest(node=self.node, error=error)) is not None:
                     self.last_error = message
             return
         self.last_error = None
         fingerprint = profile.fingerprint()
         if fingerprint == self.reported:
             return
-        reply = await self._request(TopologyReportRequest(node=self.node, profile=profile_to_dict(profile)))
-        if reply and reply.get("status") in ("accepted", "unchanged"):
+        reply = await self._report(TopologyReportRequest(node=self.node, profile=profile_to_payload(profile)))
+        if isinstance(reply, TopologyReportReply) and reply.status in ("accepted", "unchanged"):
             self.reported = fingerprint
-        elif reply:
-            self.runtime.log.error("fleet rejected the profile", extra={"reply": reply})
+        elif isinstance(reply, Rejected):
+            self._log.error("fleet rejected the profile", extra={"error": reply.error.model_dump(mode="json")})
 
     async def scan_loop(self) -> None:
         while True:
             await self.scan_once()
-            await asyncio.sleep(self.runtime.settings.topology_scan_s)
+            await asyncio.sleep(self._intervals.scan_s)
 
     async def heartbeat_loop(self) -> None:
-        assert self.runtime.nc is not None
         while True:
             if self.reported is not None:  # beat only once the fleet knows the node
                 beat = Heartbeat(node=self.node, fingerprint=self.reported)
-                await self.runtime.nc.publish(self.runtime.subjects.heartbeat(), beat.model_dump_json().encode())
-            await asyncio.sleep(self.runtime.settings.topology_heartbeat_s)
+                await self._nats().publish(self._subjects.heartbeat(), beat.model_dump_json().encode())
+            await asyncio.sleep(self._intervals.heartbeat_s)
+
+    async def publish_telemetry(self) -> bool:
+        """One sample of every GPU onto the TELEMETRY stream; False when there was nothing to send."""
+        try:
+            samples = await asyncio.to_thread(self.provider.telemetry)
+        except ProviderError as exc:
+            self._log.warning("telemetry failed", extra={"error": str(exc)})
+            return False
+        if not samples:
+            return False
+        event = new_event(
+            type=f"{Context.TELEMETRY.value}.{TelemetryEvent.GPU.value}",
+            source=SOURCE,
+            payload=GpuTelemetryEvent(node=self.node, gpus=samples).model_dump(mode="json"),
+            occurred_at=self._clock(),
+        )
+        await self._jetstream().publish(
+            self._subjects.event(Context.TELEMETRY, TelemetryEvent.GPU),
+            event.model_dump_json().encode(),
+            headers=msg_id_headers(str(event.event_id)),
+        )
+        return True
 
     async def telemetry_loop(self) -> None:
-        assert self.runtime.js is not None
-        subject = self.runtime.subjects.event(Context.TELEMETRY, GPU_TELEMETRY)
         while True:
-            await asyncio.sleep(self.runtime.settings.telemetry_interval_s)
-            try:
-                samples = await asyncio.to_thread(self.provider.telemetry)
-            except ProviderError as exc:
-                self.runtime.log.warning("telemetry failed", extra={"error": str(exc)})
-                continue
-            if not samples:
-                continue
-            event = new_event(
-                type=f"telemetry.{GPU_TELEMETRY}",
-                source="topology-agent",
-                payload=GpuTelemetryEvent(node=self.node, gpus=samples).model_dump(mode="json"),
-                occurred_at=datetime.now(UTC),
-                event_id=uuid.uuid4(),
-            )
-            await self.runtime.js.publish(
-                subject, event.model_dump_json().encode(), headers={"Nats-Msg-Id": str(event.event_id)}
-            )
-
-
-async def start_agent(runtime: Runtime) -> None:
-    agent = Agent(runtime, make_provider(runtime.settings))
-    runtime.spawn(agent.scan_loop(), name="topology-scan")
-    runtime.spawn(agent.heartbeat_loop(), name="topology-heartbeat")
-    runtime.spawn(agent.telemetry_loop(), name="topology-telemetry")
+            await asyncio.sleep(self._intervals.telemetry_s)
+            await self.publish_telemetry()

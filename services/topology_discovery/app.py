@@ -2,68 +2,130 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from faststream import FastStream
-from faststream.nats import NatsBroker
+from faststream.nats import NatsBroker, NatsMessage
+from pydantic import ValidationError
 
-from services.topology_discovery.agent import start_agent
-from services.topology_discovery.fleet import (
-    FleetState,
-    fleet_describe_handler,
-    fleet_get_handler,
-    liveness_loop,
-    load_configured_inventory,
-    report_handler,
-    subscribe_heartbeats,
-    watch_agents,
-)
+from services.topology_discovery.agent import Agent, AgentIntervals, make_provider, node_name
+from services.topology_discovery.handlers import TopologyHandlers
+from services.topology_discovery.providers import TopologyProvider
+from services.topology_discovery.tables import SCHEMA
 from shared.contracts.fleet import FleetDescribeRequest, FleetGetRequest
-from shared.contracts.subjects import Rpc
-from shared.contracts.topology import TopologyReportRequest
-from shared.infra.service import Route, Runtime, ServiceDefinition, build_app
+from shared.contracts.ledger import LedgerEvent
+from shared.contracts.subjects import Context, Rpc
+from shared.contracts.topology import Heartbeat, TopologyReportRequest
+from shared.domain.liveness import LivenessTracker
+from shared.infra.catalog import load_skus
+from shared.infra.clock import MonotonicMs, monotonic_ms
+from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
 
+# -- fleet mode --------------------------------------------------------------------------------
 
-def _fleet_definition() -> ServiceDefinition:
-    state: dict[str, FleetState] = {}
 
-    def st(runtime: Runtime) -> FleetState:
-        return state.setdefault("s", FleetState(runtime))
+@dataclass(frozen=True)
+class Ctx:
+    handlers: TopologyHandlers
+    heartbeat_subject: str
 
-    def factory(make: Any) -> Any:
-        return lambda runtime: make(runtime, st(runtime))
 
-    async def on_start(runtime: Runtime) -> None:
-        await load_configured_inventory(runtime, st(runtime))
-        await watch_agents(runtime, st(runtime))
-        runtime.spawn(liveness_loop(runtime, st(runtime)), name="liveness")
-
-    def extra(broker: NatsBroker, runtime: Runtime) -> None:
-        subscribe_heartbeats(broker, runtime, st(runtime))
-
-    return ServiceDefinition(
-        name="topology-discovery",
-        health=Rpc.TOPOLOGY_HEALTH,
-        schema="topology",
-        routes=(
-            Route(Rpc.FLEET_GET, FleetGetRequest, factory(fleet_get_handler)),
-            Route(Rpc.FLEET_DESCRIBE, FleetDescribeRequest, factory(fleet_describe_handler)),
-            Route(Rpc.TOPOLOGY_REPORT, TopologyReportRequest, factory(report_handler)),
+def wire(runtime: Runtime, *, clock_ms: MonotonicMs = monotonic_ms) -> Ctx:
+    settings = runtime.settings
+    handlers = TopologyHandlers(
+        uow=runtime.uow,
+        monotonic_ms=clock_ms,
+        skus=load_skus(settings.sku_catalog),
+        tracker=LivenessTracker(
+            interval_ms=settings.topology_heartbeat_s * 1000, missed_beats=settings.topology_missed_heartbeats
         ),
-        on_start=(on_start,),
-        extra=extra,
+        log=runtime.log,
+        inventory=settings.topology_inventory,
+        max_payload=lambda: runtime.nats.max_payload,
+        liveness_period_s=max(settings.topology_heartbeat_s / 4, 0.05),
     )
+    return Ctx(handlers=handlers, heartbeat_subject=runtime.subjects.heartbeat())
 
 
-SERVICE = _fleet_definition()  # what the registry and tests read; each app builds its own
+def subscribe_heartbeats(broker: NatsBroker, ctx: Ctx) -> None:
+    """Heartbeats are core NATS (fire and forget): a garbled one is dropped."""
+
+    async def on_heartbeat(msg: NatsMessage) -> None:
+        try:
+            beat = Heartbeat.model_validate_json(msg.body)
+        except ValidationError:
+            return
+        await ctx.handlers.heartbeat(beat)
+
+    broker.subscriber(ctx.heartbeat_subject, title="topology heartbeats")(on_heartbeat)
+
+
+SERVICE = ServiceDefinition(
+    name="topology-discovery",
+    health=Rpc.TOPOLOGY_HEALTH,
+    schema=SCHEMA,
+    wire=wire,
+    routes=(
+        Route(Rpc.FLEET_GET, FleetGetRequest, lambda ctx: ctx.handlers.fleet_get),
+        Route(Rpc.FLEET_DESCRIBE, FleetDescribeRequest, lambda ctx: ctx.handlers.fleet_describe),
+        Route(Rpc.TOPOLOGY_REPORT, TopologyReportRequest, lambda ctx: ctx.handlers.report),
+    ),
+    consumers=(
+        Consumer(
+            Context.LEDGER,
+            "ledger",
+            on={
+                LedgerEvent.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.on_allocation_committed,
+                LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.on_allocation_ended,
+                LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.on_allocation_ended,
+            },
+        ),
+    ),
+    loops=(Loop("liveness", lambda ctx: ctx.handlers.liveness_loop),),
+    on_start=(lambda ctx: ctx.handlers.load_inventory(), lambda ctx: ctx.handlers.watch_agents()),
+    extra=subscribe_heartbeats,
+)
+
+# -- agent mode --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentCtx:
+    agent: Agent
+
+
+def wire_agent(runtime: Runtime, *, provider: TopologyProvider | None = None) -> AgentCtx:
+    settings = runtime.settings
+    agent = Agent(
+        node=node_name(settings),
+        provider=provider or make_provider(settings),
+        rpc=runtime.rpc,
+        nats=lambda: runtime.nats,
+        jetstream=lambda: runtime.jetstream,
+        subjects=runtime.subjects,
+        clock=runtime.clock,
+        intervals=AgentIntervals.from_settings(settings),
+        log=runtime.log,
+    )
+    return AgentCtx(agent=agent)
+
 
 AGENT = ServiceDefinition(
-    name="topology-agent", health=Rpc.TOPOLOGY_AGENT_HEALTH, schema="topology", on_start=(start_agent,)
+    name="topology-agent",
+    health=Rpc.TOPOLOGY_AGENT_HEALTH,
+    schema=SCHEMA,
+    wire=wire_agent,
+    loops=(
+        Loop("topology-scan", lambda ctx: ctx.agent.scan_loop),
+        Loop("topology-heartbeat", lambda ctx: ctx.agent.heartbeat_loop),
+        Loop("topology-telemetry", lambda ctx: ctx.agent.telemetry_loop),
+    ),
 )
 
 
-def bootstrap(settings: Settings) -> tuple[FastStream, Runtime]:
+def bootstrap(settings: Settings, **overrides: Any) -> tuple[FastStream, Runtime]:
     if settings.topology_mode == "agent":
-        return build_app(AGENT, settings, database=False)
-    return build_app(_fleet_definition(), settings)
+        return build_app(AGENT, settings, database=False, **overrides)
+    return build_app(SERVICE, settings, **overrides)

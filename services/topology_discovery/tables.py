@@ -1,11 +1,12 @@
-"""Schema `topology`: nodes with their profiles, accelerators, NVLink domains, racks, TPU pods."""
+"""Schema `topology`: nodes with their profiles, accelerators, NVLink domains, racks, TPU pods, and the
+reserved bytes per accelerator learnt from LEDGER events."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Column, DateTime, Float, ForeignKey, Integer, Text, text
+from sqlalchemy import BigInteger, Boolean, Column, DateTime, Float, ForeignKey, Integer, Text, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Field, SQLModel
 
@@ -90,3 +91,26 @@ class SourceRow(SQLModel, table=True):
     name: str = Field(sa_column=Column(Text, primary_key=True))
     fingerprint: str = Field(sa_column=Column(Text, nullable=False))
     loaded_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False, server_default=text("now()")))
+
+
+class ReservedRow(SQLModel, table=True):
+    """Reserved HBM per accelerator as the LEDGER events say (a read model; the ledger owns the truth)."""
+
+    __tablename__ = "reserved"
+    __table_args__ = {"schema": SCHEMA}
+
+    accelerator_id: str = Field(sa_column=Column(Text, primary_key=True))
+    reserved_bytes: int = Field(sa_column=Column(BigInteger, nullable=False))
+
+
+class ReservedShareRow(SQLModel, table=True):
+    """Each allocation share that moved ``reserved``: a commit and its release (or expiry) apply once each,
+    in either order (a release seen first leaves an ended row that the late commit finds)."""
+
+    __tablename__ = "reserved_shares"
+    __table_args__ = {"schema": SCHEMA}
+
+    allocation_id: str = Field(sa_column=Column(Text, primary_key=True))
+    accelerator_id: str = Field(sa_column=Column(Text, primary_key=True))
+    reserved_bytes: int = Field(sa_column=Column(BigInteger, nullable=False))
+    ended: bool = Field(sa_column=Column(Boolean, nullable=False))

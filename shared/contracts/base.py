@@ -10,7 +10,16 @@ from shared.domain.errors import ErrorCode
 
 CONTRACT_MAJOR_VERSION = 1
 
-__all__ = ["CONTRACT_MAJOR_VERSION", "Contract", "ErrorBody", "ErrorCode", "Rejected", "Request", "rejected"]
+__all__ = [
+    "CONTRACT_MAJOR_VERSION",
+    "Contract",
+    "ErrorBody",
+    "ErrorCode",
+    "Rejected",
+    "Request",
+    "both_names",
+    "rejected",
+]
 
 
 class Contract(BaseModel):
@@ -48,6 +57,20 @@ class Rejected(Contract):
 def rejected(code: ErrorCode, message: str, **details: Any) -> Rejected:
     """A typed rejection reply."""
     return Rejected(error=ErrorBody(code=code, message=message, details=details or None))
+
+
+def both_names(data: Any, pairs: tuple[tuple[str, str], ...]) -> Any:
+    """For a ``mode="before"`` validator: fill a byte field's published name from its ``_bytes`` name or
+    the other way round, so a reader accepts either and both are emitted (add, never rename)."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for old, new in pairs:
+        if old not in out and new in out:
+            out[old] = out[new]
+        elif new not in out and old in out:
+            out[new] = out[old]
+    return out
 
 
 def major_version(version: object) -> int | None:

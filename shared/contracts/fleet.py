@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from shared.contracts.base import Contract, Request
+from shared.contracts.base import Contract, Request, both_names
+from shared.contracts.topology import NodeProfilePayload
+
+# Byte fields published without the `_bytes` suffix keep their name; the suffixed name travels next to it.
+_BYTE_ALIASES = (("hbm_total", "hbm_total_bytes"), ("hbm_reserved", "hbm_reserved_bytes"))
 
 
 class FleetGetRequest(Request):
@@ -17,14 +21,36 @@ class FleetGetRequest(Request):
     limit: int | None = Field(
         default=None, gt=0, le=10_000, description="Most nodes per page (the server may send fewer).", examples=[256]
     )
+    profiles: bool = Field(
+        default=False,
+        description="Also send each node's whole profile (`NodeView.profile`: link matrix, NUMA, GPUs), as "
+        "`fleet.describe` does for one node: what a service building its own view of the fleet needs.",
+        examples=[False],
+    )
 
 
 class AcceleratorView(Contract):
     id: str = Field(description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
     index: int = Field(description="GPU index on its node, as nvidia-smi numbers it.", examples=[0])
-    hbm_total: int = Field(description="HBM bytes.", examples=[85_899_345_920])
-    hbm_reserved: int = Field(default=0, description="Reserved bytes per the ledger.", examples=[0])
+    hbm_total: int = Field(description="HBM bytes (same as `hbm_total_bytes`).", examples=[85_899_345_920])
+    hbm_reserved: int = Field(
+        default=0,
+        description="Reserved bytes per the ledger (same as `hbm_reserved_bytes`). Eventually consistent: as fresh "
+        "as the last LEDGER event the topology service applied.",
+        examples=[0],
+    )
     domain: str | None = Field(default=None, description="NVLink domain id.", examples=["dgx-h100-01/nv0"])
+    hbm_total_bytes: int = Field(default=0, description="HBM bytes.", examples=[85_899_345_920])
+    hbm_reserved_bytes: int = Field(
+        default=0,
+        description="Reserved bytes per the ledger (eventually consistent, see `hbm_reserved`).",
+        examples=[0],
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _either_byte_name(cls, data: Any) -> Any:
+        return both_names(data, _BYTE_ALIASES)
 
 
 class NodeView(Contract):
@@ -37,6 +63,9 @@ class NodeView(Contract):
     kind: str | None = Field(default=None, description="NVLink layout of the node.", examples=["4+4"])
     state: str = Field(default="up", description="`up` or `lost` (missed heartbeats).", examples=["up"])
     source: str | None = Field(default=None, description="Where the profile came from.", examples=["inventory"])
+    profile: NodeProfilePayload | None = Field(
+        default=None, description="The node's whole profile; only when the request asked for `profiles`."
+    )
 
 
 class DomainView(Contract):
@@ -62,6 +91,7 @@ class TpuPodView(Contract):
     shape: list[int] = Field(description="Chips per axis.", examples=[[16, 16]])
     chips: int = Field(description="Chips in the pod.", examples=[256])
     hbm_per_chip: int | None = Field(default=None, description="HBM bytes per chip.", examples=[17_179_869_184])
+    cluster: str | None = Field(default=None, description="Cluster the pod sits in.", examples=["c1"])
 
 
 class FleetGetReply(Contract):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -31,6 +31,20 @@ CAPACITY_CHANGED = LedgerEvent.CAPACITY_CHANGED
 DRIFT_DETECTED = LedgerEvent.DRIFT_DETECTED
 
 
+def both_names(data: Any, pairs: tuple[tuple[str, str], ...]) -> Any:
+    """Fill a byte field's older name from its ``_bytes`` name or the other way round, so a reader
+    accepts either and both are emitted (API.md's names stay; the suffixed ones are added)."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for old, new in pairs:
+        if old not in out and new in out:
+            out[old] = out[new]
+        elif new not in out and old in out:
+            out[new] = out[old]
+    return out
+
+
 class SnapshotRequest(Request):
     """`{}` for everything; large fleets come in pages (`cursor` / `limit`, as `fleet.get`)."""
 
@@ -44,8 +58,19 @@ class AcceleratorLedgerView(Contract):
     node: str = Field(description="Node.", examples=["dgx-h100-01"])
     hbm_usable: int = Field(description="Usable HBM bytes (total x ceiling).", examples=[79_027_398_246])
     hbm_reserved: int = Field(description="Reserved bytes.", examples=[0])
+    hbm_usable_bytes: int = Field(
+        default=0, description="Same as `hbm_usable` (named with its unit).", examples=[79_027_398_246]
+    )
+    hbm_reserved_bytes: int = Field(
+        default=0, description="Same as `hbm_reserved` (named with its unit).", examples=[0]
+    )
     available: bool = Field(default=True, description="False while its node is lost.", examples=[True])
     allocations: list[str] = Field(default_factory=list, description="Allocation ids.", examples=[["a-1"]])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names(cls, data: Any) -> Any:
+        return both_names(data, (("hbm_usable", "hbm_usable_bytes"), ("hbm_reserved", "hbm_reserved_bytes")))
 
 
 class SnapshotReply(Contract):
@@ -54,14 +79,29 @@ class SnapshotReply(Contract):
     next_cursor: str | None = Field(default=None, description="Set when more accelerators follow.", examples=[None])
 
 
+SHARE_BYTE_FIELDS = (
+    ("weights", "weights_bytes"),
+    ("kv", "kv_bytes"),
+    ("activation", "activation_bytes"),
+    ("workspace", "workspace_bytes"),
+)
+
+
 class ShareIn(Contract):
-    """Bytes asked for on one accelerator."""
+    """Bytes asked for on one accelerator (each field is also accepted with a `_bytes` suffix)."""
 
     accelerator_id: str = Field(min_length=1, description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
     weights: int = Field(default=0, ge=0, description="Weight bytes.", examples=[17_641_000_000])
     kv: int = Field(default=0, ge=0, description="KV cache bytes.", examples=[10_737_418_240])
     activation: int = Field(default=0, ge=0, description="Activation peak bytes.", examples=[1_000_000_000])
     workspace: int = Field(default=0, ge=0, description="Workspace reserve bytes.", examples=[1_073_741_824])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _suffixed(cls, data: Any) -> Any:
+        if isinstance(data, dict):  # `weights_bytes` etc. on input: read as `weights`
+            data = {**{old: data[new] for old, new in SHARE_BYTE_FIELDS if new in data}, **data}
+        return data
 
     @model_validator(mode="after")
     def _something(self) -> ShareIn:
@@ -106,7 +146,18 @@ class AcceleratorBalance(Contract):
     id: str = Field(description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
     usable: int = Field(description="Usable bytes.", examples=[79_027_398_246])
     reserved: int = Field(description="Reserved bytes.", examples=[30_000_000_000])
+    usable_bytes: int = Field(
+        default=0, description="Same as `usable` (named with its unit).", examples=[79_027_398_246]
+    )
+    reserved_bytes: int = Field(
+        default=0, description="Same as `reserved` (named with its unit).", examples=[30_000_000_000]
+    )
     available: bool = Field(description="Node up.", examples=[True])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names(cls, data: Any) -> Any:
+        return both_names(data, (("usable", "usable_bytes"), ("reserved", "reserved_bytes")))
 
 
 class CommitReply(Contract):
@@ -170,6 +221,16 @@ class ShareOut(Contract):
     activation: int = Field(description="Activation bytes.", examples=[0])
     workspace: int = Field(description="Workspace bytes.", examples=[0])
     total: int = Field(description="Sum.", examples=[0])
+    weights_bytes: int = Field(default=0, description="Same as `weights` (named with its unit).", examples=[0])
+    kv_bytes: int = Field(default=0, description="Same as `kv`.", examples=[0])
+    activation_bytes: int = Field(default=0, description="Same as `activation`.", examples=[0])
+    workspace_bytes: int = Field(default=0, description="Same as `workspace`.", examples=[0])
+    total_bytes: int = Field(default=0, description="Same as `total`.", examples=[0])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names(cls, data: Any) -> Any:
+        return both_names(data, (*SHARE_BYTE_FIELDS, ("total", "total_bytes")))
 
 
 class AllocationEvent(Contract):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from shared.contracts.base import Contract, ErrorBody, Request
+from shared.contracts.base import Contract, ErrorBody, Request, both_names
 
 Dtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4", "fp4"]
 Backend = Literal["gpu", "tpu", "any"]
@@ -45,12 +45,38 @@ class PlaceRequest(Request):
         return tp
 
 
+SHARE_BYTE_NAMES = (
+    ("weights", "weights_bytes"),
+    ("kv", "kv_bytes"),
+    ("activation", "activation_bytes"),
+    ("workspace", "workspace_bytes"),
+    ("total", "total_bytes"),
+)
+
+
 class AcceleratorShare(Contract):
-    weights: int = Field(description="Weight bytes per accelerator.", examples=[17_500_000_000])
-    kv: int = Field(description="KV cache bytes per accelerator.", examples=[2_684_354_560])
-    activation: int = Field(description="Activation peak bytes.", examples=[1_000_000_000])
-    workspace: int = Field(description="CUDA/XLA workspace reserve.", examples=[1_073_741_824])
-    total: int = Field(description="Sum of the above.", examples=[22_257_853_376])
+    """HBM one accelerator of the replica holds; each figure is sent under two names, the published
+    one and the one with its unit (`weights` and `weights_bytes`, ...), and either is accepted."""
+
+    weights: int = Field(
+        description="Weight bytes per accelerator (same as `weights_bytes`).", examples=[17_500_000_000]
+    )
+    kv: int = Field(description="KV cache bytes per accelerator (same as `kv_bytes`).", examples=[2_684_354_560])
+    activation: int = Field(description="Activation peak bytes (same as `activation_bytes`).", examples=[1_000_000_000])
+    workspace: int = Field(
+        description="CUDA/XLA workspace reserve (same as `workspace_bytes`).", examples=[1_073_741_824]
+    )
+    total: int = Field(description="Sum of the above (same as `total_bytes`).", examples=[22_257_853_376])
+    weights_bytes: int = Field(default=0, description="Weight bytes per accelerator.", examples=[17_500_000_000])
+    kv_bytes: int = Field(default=0, description="KV cache bytes per accelerator.", examples=[2_684_354_560])
+    activation_bytes: int = Field(default=0, description="Activation peak bytes.", examples=[1_000_000_000])
+    workspace_bytes: int = Field(default=0, description="CUDA/XLA workspace reserve.", examples=[1_073_741_824])
+    total_bytes: int = Field(default=0, description="Sum of the above.", examples=[22_257_853_376])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _both_names(cls, data: Any) -> Any:
+        return both_names(data, SHARE_BYTE_NAMES)
 
 
 class NodePlacement(Contract):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
 
 from pydantic import Field
 
 from shared.contracts.base import Contract
+from shared.contracts.placement import PlaceReply
 
 
 class PlacementEventName(StrEnum):
@@ -29,7 +29,7 @@ class PlacementEvent(Contract):
     request_id: str = Field(description="The request.", examples=["req-42"])
     tenant: str = Field(description="Tenant.", examples=["acme"])
     model: str = Field(description="Model.", examples=["llama3-70b"])
-    reply: dict[str, Any] = Field(description="The `placement.place` reply, explanation included.")
+    reply: PlaceReply = Field(description="The `placement.place` reply, explanation included.")
     decision_ms: float = Field(description="Time the decision took.", examples=[0.4])
     attempts: int = Field(default=1, description="Ledger commits tried (conflicts retry).", examples=[1])
 

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
 from shared.contracts.subjects import Context, Subjects
-
-
-class Retention(StrEnum):
-    LIMITS = "limits"
 
 
 @dataclass(frozen=True, slots=True)

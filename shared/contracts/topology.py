@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -117,6 +116,14 @@ class Heartbeat(Contract):
     fingerprint: str | None = Field(default=None, description="Digest of the profile the agent last reported.")
 
 
+class NodeDomainPayload(Contract):
+    """One NVLink domain a node's GPUs belong to (a multi-node domain spans nodes)."""
+
+    id: str = Field(description="Domain id.", examples=["dgx-h100-01/nv0"])
+    kind: str = Field(description="Domain kind.", examples=["fully_connected"])
+    members: list[str] = Field(description="Accelerator ids.", examples=[["dgx-h100-01/gpu0"]])
+
+
 class NodeProfileEvent(Contract):
     """Payload of `node_profiled` / `node_changed`."""
 
@@ -126,7 +133,7 @@ class NodeProfileEvent(Contract):
     fingerprint: str = Field(description="Profile digest.", examples=["9f2c"])
     previous_fingerprint: str | None = Field(default=None, description="Digest before the change.")
     profile: NodeProfilePayload = Field(description="The whole node profile.")
-    domains: list[dict[str, Any]] = Field(default_factory=list, description="The node's NVLink domains.")
+    domains: list[NodeDomainPayload] = Field(default_factory=list, description="The node's NVLink domains.")
 
 
 class NodeStateEvent(Contract):

@@ -44,8 +44,15 @@ class LivenessTracker:
         self._state.setdefault(node, state)
 
     def forget(self, node: str) -> None:
+        """Stop watching a node (it left the fleet): it is never declared lost again."""
         self._last_beat_ms.pop(node, None)
         self._state.pop(node, None)
+
+    def revert(self, transition: Transition) -> None:
+        """Undo a transition that could not be recorded, so that it is decided again: a lost node is
+        found lost by the next ``evaluate``, a recovered one recovers on its next beat."""
+        if transition.node in self._state:
+            self._state[transition.node] = Liveness.LOST if transition.to is Liveness.UP else Liveness.UP
 
     def state(self, node: str) -> Liveness | None:
         return self._state.get(node)

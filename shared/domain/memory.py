@@ -28,20 +28,17 @@ Under tensor parallelism of degree tp (the fullest rank is what must fit):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
-if TYPE_CHECKING:
-    from shared.domain.models import ModelSpec
+# The dtype vocabulary lives in dtypes; re-exported here for the memory model's callers.
+from shared.domain.dtypes import DTYPE_BYTES as DTYPE_BYTES
+from shared.domain.dtypes import compute_dtype as compute_dtype
+from shared.domain.dtypes import dtype_bytes as dtype_bytes
+from shared.domain.models import ModelSpec
 
 GIB: Final = 1024**3
-
-DTYPE_BYTES: Final[Mapping[str, float]] = MappingProxyType(
-    {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5, "fp4": 0.5}
-)
 
 DEFAULT_CEILING: Final = 0.92
 """Share of an accelerator's HBM the ledger lets allocations use (DESIGN §3); the rest absorbs
@@ -55,22 +52,6 @@ DEFAULT_TOKENS_IN_FLIGHT: Final = 8192
 
 ACTIVATION_HIDDEN_BUFFERS: Final = 4
 """Hidden-size buffers live per token at the peak: residual, normed input, attention out, MLP out."""
-
-
-def dtype_bytes(name: str) -> float:
-    """Bytes per element of ``name`` (``fp32`` 4, ``bf16``/``fp16`` 2, ``fp8``/``int8`` 1, ``int4``/``fp4`` 0.5)."""
-    try:
-        return DTYPE_BYTES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPE_BYTES)}") from None
-
-
-def compute_dtype(dtype: str) -> str:
-    """The dtype activations and recurrent state use for weights stored as ``dtype``.
-
-    Quantised weights (fp8, int8, int4, fp4) still compute in 16-bit: bf16.
-    """
-    return dtype if dtype_bytes(dtype) >= 2 else "bf16"
 
 
 def _ceil_div(a: int, b: int) -> int:

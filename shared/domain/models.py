@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from shared.domain.dtypes import DTYPE_BYTES
 from shared.domain.hardware import CatalogError
-from shared.domain.memory import DTYPE_BYTES
 
 BACKENDS: frozenset[str] = frozenset({"gpu", "tpu"})
 

@@ -13,7 +13,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from shared.contracts.base import CONTRACT_MAJOR_VERSION, ErrorCode, Request, major_version, rejected
+from shared.contracts.base import CONTRACT_MAJOR_VERSION, ErrorCode, Rejected, Request, major_version, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.registry import EVENTS
 from shared.contracts.streams import StreamSpec
@@ -68,6 +68,12 @@ def _summarise(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def invalid_request(error: ValidationError, *, request_id: object = None) -> Rejected:
+    """The ``invalid_request`` reply to a body its contract refuses (the message names the fields)."""
+    reply = rejected(ErrorCode.INVALID_REQUEST, _summarise(error))
+    return reply.model_copy(update={"request_id": request_id}) if isinstance(request_id, str) else reply
+
+
 def _encode(model: BaseModel) -> bytes:
     return model.model_dump_json().encode()
 
@@ -100,11 +106,7 @@ async def dispatch(raw: bytes, model: type[RequestT], handler: Handler[RequestT]
     try:
         request = model.model_validate(data)
     except ValidationError as exc:
-        reply = rejected(ErrorCode.INVALID_REQUEST, _summarise(exc))
-        request_id = data.get("request_id")
-        if isinstance(request_id, str):
-            reply = reply.model_copy(update={"request_id": request_id})
-        return _encode(reply)
+        return _encode(invalid_request(exc, request_id=data.get("request_id")))
     try:
         return _encode(await handler(request))
     except Exception:

@@ -6,20 +6,25 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from pydantic import SecretStr
 
 import migrations
 
 
-def alembic_config(database_url: str) -> Config:
+def alembic_config(database_url: str, *, role_password: SecretStr | None = None) -> Config:
     config = Config()
     config.set_main_option("script_location", str(Path(migrations.__file__).parent))
     config.attributes["url"] = database_url
     config.attributes["configure_logger"] = False
+    if role_password is not None:
+        # Read by migration 0005 before HETSCHED_DATABASE_ROLE_PASSWORD (a settings file is not the environment).
+        config.attributes["role_password"] = role_password.get_secret_value()
     return config
 
 
-def upgrade(database_url: str, revision: str = "head") -> None:
-    command.upgrade(alembic_config(database_url), revision)
+def upgrade(database_url: str, revision: str = "head", *, role_password: SecretStr | None = None) -> None:
+    """Migrate to ``revision``; ``role_password`` is given to the per-service roles (migration 0005)."""
+    command.upgrade(alembic_config(database_url, role_password=role_password), revision)
 
 
 def downgrade(database_url: str, revision: str = "base") -> None:

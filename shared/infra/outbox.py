@@ -13,10 +13,11 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from functools import cache
 from typing import Any
 
 from nats.js import JetStreamContext
-from sqlalchemy import insert, select, update
+from sqlalchemy import TextClause, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.sql import func
 
@@ -34,20 +35,31 @@ async def enqueue(*, session: AsyncSession, schema: str, subject: str, event: Ev
 
 
 async def enqueue_many(*, session: AsyncSession, schema: str, events: Sequence[tuple[str, EventEnvelope]]) -> None:
-    """Add several events in one statement, in order, inside the caller's transaction."""
+    """Add several events in one statement, in order, inside the caller's transaction.
+
+    The rows travel as one JSON array (one round trip and no per-row parameter processing, which
+    an executemany costs on a hot path such as the ledger's group commit)."""
     if not events:
         return
-    await session.execute(
-        insert(outbox_table(schema)),
-        [
-            {
-                "event_id": event.event_id,
-                "subject": subject,
-                "event_type": event.type,
-                "payload": event.model_dump(mode="json"),
-            }
-            for subject, event in events
-        ],
+    rows = [
+        {
+            "event_id": str(event.event_id),
+            "subject": subject,
+            "event_type": event.type,
+            "payload": event.model_dump(mode="json"),
+        }
+        for subject, event in events
+    ]
+    await session.execute(_insert_rows(outbox_table(schema).fullname), {"rows": json.dumps(rows)})
+
+
+@cache
+def _insert_rows(table: str) -> TextClause:
+    # `table` is a schema-qualified name from code (``outbox_table``), never user input.
+    return text(
+        f"INSERT INTO {table} (event_id, subject, event_type, payload) "
+        "SELECT event_id, subject, event_type, payload FROM json_to_recordset(CAST(:rows AS json)) "
+        "AS x(event_id uuid, subject text, event_type text, payload jsonb)"
     )
 
 

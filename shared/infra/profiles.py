@@ -7,6 +7,31 @@ from shared.contracts.topology import AcceleratorProfile, FabricInfoPayload, Nod
 from shared.domain.fleet import Accelerator, NodeProfile
 from shared.domain.topology import FabricState, GpuFabricInfo, LinkMatrix
 
+# Per-GPU fields that the domain and the wire name alike (the fabric is mapped on its own).
+_ACCELERATOR_FIELDS = tuple(f for f in AcceleratorProfile.model_fields if f != "fabric")
+
+
+def _fabric_payload(fabric: GpuFabricInfo | None) -> FabricInfoPayload | None:
+    if fabric is None:
+        return None
+    return FabricInfoPayload(
+        cluster_uuid=fabric.cluster_uuid,
+        clique_id=fabric.clique_id,
+        state=fabric.state.value,
+        status_ok=fabric.status_ok,
+    )
+
+
+def _fabric_domain(fabric: FabricInfoPayload | None) -> GpuFabricInfo | None:
+    if fabric is None:
+        return None
+    return GpuFabricInfo(
+        cluster_uuid=fabric.cluster_uuid,
+        clique_id=fabric.clique_id,
+        state=FabricState(fabric.state),
+        status_ok=fabric.status_ok,
+    )
+
 
 def profile_to_payload(node: NodeProfile) -> NodeProfilePayload:
     return NodeProfilePayload(
@@ -20,24 +45,7 @@ def profile_to_payload(node: NodeProfile) -> NodeProfilePayload:
         numa=list(node.links.numa),
         accelerators=[
             AcceleratorProfile(
-                index=a.index,
-                sku=a.sku,
-                hbm_bytes=a.hbm_bytes,
-                uuid=a.uuid,
-                pci_bus_id=a.pci_bus_id,
-                numa_node=a.numa_node,
-                cpu_affinity=a.cpu_affinity,
-                power_limit_w=a.power_limit_w,
-                pcie_gen_max=a.pcie_gen_max,
-                pcie_width_max=a.pcie_width_max,
-                fabric=FabricInfoPayload(
-                    cluster_uuid=a.fabric.cluster_uuid,
-                    clique_id=a.fabric.clique_id,
-                    state=a.fabric.state.value,
-                    status_ok=a.fabric.status_ok,
-                )
-                if a.fabric is not None
-                else None,
+                **{name: getattr(a, name) for name in _ACCELERATOR_FIELDS}, fabric=_fabric_payload(a.fabric)
             )
             for a in node.accelerators
         ],
@@ -55,26 +63,7 @@ def profile_from_payload(payload: NodeProfilePayload) -> NodeProfile:
         source=payload.source,
         links=LinkMatrix.from_codes(payload.links, numa=list(payload.numa) or None),
         accelerators=tuple(
-            Accelerator(
-                index=a.index,
-                sku=a.sku,
-                hbm_bytes=a.hbm_bytes,
-                uuid=a.uuid,
-                pci_bus_id=a.pci_bus_id,
-                numa_node=a.numa_node,
-                cpu_affinity=a.cpu_affinity,
-                power_limit_w=a.power_limit_w,
-                pcie_gen_max=a.pcie_gen_max,
-                pcie_width_max=a.pcie_width_max,
-                fabric=GpuFabricInfo(
-                    cluster_uuid=a.fabric.cluster_uuid,
-                    clique_id=a.fabric.clique_id,
-                    state=FabricState(a.fabric.state),
-                    status_ok=a.fabric.status_ok,
-                )
-                if a.fabric is not None
-                else None,
-            )
+            Accelerator(**{name: getattr(a, name) for name in _ACCELERATOR_FIELDS}, fabric=_fabric_domain(a.fabric))
             for a in payload.accelerators
         ),
     )

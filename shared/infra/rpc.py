@@ -25,6 +25,7 @@ from shared.contracts.registry import RPCS
 from shared.contracts.subjects import Rpc, Subjects
 
 ReplyT = TypeVar("ReplyT", bound=BaseModel)
+PageT = TypeVar("PageT", FleetGetReply, SnapshotReply)
 
 
 class RpcError(Exception):
@@ -36,12 +37,18 @@ class RpcError(Exception):
         self.reason = reason
 
 
-def parse_reply(rpc: Rpc, data: bytes) -> BaseModel:
-    """A raw reply as the subject's reply model, or ``Rejected``."""
+def parse_reply(rpc: Rpc, data: bytes, *, rejection_as_reply: bool = False) -> BaseModel:
+    """A raw reply as the subject's reply model, or ``Rejected``. With ``rejection_as_reply``, a refusal
+    the reply model can hold (e.g. a ``PlaceReply`` with its ``explanation``) stays that model."""
     try:
         body: Any = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RpcError(rpc, f"reply is not JSON: {exc}") from exc
+    if rejection_as_reply:
+        try:
+            return RPCS[rpc][1].model_validate(body)
+        except ValidationError:
+            pass  # not the reply model's shape (e.g. an invalid request): a plain Rejected below
     try:
         if isinstance(body, dict) and body.get("status") == "rejected" and isinstance(body.get("error"), dict):
             return Rejected.model_validate(body)
@@ -81,8 +88,10 @@ class RpcClient:
         if isinstance(self._connection, NatsClient):
             await self._connection.drain()
 
-    async def call(self, rpc: Rpc, request: BaseModel, *, timeout_s: float | None = None) -> BaseModel:
-        """Send ``request`` on ``rpc``; the reply model, or ``Rejected``."""
+    async def call(
+        self, rpc: Rpc, request: BaseModel, *, timeout_s: float | None = None, rejection_as_reply: bool = False
+    ) -> BaseModel:
+        """Send ``request`` on ``rpc``; the reply model, or ``Rejected`` (see ``parse_reply``)."""
         body = request.model_dump_json(exclude_none=True).encode()
         try:
             msg = await self.nc.request(self.subjects.rpc(rpc), body, timeout=timeout_s or self.timeout_s)
@@ -90,54 +99,57 @@ class RpcClient:
             raise RpcError(rpc, "no service answers this subject") from exc
         except NatsTimeoutError as exc:
             raise RpcError(rpc, f"no reply within {timeout_s or self.timeout_s:g} s") from exc
-        return parse_reply(rpc, msg.data)
+        return parse_reply(rpc, msg.data, rejection_as_reply=rejection_as_reply)
 
     async def ask(
-        self, rpc: Rpc, request: BaseModel, reply: type[ReplyT], *, timeout_s: float | None = None
+        self,
+        rpc: Rpc,
+        request: BaseModel,
+        reply: type[ReplyT],
+        *,
+        timeout_s: float | None = None,
+        rejection_as_reply: bool = False,
     ) -> ReplyT | Rejected:
         """``call`` with the reply type spelled out for the type checker."""
-        answer = await self.call(rpc, request, timeout_s=timeout_s)
+        answer = await self.call(rpc, request, timeout_s=timeout_s, rejection_as_reply=rejection_as_reply)
         if isinstance(answer, Rejected):
             return answer
         if not isinstance(answer, reply):
             raise RpcError(rpc, f"expected {reply.__name__}, got {type(answer).__name__}")
         return answer
 
-    async def fleet(self, *, region: str | None = None, limit: int | None = None) -> FleetGetReply | Rejected:
-        """Every page of ``fleet.get`` merged into one reply (pods and racks come with the first page)."""
-        merged: FleetGetReply | None = None
-        cursor: str | None = None
+    async def _pages(self, rpc: Rpc, first: BaseModel, reply: type[PageT]) -> list[PageT] | Rejected:
+        """Every page of a paged subject: the request is re-sent with each ``next_cursor``."""
+        pages: list[PageT] = []
+        request = first
         while True:
-            page = await self.ask(
-                Rpc.FLEET_GET, FleetGetRequest(region=region, cursor=cursor, limit=limit), FleetGetReply
-            )
+            page = await self.ask(rpc, request, reply)
             if isinstance(page, Rejected):
                 return page
-            if merged is None:
-                merged = page
-            else:
-                known = {d.id for d in merged.domains}
-                merged = merged.model_copy(
-                    update={
-                        "nodes": [*merged.nodes, *page.nodes],
-                        "domains": [*merged.domains, *(d for d in page.domains if d.id not in known)],
-                    }
-                )
-            cursor = page.next_cursor
+            pages.append(page)
+            cursor = getattr(page, "next_cursor", None)
             if not cursor:
-                return merged.model_copy(update={"next_cursor": None})
+                return pages
+            request = request.model_copy(update={"cursor": cursor})
+
+    async def fleet(
+        self, *, region: str | None = None, limit: int | None = None, profiles: bool = False
+    ) -> FleetGetReply | Rejected:
+        """Every page of ``fleet.get`` merged into one reply (pods and racks come with the first page);
+        ``profiles`` asks for each node's whole profile too."""
+        pages = await self._pages(
+            Rpc.FLEET_GET, FleetGetRequest(region=region, limit=limit, profiles=profiles), FleetGetReply
+        )
+        if isinstance(pages, Rejected):
+            return pages
+        domains = list({d.id: d for p in pages for d in p.domains}.values())  # a domain may span pages
+        return pages[0].model_copy(
+            update={"nodes": [n for p in pages for n in p.nodes], "domains": domains, "next_cursor": None}
+        )
 
     async def ledger_snapshot(self, *, node: str | None = None, limit: int | None = None) -> SnapshotReply | Rejected:
         """Every page of ``ledger.snapshot`` merged into one reply."""
-        accelerators: list[Any] = []
-        cursor: str | None = None
-        while True:
-            page = await self.ask(
-                Rpc.LEDGER_SNAPSHOT, SnapshotRequest(node=node, cursor=cursor, limit=limit), SnapshotReply
-            )
-            if isinstance(page, Rejected):
-                return page
-            accelerators.extend(page.accelerators)
-            cursor = page.next_cursor
-            if not cursor:
-                return SnapshotReply(accelerators=accelerators)
+        pages = await self._pages(Rpc.LEDGER_SNAPSHOT, SnapshotRequest(node=node, limit=limit), SnapshotReply)
+        if isinstance(pages, Rejected):
+            return pages
+        return SnapshotReply(accelerators=[a for p in pages for a in p.accelerators])

@@ -12,6 +12,7 @@ See docs/SERVICE.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,11 +21,15 @@ from importlib.metadata import version as package_version
 from typing import Any
 
 import nats
-from faststream import AckPolicy, FastStream
-from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub
+from faststream import FastStream
+from faststream.nats import NatsBroker
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import ServiceUnavailableError
 from pydantic import BaseModel
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -97,9 +102,14 @@ class Runtime:
         self.tasks[-1].set_name(name)
 
 
-# Event consumers ack after the handler's transaction commits and nack (redeliver) when it raised;
-# FastStream's default for NATS would drop a message whose handler raised.
-EVENT_ACK_POLICY = AckPolicy.NACK_ON_ERROR
+# Event consumers are durable JetStream pull consumers driven by our own loop: a fetched batch is
+# applied one event after the other, in stream order, each acked after its transaction committed; the
+# event whose handler raised is nak'ed with the rest of its batch (redelivered in order). FastStream's
+# pull subscriber would handle a batch concurrently (out of order), or, in batch mode, wait up to its
+# timeout to fill the batch; its default ack policy for NATS drops a message whose handler raised.
+EVENT_BATCH = 64
+EVENT_FETCH_TIMEOUT_S = 1.0
+REDELIVERY_DELAY_S = 0.5
 
 # Factories take the service's Ctx (what ``wire`` built), or the Runtime for a definition without ``wire``.
 RouteFactory = Callable[[Any], Callable[[Any], Awaitable[BaseModel]]]
@@ -201,29 +211,64 @@ def _durable(runtime: Runtime, name: str) -> str:
     return f"{runtime.settings.subject_prefix}-{runtime.schema}-{name}"
 
 
-def _subscribe(
-    broker: NatsBroker, runtime: Runtime, *, subject: str, context: Context, durable: str, apply: Any
-) -> None:
-    async def on_event(msg: NatsMessage) -> None:
-        await apply(msg.body)
+@dataclass(frozen=True)
+class _EventLoop:
+    """One durable consumer: what it reads and how each event is applied."""
 
-    on_event.__name__ = durable.replace("-", "_").replace(".", "_")
-    broker.subscriber(
-        subject,
-        stream=JStream(stream_name(context, stream_prefix=runtime.settings.stream_prefix), declare=False),
+    subject: str
+    stream: str
+    durable: str
+    apply: Callable[[bytes], Awaitable[None]]
+
+    async def run(self, runtime: Runtime) -> None:
+        subscription = await runtime.jetstream.pull_subscribe(
+            self.subject,
+            durable=self.durable,
+            stream=self.stream,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL),
+        )
+        try:
+            while True:
+                try:
+                    messages = await subscription.fetch(batch=EVENT_BATCH, timeout=EVENT_FETCH_TIMEOUT_S)
+                except TimeoutError:
+                    continue  # nothing new
+                except (ConnectionClosedError, ServiceUnavailableError, NoRespondersError):
+                    await asyncio.sleep(EVENT_FETCH_TIMEOUT_S)  # NATS is restarting: unacked events come again
+                    continue
+                await self.apply_in_order(runtime, messages)
+        finally:
+            # The durable consumer stays on the server; only this process's interest ends (so a drain
+            # at shutdown does not wait for a pull request that will never be answered).
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+
+    async def apply_in_order(self, runtime: Runtime, messages: list[Msg]) -> None:
+        for position, message in enumerate(messages):
+            try:
+                await self.apply(message.data)
+            except Exception:
+                runtime.log.exception("event handler failed; the event is redelivered", extra={"durable": self.durable})
+                for later in messages[position:]:
+                    await later.nak(delay=REDELIVERY_DELAY_S)
+                return
+            await message.ack()
+
+
+def _event_loop(runtime: Runtime, *, subject: str, context: Context, durable: str, apply: Any) -> _EventLoop:
+    return _EventLoop(
+        subject=subject,
+        stream=stream_name(context, stream_prefix=runtime.settings.stream_prefix),
         durable=durable,
-        pull_sub=PullSub(batch_size=64, timeout=1.0),
-        ack_policy=EVENT_ACK_POLICY,
-        title=durable,
-    )(on_event)
+        apply=apply,
+    )
 
 
-def _subscribe_events(broker: NatsBroker, runtime: Runtime, route: EventRoute, ctx: Any) -> None:
+def _subscribe_events(runtime: Runtime, route: EventRoute, ctx: Any) -> _EventLoop:
     apply = idempotent(
         sessions=runtime.sessions, schema=runtime.schema, consumer=route.durable, handler=route.factory(ctx)
     )
-    _subscribe(
-        broker,
+    return _event_loop(
         runtime,
         subject=runtime.subjects.event(route.context, route.event),
         context=route.context,
@@ -232,7 +277,7 @@ def _subscribe_events(broker: NatsBroker, runtime: Runtime, route: EventRoute, c
     )
 
 
-def _subscribe_consumer(broker: NatsBroker, runtime: Runtime, consumer: Consumer, ctx: Any) -> None:
+def _subscribe_consumer(runtime: Runtime, consumer: Consumer, ctx: Any) -> _EventLoop:
     handlers = {name: factory(ctx) for name, factory in consumer.on.items()}
     subject = (
         runtime.subjects.event(consumer.context, next(iter(handlers)))
@@ -242,8 +287,7 @@ def _subscribe_consumer(broker: NatsBroker, runtime: Runtime, consumer: Consumer
     apply = consume(
         uow=runtime.uow, schema=runtime.schema, consumer=consumer.durable, context=consumer.context, handlers=handlers
     )
-    _subscribe(
-        broker,
+    return _event_loop(
         runtime,
         subject=subject,
         context=consumer.context,
@@ -314,10 +358,8 @@ def build_app(
     for route in definition.routes:
         handler = route.factory(ctx) if route.factory else _not_implemented(definition.name, route.rpc)
         requests.add(Endpoint(runtime.subjects.rpc(route.rpc), queue, route.model, handler, settings.request_workers))
-    for event_route in definition.events:
-        _subscribe_events(broker, runtime, event_route, ctx)
-    for consumer in definition.consumers:
-        _subscribe_consumer(broker, runtime, consumer, ctx)
+    event_loops = [_subscribe_events(runtime, route, ctx) for route in definition.events]
+    event_loops += [_subscribe_consumer(runtime, consumer, ctx) for consumer in definition.consumers]
     if definition.extra is not None:
         definition.extra(broker, ctx)
 
@@ -351,6 +393,8 @@ def build_app(
             runtime.spawn(runtime.relay.run(), name="outbox-relay")
         for hook in definition.on_start:
             await hook(ctx)
+        for event_loop in event_loops:
+            runtime.spawn(event_loop.run(runtime), name=f"consumer-{event_loop.durable}")
         for loop in definition.loops:
             runtime.spawn(loop.factory(ctx)(), name=loop.name)
         await requests.start(runtime.nc)  # last: answer only once everything behind the answers runs

@@ -84,9 +84,16 @@ class Settings(BaseSettings):
         default=3600, gt=0, description="Lease of a placed replica when the request names none."
     )
     placement_refresh_ms: int = Field(
+        default=0,
+        ge=0,
+        description="When > 0, placement re-syncs its whole view (`fleet.get` + `ledger.snapshot`) this often; "
+        "0: never (TOPOLOGY and LEDGER events keep it current).",
+    )
+    placement_stale_after_ms: int = Field(
         default=5000,
         gt=0,
-        description="Placement re-reads the whole fleet at least this often (events keep it current).",
+        description="Placement's health check `view` turns from `ok` to `behind` when events older than this "
+        "wait to be applied to its view of the fleet.",
     )
     sku_catalog: Path | None = Field(
         default=None, description="A SKU catalog file (YAML) merged over the shipped one: add SKUs or override prices."

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import subprocess
@@ -24,10 +23,12 @@ from typing import Any
 import nats
 import yaml
 
+from shared.contracts.base import Rejected
+from shared.contracts.fleet import FleetGetReply, FleetGetRequest
 from shared.contracts.subjects import Rpc, Subjects
 from shared.domain.synthetic import synthetic_inventory
-from shared.infra.fleet_client import fetch_fleet
 from shared.infra.migrate import upgrade
+from shared.infra.rpc import RpcClient
 from tests.servers import RealServers, find_servers
 
 
@@ -71,11 +72,13 @@ def _env(servers: RealServers, database_url: str, inventory: Path | None, data_d
 
 
 async def _ask(nc: Any, subjects: Subjects) -> tuple[dict[str, Any], float, int]:
-    """The whole fleet (every page), the time it took and its JSON size."""
+    """The whole fleet (every page, validated against its contract), the time it took and its JSON size."""
     started = time.perf_counter()
-    reply = await fetch_fleet(nc, subjects, timeout_s=30)
+    reply = await RpcClient(nc, subjects, timeout_s=30).fleet()
     elapsed = (time.perf_counter() - started) * 1000
-    return reply, elapsed, len(json.dumps(reply))
+    if isinstance(reply, Rejected):
+        raise RuntimeError(f"fleet.get rejected: {reply.error.message}")
+    return reply.model_dump(mode="json"), elapsed, len(reply.model_dump_json())
 
 
 async def _wait_full(nc: Any, subject: Subjects, nodes: int, deadline_s: float) -> tuple[dict[str, Any], float]:
@@ -115,8 +118,9 @@ async def measure(
         try:
             reply, first_ms = await _wait_full(nc, subject, nodes, 120)
             restart = time.monotonic() - started
-            page = json.loads((await nc.request(subject.rpc(Rpc.FLEET_GET), b"{}", timeout=30)).data)
-            pages = -(-page["total_nodes"] // len(page["nodes"]))
+            page = await RpcClient(nc, subject, timeout_s=30).ask(Rpc.FLEET_GET, FleetGetRequest(), FleetGetReply)
+            assert isinstance(page, FleetGetReply), page
+            pages = -(-page.total_nodes // len(page.nodes))
             latencies, size = [], 0
             for _ in range(calls):
                 reply, elapsed, size = await _ask(nc, subject)

@@ -16,13 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.contracts.ledger import AllocationEvent
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc
-from shared.domain.ledger import replay_reserved
+from shared.domain.ledger import ALLOCATION_EVENTS, replay_reserved
 from tests.bench.ledger_harness import INVARIANT_SQL, LedgerHarness
 from tests.jetstream import read_all
 
 GB = 10**9
+
+
+def allocation_events(envelopes: list[dict[str, Any]]) -> list[tuple[str, AllocationEvent]]:
+    """The LEDGER stream's allocation events as (name, typed payload), in stream order, for the fold."""
+    named = ((str(e["type"]).rsplit(".", 1)[-1], e["payload"]) for e in envelopes)
+    return [(name, AllocationEvent.model_validate(payload)) for name, payload in named if name in ALLOCATION_EVENTS]
 
 
 @dataclass
@@ -157,7 +164,7 @@ async def verify(h: LedgerHarness, result: StressResult) -> None:
         n != 1 for n in released.values()
     ):
         result.problems.append("not exactly one allocation_released event per released allocation")
-    rebuilt = replay_reserved(events)
+    rebuilt = replay_reserved(allocation_events(events))
     if rebuilt != {k: v for k, v in tables.items() if v}:
         result.problems.append("replay of the LEDGER stream differs from the tables")
 

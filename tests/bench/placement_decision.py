@@ -12,7 +12,7 @@
    index update per decision are printed separately). Wall-clock and this thread's CPU time are
    both shown: on a shared VM the wall-clock tail includes time the hypervisor gave to others.
 2. Greedy vs MILP. Random small instances (1-3 nodes of mixed layouts, 3-8 requests): the greedy
-   ``decide`` + ``apply`` loop and the exact MILP are scored with ``milp.objective``; the gap
+   ``decide`` + ``apply`` loop and the exact MILP are scored with ``tests.reference.milp.objective``; the gap
    (optimal - greedy) / optimal is printed as mean and max over the instances.
 
 It measures and prints; it asserts nothing about time.
@@ -36,8 +36,8 @@ from shared.domain.inventory import parse_inventory
 from shared.domain.models import ModelSpec, parse_model_catalog
 from shared.domain.placement import FleetSnapshot, PlacementRequest, Slo, apply, decide
 from shared.domain.placement.hosts import index_of
-from shared.domain.placement.milp import candidate_options, greedy_batch, optimal_batch
 from shared.domain.synthetic import synthetic_inventory
+from tests.reference.milp import candidate_options, greedy_batch, optimal_batch
 
 CATALOG = Path(__file__).resolve().parents[2] / "shared" / "catalog"
 REGIONS = ("us-west-1", "us-east-1", "eu-west-1")

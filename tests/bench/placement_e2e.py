@@ -68,6 +68,22 @@ async def run(h: LedgerHarness, *, rate: float, seconds: float) -> str:
     )
 
 
+async def placement_ready(h: LedgerHarness, deadline_s: float = 120) -> None:
+    """Placement has synced its view (health check `view` ok) and can place on the fleet."""
+    probe = {"request_id": "probe", "tenant": "bench", "model": "llama3-8b", "context_tokens": 4096}
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            health = await h.call(Rpc.PLACEMENT_HEALTH, {}, timeout=2)
+            if health.get("checks", {}).get("view") == "ok":
+                if (await h.call(Rpc.PLACEMENT_EXPLAIN, probe, timeout=10)).get("status") == "placed":
+                    return
+        except Exception:
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError("placement never became ready")
+
+
 async def _main(args: argparse.Namespace) -> None:
     from tests.servers import find_servers
 
@@ -84,7 +100,7 @@ async def _main(args: argparse.Namespace) -> None:
             async with LedgerHarness(
                 servers, Path(tmp), fleet=fleet, services=("placement",), want_accelerators=gpus
             ) as h:
-                await asyncio.sleep(2)  # let placement read the fleet
+                await placement_ready(h)
                 print(await run(h, rate=args.rate, seconds=args.seconds))
         finally:
             servers.stop()

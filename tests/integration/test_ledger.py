@@ -1,35 +1,44 @@
 """capacity-ledger on real NATS and Postgres: commits, idempotency, typed refusals that change nothing,
-conflicts with a fresh view, leases, lost nodes, drift, KV pools of replicas, and replay."""
+conflicts with a fresh view, leases, lost and removed nodes, capacity events, drift, KV pools of
+replicas, snapshot pages, batch order, the database's own guards, and replay.
+
+Events are asynchronous (outbox -> relay -> JetStream): every test that looks for one polls with a
+deadline. To show an event did *not* happen, a test sends a later event through the same ordered
+consumer whose effect it can see (a barrier) and only then counts."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import asyncpg
 import nats
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
-from services.stack import wait_healthy
+from hetsched.stack import wait_healthy
+from shared.contracts.base import Rejected
 from shared.contracts.envelope import new_event
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
 from shared.domain.ledger import replay_reserved
 from shared.infra.catalog import demo_fleet_path
 from shared.infra.db import plain_url
+from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings
+from tests.bench.ledger_stress import allocation_events
 from tests.conftest import ServiceProcesses
 from tests.jetstream import read_all
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 GB = 10**9
 H100_USABLE = 85_899_345_920 * 23 // 25  # 80 GiB x 0.92 = 79,027,398,246 bytes
+DEMO_ACCELERATORS = 76 + 256 + 512  # the demo's GPUs and its TPU chips (v5e 16x16, v5p 8x8x8)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -46,11 +55,13 @@ async def ledger(service_processes: ServiceProcesses, settings: Settings) -> Asy
     )
     assert all(h["status"] == "ok" for h in health.values()), health
     client = await nats.connect(settings.nats_url or "")
-    deadline = time.monotonic() + 30
-    # The demo's 76 GPUs and its TPU chips (256 + 512): tests compare whole snapshots before and after.
-    while len((await call(client, settings, Rpc.LEDGER_SNAPSHOT, {}))["accelerators"]) < 76 + 256 + 512:
-        assert time.monotonic() < deadline, "the ledger never learnt the demo fleet's accelerators"
-        await asyncio.sleep(0.2)
+
+    async def learnt() -> bool:
+        snap = await call(client, settings, Rpc.LEDGER_SNAPSHOT, {})
+        return len(snap["accelerators"]) >= DEMO_ACCELERATORS
+
+    # Tests compare whole snapshots before and after: wait for every accelerator first.
+    await wait_for(learnt, 60, interval_s=0.2, what="the ledger learnt the demo fleet's accelerators")
     yield client
     await client.close()
     for name in ("ledger", "ledger_topology"):
@@ -90,10 +101,25 @@ async def ledger_events(nc: Client, settings: Settings, event: str = ">") -> lis
     )
 
 
+async def publish(nc: Client, settings: Settings, context: Context, event: str, payload: dict[str, Any]) -> None:
+    """An event as its producer (topology, an agent) would publish it."""
+    env = new_event(type=f"{context.value}.{event}", source="test", occurred_at=datetime.now(UTC), payload=payload)
+    await nc.jetstream().publish(
+        Subjects(settings.subject_prefix).event(context, event),
+        env.model_dump_json().encode(),
+        headers={"Nats-Msg-Id": str(env.event_id)},
+    )
+
+
+async def superuser(settings: Settings) -> asyncpg.Connection:
+    return await asyncpg.connect(plain_url(settings.database_url or ""))
+
+
 async def test_capacity_comes_from_topology_with_the_ceiling(ledger: Client, settings: Settings) -> None:
     snap = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": "dgx-h100-01"})
     assert [a["id"] for a in snap["accelerators"]] == [f"dgx-h100-01/gpu{i}" for i in range(8)]
     assert all(a["hbm_usable"] == H100_USABLE and a["available"] for a in snap["accelerators"])
+    assert all(a["hbm_usable_bytes"] == H100_USABLE for a in snap["accelerators"])  # both names on the wire
 
 
 async def test_same_commit_twice_reserves_once(ledger: Client, settings: Settings) -> None:
@@ -116,6 +142,18 @@ async def test_same_commit_twice_reserves_once(ledger: Client, settings: Setting
     )
     assert again["status"] == "released" and again["already"]
     assert (await reserved(ledger, settings, "dgx-h100-01"))["dgx-h100-01/gpu0"] == 0
+
+
+async def test_share_fields_are_accepted_with_the_bytes_suffix(ledger: Client, settings: Settings) -> None:
+    body = {
+        "request_id": f"r-{uuid.uuid4().hex[:8]}",
+        "tenant": "acme",
+        "shares": [{"accelerator_id": "dgx-h100-01/gpu2", "weights_bytes": 3 * GB, "kv_bytes": 1 * GB}],
+    }
+    reply = await call(ledger, settings, Rpc.LEDGER_COMMIT, body)
+    assert reply["status"] == "committed"
+    assert reply["view"][0]["reserved"] == reply["view"][0]["reserved_bytes"] == 4 * GB
+    await call(ledger, settings, Rpc.LEDGER_RELEASE, {"allocation_id": reply["allocation_id"], "tenant": "acme"})
 
 
 async def test_bad_input_gets_typed_errors_and_changes_nothing(ledger: Client, settings: Settings) -> None:
@@ -154,11 +192,64 @@ async def test_a_stale_view_is_a_conflict_with_the_fresh_view(ledger: Client, se
     assert first["status"] == "committed"
     late = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 30, expected={acc: seen}))
     assert late["error"]["code"] == "conflict"
-    assert late["view"] == [{"id": acc, "usable": H100_USABLE, "reserved": 60 * GB, "available": True}]
+    assert late["view"] == [
+        {
+            "id": acc,
+            "usable": H100_USABLE,
+            "reserved": 60 * GB,
+            "usable_bytes": H100_USABLE,
+            "reserved_bytes": 60 * GB,
+            "available": True,
+        }
+    ]
     fresh = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 30, expected={acc: 60 * GB}))
     assert fresh["error"]["code"] == "no_capacity" and "short by" in fresh["error"]["message"]
     fits = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 19, expected={acc: 60 * GB}))
     assert fits["status"] == "committed"  # 60 + 19 = 79 GB <= 79.03 GB usable
+
+
+async def test_commit_batch_answers_each_commit_in_request_order(ledger: Client, settings: Settings) -> None:
+    acc = "dgx-h100-02/gpu5"
+    commits = [
+        commit(acc, 10, rid=f"batch-{uuid.uuid4().hex[:6]}-0"),
+        commit("no-such-node/gpu0", 1, rid=f"batch-{uuid.uuid4().hex[:6]}-1"),
+        commit(acc, 70, rid=f"batch-{uuid.uuid4().hex[:6]}-2"),  # 10 + 70 > 79.03 GB: refused
+        commit(acc, 20, rid=f"batch-{uuid.uuid4().hex[:6]}-3"),
+        commit("dgx-h100-02/gpu6", 5, rid=f"batch-{uuid.uuid4().hex[:6]}-4"),
+    ]
+    reply = await call(ledger, settings, Rpc.LEDGER_COMMIT_BATCH, {"commits": commits})
+    results = reply["results"]
+    assert [r["request_id"] for r in results] == [c["request_id"] for c in commits]
+    assert [r["status"] for r in results] == ["committed", "rejected", "rejected", "committed", "committed"]
+    assert [(r.get("error") or {}).get("code") for r in results] == [None, "not_found", "no_capacity", None, None]
+    # Each commit saw the ones before it: the refusal's view holds the first commit's 10 GB.
+    assert results[2]["view"][0]["reserved"] == 10 * GB
+    assert (await reserved(ledger, settings, "dgx-h100-02"))[acc] == 30 * GB
+
+
+async def test_snapshot_pages_cover_every_accelerator_once(ledger: Client, settings: Settings) -> None:
+    whole = [a["id"] for a in (await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {}))["accelerators"]]
+    assert len(whole) >= DEMO_ACCELERATORS
+    for request, size in (({}, 100), ({"node": "dgx-h100-02"}, 3)):
+        seen: list[str] = []
+        cursor: str | None = None
+        for _page in range(len(whole) // size + 2):  # a cursor that is not followed would never end
+            page = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {**request, "limit": size, "cursor": cursor})
+            ids = [a["id"] for a in page["accelerators"]]
+            assert 0 < len(ids) <= size
+            seen += ids
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert cursor is None, "the pages never ended"
+        assert len(seen) == len(set(seen)), "a page repeated accelerators"
+        expected = [i for i in whole if "node" not in request or i.startswith(f"{request['node']}/")]
+        assert seen == expected
+    # The typed client follows the cursor the same way.
+    rpc = RpcClient(ledger, Subjects(settings.subject_prefix))
+    merged = await rpc.ledger_snapshot(limit=250)
+    assert not isinstance(merged, Rejected)
+    assert [a.id for a in merged.accelerators] == whole
 
 
 async def test_an_unrenewed_lease_expires_with_an_event(ledger: Client, settings: Settings) -> None:
@@ -169,87 +260,141 @@ async def test_an_unrenewed_lease_expires_with_an_event(ledger: Client, settings
         ledger, settings, Rpc.LEDGER_RENEW, {"allocation_id": kept["allocation_id"], "tenant": "acme", "lease_s": 120}
     )
     assert renewed["status"] == "renewed"
-    await asyncio.sleep(1.6)
-    assert (await reserved(ledger, settings, "dgx-h100-02"))[acc] == 10 * GB
-    expired = [
+
+    async def expired_events() -> list[dict[str, Any]]:
+        return [
+            e
+            for e in await ledger_events(ledger, settings, "allocation_expired")
+            if e["payload"]["allocation_id"] == short["allocation_id"]
+        ]
+
+    expired = await wait_for(expired_events, 15, interval_s=0.2, what="the short lease expired")
+    assert len(expired) == 1 and expired[0]["payload"]["shares"][0]["total"] == 10 * GB
+    assert (await reserved(ledger, settings, "dgx-h100-02"))[acc] == 10 * GB  # the renewed one stays
+    assert not [
         e
         for e in await ledger_events(ledger, settings, "allocation_expired")
-        if e["payload"]["allocation_id"] == short["allocation_id"]
+        if e["payload"]["allocation_id"] == kept["allocation_id"]
     ]
-    assert len(expired) == 1 and expired[0]["payload"]["shares"][0]["total"] == 10 * GB
+
+
+async def _node_available(ledger: Client, settings: Settings, node: str, available: bool) -> None:
+    async def reached() -> bool:
+        snap = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": node})
+        return all(a["available"] == available for a in snap["accelerators"])
+
+    await wait_for(reached, 15, interval_s=0.1, what=f"{node} available={available}")
+
+
+async def _capacity_event(ledger: Client, settings: Settings, node: str, reason: str) -> dict[str, Any]:
+    async def found() -> list[dict[str, Any]]:
+        return [
+            e
+            for e in await ledger_events(ledger, settings, "capacity_changed")
+            if e["payload"]["node"] == node and e["payload"]["reason"] == reason
+        ]
+
+    events: list[dict[str, Any]] = await wait_for(found, 15, interval_s=0.2, what=f"capacity_changed {node} {reason}")
+    return events[-1]
 
 
 async def test_lost_node_is_unavailable_and_its_allocations_flagged(ledger: Client, settings: Settings) -> None:
-    held = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit("hgx-h200-01/gpu0", 50))
-    js = ledger.jetstream()
-    subjects = Subjects(settings.subject_prefix)
-
-    async def topology(event: str) -> None:
-        env = new_event(
-            type=f"topology.{event}",
-            source="test",
-            occurred_at=datetime.now(UTC),
-            payload={"node": "hgx-h200-01", "region": "us-east-1", "accelerators": []},
-        )
-        await js.publish(
-            subjects.event(Context.TOPOLOGY, event),
-            env.model_dump_json().encode(),
-            headers={"Nats-Msg-Id": str(env.event_id)},
-        )
-
-    await topology("node_lost")
-    for _ in range(100):
-        snap = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": "hgx-h200-01"})
-        if not snap["accelerators"][0]["available"]:
-            break
-        await asyncio.sleep(0.1)
-    assert not any(a["available"] for a in snap["accelerators"])
-    refused = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit("hgx-h200-01/gpu1", 1))
+    node = "hgx-h200-01"
+    held = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(f"{node}/gpu0", 50))
+    state = {"node": node, "region": "us-east-1", "accelerators": []}
+    await publish(ledger, settings, Context.TOPOLOGY, "node_lost", state)
+    await _node_available(ledger, settings, node, False)
+    refused = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(f"{node}/gpu1", 1))
     assert refused["error"]["code"] == "no_capacity" and "unavailable" in refused["error"]["message"]
-    flagged = await ledger_events(ledger, settings, "allocations_flagged")
-    assert any(held["allocation_id"] in e["payload"]["allocation_ids"] for e in flagged)
-    await topology("node_recovered")
-    for _ in range(100):
-        snap = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": "hgx-h200-01"})
-        if snap["accelerators"][0]["available"]:
-            break
-        await asyncio.sleep(0.1)
-    assert (await call(ledger, settings, Rpc.LEDGER_COMMIT, commit("hgx-h200-01/gpu1", 1)))["status"] == "committed"
+
+    async def flagged() -> bool:
+        events = await ledger_events(ledger, settings, "allocations_flagged")
+        return any(held["allocation_id"] in e["payload"]["allocation_ids"] for e in events)
+
+    await wait_for(flagged, 15, interval_s=0.2, what="allocations_flagged for the lost node")
+    lost = await _capacity_event(ledger, settings, node, "lost")
+    assert len(lost["payload"]["accelerators"]) == 8
+    assert not any(a["available"] for a in lost["payload"]["accelerators"])
+    assert lost["payload"]["accelerators"][0]["reserved_bytes"] == 50 * GB  # what it held is still on the books
+    await publish(ledger, settings, Context.TOPOLOGY, "node_recovered", state)
+    await _node_available(ledger, settings, node, True)
+    recovered = await _capacity_event(ledger, settings, node, "recovered")
+    assert all(a["available"] for a in recovered["payload"]["accelerators"])
+    assert (await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(f"{node}/gpu1", 1)))["status"] == "committed"
 
 
-async def test_drift_after_two_samples_over_ten_percent(ledger: Client, settings: Settings) -> None:
-    js = ledger.jetstream()
-    subject = Subjects(settings.subject_prefix).event(Context.TELEMETRY, "gpu")
+async def test_removed_node_takes_nothing_more_and_its_allocations_are_flagged(
+    ledger: Client, settings: Settings
+) -> None:
+    node = "hgx-h200-02"
+    held = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(f"{node}/gpu3", 40))
+    assert held["status"] == "committed"
+    await publish(
+        ledger, settings, Context.TOPOLOGY, "node_removed", {"node": node, "region": "us-east-1", "accelerators": []}
+    )
+    await _node_available(ledger, settings, node, False)
+    refused = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(f"{node}/gpu4", 1))
+    assert refused["error"]["code"] == "no_capacity" and "unavailable" in refused["error"]["message"]
 
-    async def sample(used_gb: float) -> None:
-        env = new_event(
-            type="telemetry.gpu",
-            source="test",
-            occurred_at=datetime.now(UTC),
-            payload={"node": "l40s-01", "gpus": [{"index": 5, "memory_used_bytes": int(used_gb * GB)}]},
-        )
-        await js.publish(subject, env.model_dump_json().encode(), headers={"Nats-Msg-Id": str(env.event_id)})
+    async def flagged() -> list[dict[str, Any]]:
+        return [
+            e
+            for e in await ledger_events(ledger, settings, "allocations_flagged")
+            if e["payload"]["node"] == node and held["allocation_id"] in e["payload"]["allocation_ids"]
+        ]
 
-    # l40s-01/gpu5 has nothing reserved; usable = 48 GiB x 0.92 = 47.4 GB, so 10% = 4.74 GB.
-    await sample(4.0)
-    await sample(30.0)
-    await asyncio.sleep(1.0)
-    assert not [
-        e
-        for e in await ledger_events(ledger, settings, "drift_detected")
-        if e["payload"]["accelerator_id"] == "l40s-01/gpu5"
-    ]  # one sample over is not drift
-    await sample(30.0)
-    for _ in range(50):
-        drift = [
+    events = await wait_for(flagged, 15, interval_s=0.2, what="allocations_flagged for the removed node")
+    assert events[0]["payload"]["reason"] == "node_removed"
+    removed = await _capacity_event(ledger, settings, node, "removed")
+    assert [a["available"] for a in removed["payload"]["accelerators"]] == [False] * 8
+
+
+async def test_a_profiled_node_announces_its_capacity(ledger: Client, settings: Settings) -> None:
+    event = await _capacity_event(ledger, settings, "dgx-h100-01", "profiled")
+    assert [a["id"] for a in event["payload"]["accelerators"]] == [f"dgx-h100-01/gpu{i}" for i in range(8)]
+    assert all(a["usable_bytes"] == H100_USABLE and a["available"] for a in event["payload"]["accelerators"])
+
+
+async def test_drift_after_two_samples_over_ten_percent_once_per_episode(ledger: Client, settings: Settings) -> None:
+    async def sample(index: int, used_gb: float) -> None:
+        gpus = [{"index": index, "memory_used_bytes": int(used_gb * GB)}]
+        await publish(ledger, settings, Context.TELEMETRY, "gpu", {"node": "l40s-01", "gpus": gpus})
+
+    async def drifts(index: int) -> list[dict[str, Any]]:
+        return [
             e
             for e in await ledger_events(ledger, settings, "drift_detected")
-            if e["payload"]["accelerator_id"] == "l40s-01/gpu5"
+            if e["payload"]["accelerator_id"] == f"l40s-01/gpu{index}"
         ]
-        if drift:
-            break
-        await asyncio.sleep(0.1)
+
+    async def barrier(index: int) -> None:
+        """Drift on another GPU, through the same ordered consumer: once it shows, every sample sent
+        before it has been applied (and its events published: the relay keeps their order)."""
+        await sample(index, 30.0)
+        await sample(index, 30.0)
+        await wait_for(lambda: drifts(index), 15, interval_s=0.2, what=f"drift on l40s-01/gpu{index}")
+
+    # l40s-01/gpu5 has nothing reserved; usable = 48 GiB x 0.92 = 47.4 GB, so 10% = 4.74 GB.
+    await sample(5, 4.0)
+    await sample(5, 30.0)
+    await barrier(6)
+    assert not await drifts(5)  # one sample over is not drift
+    await sample(5, 30.0)
+    drift = await wait_for(lambda: drifts(5), 15, interval_s=0.2, what="drift on l40s-01/gpu5")
     assert len(drift) == 1 and drift[0]["payload"]["difference_bytes"] == 30 * GB
+    await sample(5, 31.0)  # the same episode goes on: no second report
+    await barrier(7)
+    assert len(await drifts(5)) == 1
+    await sample(5, 1.0)  # back inside the band: the episode ends
+    await sample(5, 25.0)
+    await sample(5, 25.0)
+
+    async def second() -> list[dict[str, Any]]:
+        found = await drifts(5)
+        return found if len(found) == 2 else []
+
+    again = await wait_for(second, 15, interval_s=0.2, what="a second drift episode on l40s-01/gpu5")
+    assert again[1]["payload"]["difference_bytes"] == 25 * GB
 
 
 async def test_requests_live_inside_their_replica_kv_pool(ledger: Client, settings: Settings) -> None:
@@ -288,45 +433,142 @@ async def test_requests_live_inside_their_replica_kv_pool(ledger: Client, settin
     assert stranger["error"]["code"] == "forbidden"
     assert (await reserved(ledger, settings, "dgx-a100-01"))[acc] == 30 * GB  # requests add nothing on top
     await call(ledger, settings, Rpc.LEDGER_RELEASE, {"allocation_id": replica["allocation_id"], "tenant": "acme"})
-    released = [e["payload"]["allocation_id"] for e in await ledger_events(ledger, settings, "allocation_released")]
-    assert ok["allocation_id"] in released  # the request went with its replica
+
+    async def request_released() -> bool:
+        released = [e["payload"]["allocation_id"] for e in await ledger_events(ledger, settings, "allocation_released")]
+        return ok["allocation_id"] in released
+
+    await wait_for(request_released, 15, interval_s=0.2, what="the request went with its replica")
+
+
+async def test_the_database_refuses_an_over_commit_whatever_the_code_does(ledger: Client, settings: Settings) -> None:
+    acc = "a100-pcie-01/gpu7"
+    conn = await superuser(settings)
+    try:
+        tx = conn.transaction()
+        await tx.start()
+        try:
+            await conn.execute(
+                "INSERT INTO ledger.allocations (id, request_id, tenant, kind, state, preemptible, priority, "
+                "lease_expires_at) VALUES ('al-sql-over', 'sql-over', 'acme', 'replica', 'active', false, 0, "
+                "now() + interval '1 hour')"
+            )
+            with pytest.raises(asyncpg.CheckViolationError, match="over-commit"):
+                await conn.execute(
+                    "INSERT INTO ledger.shares (allocation_id, accelerator_id, weights, kv, activation, workspace, "
+                    "total, counts, active) SELECT 'al-sql-over', id, hbm_usable + 1, 0, 0, 0, hbm_usable + 1, "
+                    "true, true FROM ledger.accelerators WHERE id = $1",
+                    acc,
+                )
+        finally:
+            await tx.rollback()
+        assert await conn.fetchval("SELECT reserved FROM ledger.accelerators WHERE id = $1", acc) == 0
+    finally:
+        await conn.close()
+
+
+async def test_the_journal_is_append_only_even_for_the_superuser(ledger: Client, settings: Settings) -> None:
+    held = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit("a100-pcie-01/gpu6", 1))
+    assert held["status"] == "committed"  # so the journal has a row of this test's
+    conn = await superuser(settings)
+    try:
+        seq = await conn.fetchval("SELECT max(seq) FROM ledger.journal WHERE allocation_id = $1", held["allocation_id"])
+        assert seq is not None
+        with pytest.raises(asyncpg.InsufficientPrivilegeError, match="append-only"):
+            await conn.execute("UPDATE ledger.journal SET delta = 0 WHERE seq = $1", seq)
+        with pytest.raises(asyncpg.InsufficientPrivilegeError, match="append-only"):
+            await conn.execute("DELETE FROM ledger.journal WHERE seq = $1", seq)
+        assert await conn.fetchval("SELECT count(*) FROM ledger.journal WHERE seq = $1", seq) == 1
+    finally:
+        await conn.close()
 
 
 async def test_replaying_the_ledger_stream_rebuilds_the_tables(ledger: Client, settings: Settings) -> None:
-    import asyncpg
+    # Its own history, so the test means the same alone as after the others: commits on three
+    # accelerators, one released, a request inside a replica (which counts nothing on its own).
+    accs = ["a100-pcie-01/gpu0", "a100-pcie-01/gpu1", "a100-pcie-01/gpu2"]
+    kept = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(accs[:2], 7))
+    gone = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(accs[1:], 3))
+    replica = await call(
+        ledger,
+        settings,
+        Rpc.LEDGER_COMMIT,
+        {
+            "request_id": f"r-{uuid.uuid4().hex[:8]}",
+            "tenant": "acme",
+            "shares": [{"accelerator_id": accs[2], "kv": GB}],
+        },
+    )
+    request = await call(
+        ledger,
+        settings,
+        Rpc.LEDGER_COMMIT,
+        {
+            "request_id": f"q-{uuid.uuid4().hex[:8]}",
+            "tenant": "acme",
+            "kind": "request",
+            "parent_id": replica["allocation_id"],
+            "shares": [{"accelerator_id": accs[2], "kv": GB // 2}],
+        },
+    )
+    assert all(r["status"] == "committed" for r in (kept, gone, replica, request))
+    released = await call(
+        ledger, settings, Rpc.LEDGER_RELEASE, {"allocation_id": gone["allocation_id"], "tenant": "acme"}
+    )
+    assert released["status"] == "released"
 
-    await asyncio.sleep(0.5)  # let the relay publish the last commits
-    rebuilt = replay_reserved(await ledger_events(ledger, settings))
-    conn = await asyncpg.connect(plain_url(settings.database_url or ""))
-    try:
-        rows = await conn.fetch("SELECT id, reserved FROM ledger.accelerators WHERE reserved <> 0")
-        sums = await conn.fetch(
-            "SELECT accelerator_id, sum(total) AS s FROM ledger.shares WHERE active AND counts GROUP BY 1"
-        )
-    finally:
-        await conn.close()
-    tables = {r["id"]: r["reserved"] for r in rows}
-    assert tables and rebuilt == tables
-    assert {r["accelerator_id"]: r["s"] for r in sums} == tables  # the trigger kept the totals exact
+    async def tables() -> tuple[dict[str, int], dict[str, int]]:
+        conn = await superuser(settings)
+        try:
+            rows = await conn.fetch("SELECT id, reserved FROM ledger.accelerators")
+            sums = await conn.fetch(
+                "SELECT accelerator_id, sum(total) AS s FROM ledger.shares WHERE active AND counts GROUP BY 1"
+            )
+        finally:
+            await conn.close()
+        return {r["id"]: r["reserved"] for r in rows}, {r["accelerator_id"]: r["s"] for r in sums}
+
+    async def replay_matches() -> tuple[dict[str, int], dict[str, int]] | None:
+        known, sums = await tables()
+        # What the ledger published: other tests of the run publish hand-made LEDGER events (source
+        # "test") to exercise consumers, and they share the stream.
+        published = [e for e in await ledger_events(ledger, settings) if e["source"] == "capacity-ledger"]
+        rebuilt = replay_reserved(allocation_events(published))
+        reserved_now = {a: b for a, b in known.items() if b != 0}
+        return (reserved_now, sums) if rebuilt == reserved_now else None
+
+    # Events leave through the outbox relay: poll until the stream has caught up with the tables.
+    matched = await wait_for(replay_matches, 20, interval_s=0.2, what="replay == tables")
+    assert matched is not None
+    reserved_now, sums = matched
+    assert reserved_now[accs[0]] >= 7 * GB and reserved_now[accs[2]] >= GB
+    assert sums == reserved_now  # the trigger kept the totals exact
 
 
 async def test_fleet_get_shows_what_the_ledger_reserved(ledger: Client, settings: Settings) -> None:
-    from shared.infra.fleet_client import fetch_fleet
-
     held = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit("dgx-h100-01/gpu5", 30))
     assert held["status"] == "committed"
-    fleet = await fetch_fleet(ledger, Subjects(settings.subject_prefix))
+    rpc = RpcClient(ledger, Subjects(settings.subject_prefix))
+
+    async def fleet_with_it() -> dict[str, Any] | None:
+        # Topology learns reservations from LEDGER events: asynchronous, so poll.
+        reply = await rpc.fleet()
+        assert not isinstance(reply, Rejected)
+        fleet = reply.model_dump(mode="json")
+        node = next(n for n in fleet["nodes"] if n["name"] == "dgx-h100-01")
+        return fleet if next(a for a in node["accelerators"] if a["index"] == 5)["hbm_reserved"] else None
+
+    fleet = await wait_for(fleet_with_it, 20, interval_s=0.2, what="fleet.get shows the reservation")
     node = next(n for n in fleet["nodes"] if n["name"] == "dgx-h100-01")
     assert next(a for a in node["accelerators"] if a["index"] == 5)["hbm_reserved"] == 30 * GB
 
 
 async def test_tpu_chips_are_ledger_accelerators(ledger: Client, settings: Settings) -> None:
-    for _ in range(100):
+    async def pod_chips() -> dict[str, dict[str, Any]]:
         snap = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": "v5e-pod-1"})
-        if len(snap["accelerators"]) == 256:
-            break
-        await asyncio.sleep(0.1)
-    chips = {a["id"]: a for a in snap["accelerators"]}
+        return {a["id"]: a for a in snap["accelerators"]} if len(snap["accelerators"]) == 256 else {}
+
+    chips = await wait_for(pod_chips, 15, interval_s=0.1, what="the v5e pod's 256 chips")
     assert len(chips) == 256 and "v5e-pod-1/15.15" in chips
     assert chips["v5e-pod-1/0.0"]["hbm_usable"] == 16 * 2**30 * 23 // 25  # 16 GiB x 0.92
     v5p = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": "v5p-pod-1"})

@@ -1,12 +1,16 @@
 """placement on real NATS and Postgres with topology and the ledger: decisions reserved through the
-ledger, idempotent by request id, dry runs that reserve nothing, TPU slices, typed refusals, events."""
+ledger, idempotent by request id, dry runs that reserve nothing, TPU slices, typed refusals, events, and
+a view of the fleet that converges to the ledger's while placements churn and nodes come and go."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import json
-import time
+import random
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import nats
@@ -14,15 +18,30 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
-from services.stack import wait_healthy
+from hetsched.stack import wait_healthy
+from services.placement.app import SERVICE, Ctx, wire
+from shared.contracts.health import HealthRequest
+from shared.contracts.ledger import SnapshotReply
+from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseRequest
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
+from shared.contracts.topology import Heartbeat, NodeProfilePayload, TopologyReportRequest
+from shared.domain.fleet import Accelerator, AcceleratorId, NodeProfile
+from shared.domain.placement.view import FleetView
+from shared.domain.topology import nvswitch
 from shared.infra.catalog import demo_fleet_path
+from shared.infra.profiles import profile_to_payload
+from shared.infra.rpc import RpcClient
+from shared.infra.service import Runtime, build_app
 from shared.infra.settings import Settings
 from tests.conftest import ServiceProcesses
 from tests.jetstream import read_all
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+HEARTBEAT_S = 0.25
+CHURN_REGION = "churn-1"
 
 
 async def call(nc: Client, settings: Settings, rpc: Rpc, body: dict[str, Any]) -> dict[str, Any]:
@@ -39,10 +58,15 @@ async def reserved(nc: Client, settings: Settings, node: str) -> dict[str, int]:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(service_processes: ServiceProcesses, settings: Settings) -> AsyncIterator[Client]:
     service_processes.start(
-        "topology_discovery", name="pl_topology", HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path())
+        "topology_discovery",
+        name="pl_topology",
+        HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path()),
+        # Agent-reported nodes (the churn test's) are lost after a second of silence; inventory ones never.
+        HETSCHED_TOPOLOGY_HEARTBEAT_S=str(HEARTBEAT_S),
+        HETSCHED_TOPOLOGY_MISSED_HEARTBEATS="4",
     )
     service_processes.start("capacity_ledger", name="pl_ledger")
-    service_processes.start("placement", name="pl_placement", HETSCHED_PLACEMENT_REFRESH_MS="200")
+    service_processes.start("placement", name="pl_placement")
     health = await wait_healthy(
         nats_url=settings.nats_url or "",
         subjects=Subjects(settings.subject_prefix),
@@ -51,15 +75,16 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
     )
     assert all(h["status"] == "ok" for h in health.values()), health
     nc = await nats.connect(settings.nats_url or "")
-    deadline = time.monotonic() + 30
     probe = {"request_id": "probe", "tenant": "t", "model": "llama3-8b", "context_tokens": 4096, "backend": "tpu"}
-    while (await call(nc, settings, Rpc.PLACEMENT_EXPLAIN, probe))["status"] != "placed":  # GPUs and TPU chips known
-        assert time.monotonic() < deadline, "placement never saw the demo fleet"
-        await asyncio.sleep(0.2)
-    # Every accelerator registered (76 GPUs, 768 TPU chips): tests compare whole ledger snapshots.
-    while len((await call(nc, settings, Rpc.LEDGER_SNAPSHOT, {}))["accelerators"]) < 76 + 256 + 512:
-        assert time.monotonic() < deadline, "the ledger never learnt the whole demo fleet"
-        await asyncio.sleep(0.2)
+
+    async def sees_the_demo_fleet() -> bool:  # GPUs and TPU chips known
+        return bool((await call(nc, settings, Rpc.PLACEMENT_EXPLAIN, probe))["status"] == "placed")
+
+    async def ledger_knows_it_all() -> bool:  # 76 GPUs, 768 TPU chips: tests compare whole ledger snapshots
+        return len((await call(nc, settings, Rpc.LEDGER_SNAPSHOT, {}))["accelerators"]) >= 76 + 256 + 512
+
+    await wait_for(sees_the_demo_fleet, 30, what="placement sees the demo fleet")
+    await wait_for(ledger_knows_it_all, 30, what="the ledger knows the whole demo fleet")
     yield nc
     await nc.close()
     for name in ("pl_placement", "pl_ledger", "pl_topology"):
@@ -137,12 +162,15 @@ async def test_a_tpu_request_gets_a_whole_legal_slice(stack: Client, settings: S
     assert reply["status"] == "placed", reply
     tpu = reply["tpu_slice"]
     assert reply["backend"] == "tpu" and tpu["pod"] in ("v5e-pod-1", "v5p-pod-1")
-    chips = 1
-    for axis in tpu["shape"]:
-        chips *= axis
+    reported = {AcceleratorId.tpu(tpu["pod"], coord) for coord in slice_coords(tpu["origin"], tpu["shape"])}
     snap = await call(stack, settings, Rpc.LEDGER_SNAPSHOT, {"node": tpu["pod"]})
-    taken = [a for a in snap["accelerators"] if a["hbm_reserved"] > 0]
-    assert len(taken) == chips and all(a["hbm_reserved"] == a["hbm_usable"] for a in taken)  # whole chips
+    held = [a for a in snap["accelerators"] if reply["allocation_id"] in a["allocations"]]
+    assert {a["id"] for a in held} == reported  # the chips reserved are the slice it reports, no others
+    assert all(a["hbm_reserved"] == a["hbm_usable"] for a in held)  # whole chips
+
+
+def slice_coords(origin: list[int], shape: list[int]) -> list[tuple[int, ...]]:
+    return list(itertools.product(*(range(o, o + n) for o, n in zip(origin, shape, strict=True))))
 
 
 @pytest.mark.parametrize(
@@ -178,13 +206,161 @@ async def test_a_request_nothing_can_hold_is_explained(stack: Client, settings: 
 
 
 async def test_every_decision_is_an_event(stack: Client, settings: Settings) -> None:
-    await asyncio.sleep(0.5)
-    found = await read_all(
-        stack.jetstream(),
-        stream=stream_name(Context.PLACEMENT, stream_prefix=settings.stream_prefix),
-        subject=f"{settings.subject_prefix}.events.placement.>",
+    placed = await call(stack, settings, Rpc.PLACEMENT_PLACE, place_body("ev-1", model="llama3-8b", dtype="bf16"))
+    assert placed["status"] == "placed", placed
+    await call(stack, settings, Rpc.PLACEMENT_PLACE, place_body("ev-2", model="gpt-17"))
+    released = {"allocation_id": placed["allocation_id"], "tenant": "acme"}
+    assert (await call(stack, settings, Rpc.PLACEMENT_RELEASE, released))["status"] == "released"
+
+    async def mine() -> list[dict[str, Any]] | None:
+        found = await read_all(
+            stack.jetstream(),
+            stream=stream_name(Context.PLACEMENT, stream_prefix=settings.stream_prefix),
+            subject=f"{settings.subject_prefix}.events.placement.>",
+        )
+        ours = [
+            e
+            for e in found
+            if e["payload"].get("request_id") in ("ev-1", "ev-2")
+            or e["payload"].get("allocation_id") == placed["allocation_id"]
+        ]
+        return ours if len(ours) >= 3 else None
+
+    found = await wait_for(mine, 20, what="the decided, rejected and released events")
+    assert sorted(e["type"] for e in found) == [
+        "placement.placement_decided",
+        "placement.placement_rejected",
+        "placement.placement_released",
+    ]
+    decided = next(e for e in found if e["type"].endswith("decided"))
+    assert PlaceReply.model_validate(decided["payload"]["reply"]).allocation_id == placed["allocation_id"]
+    assert decided["payload"]["reply"]["explanation"]
+
+
+# -- the view under churn --------------------------------------------------------------------------------
+
+
+def agent_profile(name: str) -> NodeProfilePayload:
+    """An 8-GPU H100 node as its agent reports it, in a region of its own (so requests can aim at it)."""
+    profile = NodeProfile(
+        name=name,
+        region=CHURN_REGION,
+        cluster="c1",
+        rack="r-churn",
+        sku="H100-SXM-80GB",
+        accelerators=tuple(Accelerator(index=i, sku="H100-SXM-80GB", hbm_bytes=85_899_345_920) for i in range(8)),
+        links=nvswitch(8),
+        source="nvml",
     )
-    kinds = {e["type"] for e in found}
-    assert {"placement.placement_decided", "placement.placement_rejected", "placement.placement_released"} <= kinds
-    decided = [e for e in found if e["type"].endswith("decided") and e["payload"]["request_id"] == "p-1"]
-    assert len(decided) == 1 and decided[0]["payload"]["reply"]["explanation"]
+    return profile_to_payload(profile)
+
+
+async def test_the_view_converges_to_the_ledger_while_placements_churn_and_nodes_come_and_go(
+    stack: Client, settings: Settings
+) -> None:
+    """A second placement replica runs in this process so its view can be read; requests reach both.
+    Nodes are reported (added) and fall silent (lost), one recovers; meanwhile placements and releases
+    run concurrently. Then the view must equal the ledger's snapshot."""
+    subjects = Subjects(settings.subject_prefix)
+    kept: list[Ctx] = []
+
+    def wire_and_keep(runtime: Runtime) -> Ctx:
+        kept.append(wire(runtime))
+        return kept[-1]
+
+    app, _runtime = build_app(dataclasses.replace(SERVICE, wire=wire_and_keep), settings)
+    rpc = await RpcClient.connect(settings.nats_url or "", subjects, timeout_s=15)
+    nodes = [f"churn-{k}" for k in range(3)]
+    beating = set(nodes)
+    rng = random.Random(9)
+    held: list[str] = []
+    outcomes: dict[str, int] = {}
+
+    async def heartbeats() -> None:
+        while True:
+            for name in sorted(beating):
+                await stack.publish(subjects.heartbeat(), Heartbeat(node=name).model_dump_json().encode())
+            await asyncio.sleep(HEARTBEAT_S / 2)
+
+    async def worker(w: int) -> None:
+        for i in range(10):
+            region = CHURN_REGION if rng.random() < 0.5 else None
+            model, dtype = rng.choice([("llama3-8b", "bf16"), ("llama3-70b", "fp8"), ("mixtral-8x7b", "bf16")])
+            request = PlaceRequest(
+                request_id=f"churn-{w}-{i}",
+                tenant="churn",
+                model=model,
+                dtype=dtype,
+                context_tokens=8192,
+                concurrency=8,
+                backend="gpu",
+                region=region,
+            )
+            reply = await rpc.call(Rpc.PLACEMENT_PLACE, request)
+            status = reply.model_dump().get("status", "?")
+            outcomes[status] = outcomes.get(status, 0) + 1
+            if isinstance(reply, PlaceReply) and reply.allocation_id:
+                held.append(reply.allocation_id)
+                if reply.region == CHURN_REGION:
+                    outcomes["on a churn node"] = outcomes.get("on a churn node", 0) + 1
+            if held and rng.random() < 0.5:
+                await release(held.pop(rng.randrange(len(held))))
+
+    async def release(allocation_id: str) -> None:
+        reply = await rpc.call(Rpc.PLACEMENT_RELEASE, ReleaseRequest(allocation_id=allocation_id, tenant="churn"))
+        assert reply.model_dump()["status"] == "released", reply
+
+    async def ledger_says(node: str, *, available: bool) -> bool:
+        snap = await rpc.ledger_snapshot(node=node)
+        return (
+            isinstance(snap, SnapshotReply)
+            and bool(snap.accelerators)
+            and all(a.available is available for a in snap.accelerators)
+        )
+
+    async def fleet_changes() -> None:
+        await wait_for(lambda: set(nodes) <= set(view().snapshot.nodes), 30, what="the new nodes in the view")
+        beating.difference_update(nodes[:2])  # two fall silent: lost
+        for name in nodes[:2]:
+            await wait_for(partial(ledger_says, name, available=False), 30, what=f"{name} lost")
+        beating.add(nodes[0])  # one beats again: recovered
+        await wait_for(lambda: ledger_says(nodes[0], available=True), 30, what=f"{nodes[0]} recovered")
+
+    def view() -> FleetView:
+        return kept[0].readmodel.view
+
+    async with app:
+        await wait_for(lambda: kept[0].readmodel.synced_at is not None, 30, what="the replica's first sync")
+        beat = asyncio.create_task(heartbeats())
+        try:
+            for name in nodes:
+                reply = await rpc.call(
+                    Rpc.TOPOLOGY_REPORT, TopologyReportRequest(node=name, profile=agent_profile(name))
+                )
+                assert reply.model_dump()["status"] == "accepted", reply
+            await asyncio.gather(fleet_changes(), *(worker(w) for w in range(6)))
+        finally:
+            beat.cancel()
+        for allocation_id in held:
+            await release(allocation_id)
+        assert outcomes.get("placed", 0) >= 10 and outcomes.get("on a churn node", 0) >= 3, outcomes
+
+        async def converged() -> bool:
+            snap = await rpc.ledger_snapshot()
+            assert isinstance(snap, SnapshotReply)
+            ledger = {a.id: (a.hbm_usable, a.hbm_reserved, a.available) for a in snap.accelerators}
+            current = view()
+            if current.ledger_balances() != ledger or current.assumed:
+                return False
+            # What decisions read agrees too: every GPU of the snapshot as the ledger has it, lost nodes out.
+            capacity = current.snapshot.capacity
+            if any((c.usable, c.reserved, c.available) != ledger[acc] for acc, c in capacity.items()):
+                return False
+            up = {name for name in nodes if await ledger_says(name, available=True)}
+            return up == set(nodes) & set(current.snapshot.nodes)
+
+        # All silent now: every churn node ends lost, and the view must follow the ledger there.
+        await wait_for(converged, 60, interval_s=0.25, what="placement's view equal to the ledger's snapshot")
+        health = await rpc.call(Rpc.PLACEMENT_HEALTH, HealthRequest())
+        assert health.model_dump()["checks"].get("view") == "ok", health
+    await rpc.close()

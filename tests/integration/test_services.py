@@ -11,8 +11,8 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
+from hetsched.stack import wait_healthy
 from services.registry import SERVICES
-from services.stack import wait_healthy
 from shared.contracts.subjects import Subjects
 from shared.infra.service import Route
 from shared.infra.settings import Settings
@@ -53,7 +53,9 @@ async def test_six_services_answer_health(running: dict[str, Any]) -> None:
     for package, reply in running.items():
         assert reply["status"] == "ok", (package, reply)
         assert reply["service"] == SERVICES[package].name
-        assert reply["checks"] == {"postgres": "ok", "nats": "ok"}
+        # every service checks its database and NATS; some add their own (placement: its view's staleness)
+        assert {"postgres", "nats"} <= set(reply["checks"]), (package, reply)
+        assert all(value == "ok" for value in reply["checks"].values()), (package, reply)
 
 
 BAD_BODIES = [

@@ -3,37 +3,32 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 import pytest_asyncio
-from nats.aio.client import Client
 
-from services.sim_cli import run_sim
-from services.sim_live import LivePolicy
-from services.stack import wait_healthy
+from hetsched.sim_cli import run_sim
+from hetsched.sim_live import LivePolicy
+from hetsched.stack import wait_healthy
+from shared.contracts.base import Rejected
+from shared.contracts.ledger import SnapshotReply
+from shared.contracts.placement import PlaceReply, PlaceRequest
 from shared.contracts.subjects import Rpc, Subjects
 from shared.infra.catalog import demo_fleet_path
+from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings
 from tests.conftest import ServiceProcesses
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 TRACE = Path(__file__).resolve().parents[1] / "fixtures" / "traces" / "sim_small.csv"
 
 
-async def call(nc: Client, settings: Settings, rpc: Rpc, body: dict[str, Any]) -> dict[str, Any]:
-    msg = await nc.request(Subjects(settings.subject_prefix).rpc(rpc), json.dumps(body).encode(), timeout=15)
-    reply: dict[str, Any] = json.loads(msg.data)
-    return reply
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def stack(service_processes: ServiceProcesses, settings: Settings) -> AsyncIterator[Client]:
+async def stack(service_processes: ServiceProcesses, settings: Settings) -> AsyncIterator[RpcClient]:
     service_processes.start(
         "topology_discovery", name="sl_topology", HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path())
     )
@@ -46,23 +41,36 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
         only={"topology_discovery", "capacity_ledger", "placement"},
     )
     assert all(h["status"] == "ok" for h in health.values()), health
-    nc = await nats.connect(settings.nats_url or "")
-    probe = {"request_id": "probe", "tenant": "t", "model": "llama3-8b", "context_tokens": 4096, "backend": "gpu"}
-    deadline = time.monotonic() + 30
-    while (await call(nc, settings, Rpc.PLACEMENT_EXPLAIN, probe))["status"] != "placed":
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.2)
-    yield nc
-    await nc.close()
+    rpc = await RpcClient.connect(
+        settings.nats_url or "", Subjects(settings.subject_prefix), timeout_s=settings.request_timeout_ms / 1000
+    )
+    probe = PlaceRequest(request_id="probe", tenant="t", model="llama3-8b", context_tokens=4096, backend="gpu")
+
+    async def placeable() -> bool:
+        reply = await rpc.ask(Rpc.PLACEMENT_EXPLAIN, probe, PlaceReply)
+        return isinstance(reply, PlaceReply) and reply.status == "placed"
+
+    await wait_for(placeable, 30, interval_s=0.2, what="placement sees the demo fleet")
+    yield rpc
+    await rpc.close()
     for name in ("sl_placement", "sl_ledger", "sl_topology"):
         service_processes.stop(name)
 
 
-async def test_live_simulation_places_through_the_stack_and_releases(stack: Client, settings: Settings) -> None:
-    before = await call(stack, settings, Rpc.LEDGER_SNAPSHOT, {})
+def held(snapshot: SnapshotReply | Rejected) -> dict[str, int]:
+    assert isinstance(snapshot, SnapshotReply), snapshot
+    return {a.id: a.hbm_reserved for a in snapshot.accelerators if a.hbm_reserved}
+
+
+async def test_live_simulation_places_through_the_stack_and_releases(stack: RpcClient, settings: Settings) -> None:
+    before = held(await stack.ledger_snapshot())
 
     def run() -> dict[str, Any]:
-        policy = LivePolicy(nats_url=settings.nats_url or "", subjects=Subjects(settings.subject_prefix))
+        policy = LivePolicy(
+            nats_url=settings.nats_url or "",
+            subjects=Subjects(settings.subject_prefix),
+            timeout_s=settings.request_timeout_ms / 1000,
+        )
         try:
             results, _trace = run_sim(demo_fleet_path(), TRACE, seed=3, live=policy)
         finally:
@@ -73,10 +81,8 @@ async def test_live_simulation_places_through_the_stack_and_releases(stack: Clie
     kpis = await asyncio.to_thread(run)
     assert kpis["requests"] > 0 and kpis["placed"] > 0 and kpis["decisions"] > 0
     assert kpis["nvlink_affinity"] in (None, 1.0)  # the stack only ever makes NVLink groups
-    await asyncio.sleep(0.5)
-    after = await call(stack, settings, Rpc.LEDGER_SNAPSHOT, {})
 
-    def held(snapshot: dict[str, Any]) -> dict[str, int]:
-        return {a["id"]: a["hbm_reserved"] for a in snapshot["accelerators"] if a["hbm_reserved"]}
+    async def released() -> bool:
+        return held(await stack.ledger_snapshot()) == before
 
-    assert held(after) == held(before)  # every live replica was released again
+    await wait_for(released, 10, interval_s=0.1, what="every live replica released again")

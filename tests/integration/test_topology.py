@@ -3,11 +3,12 @@ output, lost, recovered), answers from Postgres after a restart, and bad reports
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import time
+import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,18 +17,26 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
-from services.stack import wait_healthy
+from hetsched.stack import wait_healthy
+from shared.contracts.envelope import EventEnvelope, new_event
+from shared.contracts.fleet import FleetGetReply
+from shared.contracts.ledger import AllocationEvent, LedgerEvent, ShareOut
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
-from shared.infra.catalog import demo_fleet_path
+from shared.contracts.topology import AcceleratorProfile, NodeProfilePayload, TopologyReportReply, TopologyReportRequest
+from shared.domain.fleet import AcceleratorId
+from shared.infra.catalog import demo_fleet_path, load_inventory
+from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings
 from tests.conftest import ServiceProcesses
 from tests.jetstream import read_all
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "topo"
 HEARTBEAT_S = 0.3
+GB = 10**9
 FLEET = "topology_fleet"
 AGENT = "topology_agent"
 
@@ -54,15 +63,8 @@ async def events(nc: Client, settings: Settings, event: str) -> list[dict[str, A
     )
 
 
-async def eventually(check: Any, *, timeout_s: float = 20.0, interval_s: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = await check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {timeout_s}s")
-        await asyncio.sleep(interval_s)
+async def eventually(check: Any, *, timeout_s: float = 20.0) -> Any:
+    return await wait_for(check, timeout_s, interval_s=0.1)
 
 
 def start_fleet(procs: ServiceProcesses, inventory: Path | None) -> None:
@@ -95,7 +97,10 @@ async def fleet_service(service_processes: ServiceProcesses, settings: Settings)
 async def test_demo_inventory_is_served_with_domains_and_pods(
     fleet_service: ServiceProcesses, nc: Client, settings: Settings
 ) -> None:
-    reply = await eventually(lambda: _fleet_with(nc, settings, lambda f: len(f["nodes"]) == 13))
+    # The run's database is shared: other tests may have added agent nodes, so the demo's 13 are a subset.
+    demo = {n.name for n in load_inventory(demo_fleet_path())[0].nodes}
+    assert len(demo) == 13
+    reply = await eventually(lambda: _fleet_with(nc, settings, lambda f: demo <= {n["name"] for n in f["nodes"]}))
     nodes = {n["name"]: n for n in reply["nodes"]}
     assert nodes["hgx-h100-4x4-01"]["kind"] == "4+4"
     assert nodes["dgx-a100-01"]["kind"] == "fully_connected"  # from its topo_file
@@ -104,8 +109,9 @@ async def test_demo_inventory_is_served_with_domains_and_pods(
     assert {"fully_connected", "pair", "single", "multi_node"} <= kinds
     assert {p["name"]: p["chips"] for p in reply["tpu_pods"]} == {"v5e-pod-1": 256, "v5p-pod-1": 512}
     profiled = await eventually(lambda: _events_at_least(nc, settings, "node_profiled", 13))
-    assert len({e["payload"]["node"] for e in profiled}) == 13
-    assert all(e["_msg_id"] == e["event_id"] for e in profiled)  # Nats-Msg-Id = event id
+    assert demo <= {e["payload"]["node"] for e in profiled}
+    ours = [e for e in profiled if e["source"] == "topology-discovery"]  # other tests publish their own
+    assert ours and all(e["_msg_id"] == e["event_id"] for e in ours)  # Nats-Msg-Id = event id
 
 
 async def _fleet_with(nc: Client, settings: Settings, predicate: Any) -> dict[str, Any] | None:
@@ -156,7 +162,7 @@ async def test_agent_reports_keeps_profile_on_garbage_and_is_lost_then_recovered
 
     # The agent dies: after three missed heartbeats the node is published as lost.
     shutil.copy(FIXTURES / "four_plus_four.txt", topo)
-    await asyncio.sleep(HEARTBEAT_S * 2)
+    await eventually(lambda: _fleet_with(nc, settings, lambda f: (_node(f, "agent-01") or {}).get("state") == "up"))
     fleet_service.stop(AGENT, kill=True)
     killed_at = time.monotonic()
     lost = await eventually(lambda: _events_at_least(nc, settings, "node_lost", 1, "agent-01"))
@@ -232,16 +238,14 @@ async def test_restarted_service_answers_from_postgres_without_rescanning(
     start_fleet(fleet_service, demo_fleet_path())  # the same file again: recognised, not re-loaded
     await wait_topology_healthy(settings)
     assert await ask(nc, settings, Rpc.FLEET_GET, {}) == before
-    await asyncio.sleep(0.5)
-    assert len(await events(nc, settings, "node_profiled")) == profiled_before
+    # The decision is taken (and logged) before the service answers; no load means no events to relay.
     assert "inventory unchanged since last load" in fleet_service.log(FLEET)
+    assert len(await events(nc, settings, "node_profiled")) == profiled_before
 
 
 async def test_large_answers_come_in_pages_that_add_up(
     fleet_service: ServiceProcesses, nc: Client, settings: Settings
 ) -> None:
-    from shared.infra.fleet_client import fetch_fleet
-
     whole = await ask(nc, settings, Rpc.FLEET_GET, {})
     assert whole["next_cursor"] is None and whole["total_nodes"] == len(whole["nodes"])
     first = await ask(nc, settings, Rpc.FLEET_GET, {"limit": 5})
@@ -249,9 +253,101 @@ async def test_large_answers_come_in_pages_that_add_up(
     assert first["tpu_pods"] and first["total_nodes"] == whole["total_nodes"]
     second = await ask(nc, settings, Rpc.FLEET_GET, {"limit": 5, "cursor": first["next_cursor"]})
     assert second["nodes"][0]["name"] > first["nodes"][-1]["name"] and second["tpu_pods"] == []
-    merged = await fetch_fleet(nc, Subjects(settings.subject_prefix), limit=5)
-    assert [n["name"] for n in merged["nodes"]] == [n["name"] for n in whole["nodes"]]
-    assert sorted(d["id"] for d in merged["domains"]) == sorted(d["id"] for d in whole["domains"])
-    west = await fetch_fleet(nc, Subjects(settings.subject_prefix), region="us-west-1")
-    assert west["nodes"] and {n["region"] for n in west["nodes"]} == {"us-west-1"}
-    assert {p["region"] for p in west["tpu_pods"]} == {"us-west-1"}
+    rpc = RpcClient(nc, Subjects(settings.subject_prefix))
+    merged = await rpc.fleet(limit=5)
+    assert isinstance(merged, FleetGetReply)
+    assert [n.name for n in merged.nodes] == [n["name"] for n in whole["nodes"]]
+    assert sorted(d.id for d in merged.domains) == sorted(d["id"] for d in whole["domains"])
+    west = await rpc.fleet(region="us-west-1")
+    assert isinstance(west, FleetGetReply)
+    assert west.nodes and {n.region for n in west.nodes} == {"us-west-1"}
+    assert {p.region for p in west.tpu_pods} == {"us-west-1"}
+    # What a service building its own view of the fleet reads at start: every node with its whole profile.
+    full = await rpc.fleet(limit=5, profiles=True)
+    assert isinstance(full, FleetGetReply) and len(full.nodes) == whole["total_nodes"]
+    assert all(n.profile is not None and n.profile.name == n.name for n in full.nodes)
+    assert all(n.profile is None for n in merged.nodes)
+
+
+async def test_reserved_bytes_follow_ledger_events_once_each(
+    fleet_service: ServiceProcesses, nc: Client, settings: Settings
+) -> None:
+    """fleet.get's hbm_reserved comes from topology's own read model of LEDGER events, never the ledger's
+    tables: each allocation's shares count once, whether its release comes before or after its commit."""
+    links = [["X", "NV18", "NV18"], ["NV18", "X", "NV18"], ["NV18", "NV18", "X"]]
+    profile = NodeProfilePayload(
+        name="reserved-01",
+        region="us-west-1",
+        cluster="c1",
+        rack="r1",
+        sku="H100-SXM-80GB",
+        source="nvml",
+        links=links,
+        accelerators=[AcceleratorProfile(index=i, sku="H100-SXM-80GB", hbm_bytes=80 * GB) for i in range(3)],
+    )
+    rpc = RpcClient(nc, Subjects(settings.subject_prefix))
+    reply = await rpc.ask(
+        Rpc.TOPOLOGY_REPORT, TopologyReportRequest(node="reserved-01", profile=profile), TopologyReportReply
+    )
+    assert isinstance(reply, TopologyReportReply) and reply.status in ("accepted", "unchanged")
+    gpu = [AcceleratorId.gpu("reserved-01", i) for i in range(3)]
+    js = nc.jetstream()
+
+    async def publish(
+        name: LedgerEvent, payload: AllocationEvent, *, again: EventEnvelope | None = None
+    ) -> EventEnvelope:
+        env = again or new_event(
+            type=f"ledger.{name.value}",
+            source="test",
+            occurred_at=datetime.now(UTC),
+            payload=payload.model_dump(mode="json"),
+        )
+        # A fresh Nats-Msg-Id each time: a redelivered event must be dropped by topology's inbox, not by JetStream.
+        await js.publish(
+            Subjects(settings.subject_prefix).event(Context.LEDGER, name),
+            env.model_dump_json().encode(),
+            headers={"Nats-Msg-Id": str(uuid.uuid4())},
+        )
+        return env
+
+    def allocation(shares: dict[str, int], *, counts: bool = True) -> AllocationEvent:
+        return AllocationEvent(
+            allocation_id=f"al-{uuid.uuid4().hex[:8]}",
+            request_id="r-1",
+            tenant="acme",
+            kind="replica" if counts else "request",
+            counts_against_hbm=counts,
+            shares=[
+                ShareOut(accelerator_id=a, weights=b, kv=0, activation=0, workspace=0, total=b)
+                for a, b in shares.items()
+            ],
+        )
+
+    def reserved(fleet: dict[str, Any]) -> dict[str, int]:
+        node = _node(fleet, "reserved-01") or {"accelerators": []}
+        assert all(a["hbm_reserved"] == a["hbm_reserved_bytes"] for a in node["accelerators"])
+        assert all(a["hbm_total"] == a["hbm_total_bytes"] == 80 * GB for a in node["accelerators"])
+        return {a["id"]: a["hbm_reserved"] for a in node["accelerators"]}
+
+    async def shows(expected: dict[str, int]) -> dict[str, Any]:
+        found: dict[str, Any] = await eventually(lambda: _fleet_with(nc, settings, lambda f: reserved(f) == expected))
+        return found
+
+    kept = allocation({gpu[0]: 10 * GB})
+    held = allocation({gpu[0]: 5 * GB, gpu[1]: 7 * GB})
+    early = allocation({gpu[1]: 2 * GB})
+    await publish(LedgerEvent.ALLOCATION_COMMITTED, kept)
+    committed = await publish(LedgerEvent.ALLOCATION_COMMITTED, held)
+    await publish(LedgerEvent.ALLOCATION_COMMITTED, allocation({gpu[1]: 3 * GB}, counts=False))  # a KV-pool request
+    await publish(LedgerEvent.ALLOCATION_COMMITTED, held, again=committed)  # the same event again
+    await publish(LedgerEvent.ALLOCATION_EXPIRED, early)  # its release seen before its commit
+    await publish(LedgerEvent.ALLOCATION_COMMITTED, early)
+    await publish(LedgerEvent.ALLOCATION_RELEASED, held)
+    await shows({gpu[0]: 10 * GB, gpu[1]: 0, gpu[2]: 0})
+
+    # A consumer handles a fetched batch concurrently: two markers, each published after the previous
+    # one showed, prove every earlier event has been handled (a late duplicate would have moved gpu0).
+    for step in (1, 2):
+        await publish(LedgerEvent.ALLOCATION_COMMITTED, allocation({gpu[2]: 1}))
+        fleet = await shows({gpu[0]: 10 * GB, gpu[1]: 0, gpu[2]: step})
+    assert reserved(fleet)[gpu[0]] == 10 * GB

@@ -13,6 +13,7 @@ from services.registry import SERVICES
 from shared.infra.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
+ROLE_PASSWORD = "HETSCHED_DATABASE_ROLE_PASSWORD"
 
 
 def _compose() -> dict[str, Any]:
@@ -55,6 +56,16 @@ def test_services_wait_for_healthy_servers_and_a_completed_migration() -> None:
     assert (REPO / "Dockerfile").exists()
 
 
+def test_migration_and_services_share_the_service_roles_password() -> None:
+    """Compose's Postgres uses password auth: the migration sets the per-service roles' password and
+    every service connects as its role with the same one."""
+    services = _compose()["services"]
+    runners = {"migrate", *(n for n, s in services.items() if s.get("command", [])[:2] == ["python", "-m"])}
+    passwords = {name: (services[name].get("environment") or {}).get(ROLE_PASSWORD) for name in runners}
+    assert all(passwords.values()), passwords
+    assert len(set(passwords.values())) == 1, passwords
+
+
 def test_kubernetes_manifests_run_real_modules_with_real_settings() -> None:
     docs = [d for d in yaml.safe_load_all((REPO / "infra" / "k8s" / "hetsched.yaml").read_text()) if d]
     fields = {f"HETSCHED_{name.upper()}" for name in Settings.model_fields}
@@ -66,3 +77,8 @@ def test_kubernetes_manifests_run_real_modules_with_real_settings() -> None:
     assert set(config["data"]) <= fields
     job = next(d for d in docs if d["kind"] == "Job")
     assert job["spec"]["template"]["spec"]["containers"][0]["command"] == ["alembic", "upgrade", "head"]
+    # The migration and every service read the roles' password from the same Secret key.
+    for doc in [job, *deployments]:
+        container = doc["spec"]["template"]["spec"]["containers"][0]
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", []) if "valueFrom" in e}
+        assert refs.get(ROLE_PASSWORD) == {"name": "hetsched-db", "key": ROLE_PASSWORD}, doc["metadata"]["name"]

@@ -167,26 +167,26 @@ class FleetSnapshot:
             return None
         return rack.power_kw * 1000.0 - self.rack_power_used_w.get(key, 0.0)
 
-    def snapshot_with(self, decision: Decision) -> FleetSnapshot:
-        """``apply(self, decision)``."""
-        return apply(self, decision)
-
     def evolve(
         self,
         *,
         capacity: Mapping[str, AcceleratorCapacity] | None = None,
         rack_power_used_w: Mapping[RackKey, float] | None = None,
         tpu_pods: Mapping[str, TpuPodState] | None = None,
+        changed: tuple[frozenset[str], frozenset[RackKey], frozenset[str]] | None = None,
     ) -> FleetSnapshot:
         """The same fleet with new dynamic state (what is not given stays). When the accelerators,
-        racks and pods are the same ones, the new snapshot remembers what changed (found by
-        comparison), so its placement index is updated for that instead of rebuilt: the way for a
-        read model that follows ledger events to hand decisions a fresh snapshot cheaply."""
+        racks and pods are the same ones, the new snapshot remembers what changed, so its placement
+        index is updated for that instead of rebuilt: the way for a read model that follows ledger
+        events to hand decisions a fresh snapshot cheaply. ``changed`` (accelerator ids, rack keys, pod
+        names) saves comparing the whole fleet when the caller knows it; it must name every change."""
         capacity = self.capacity if capacity is None else capacity
         power = self.rack_power_used_w if rack_power_used_w is None else rack_power_used_w
         pods = self.tpu_pods if tpu_pods is None else tpu_pods
         after = FleetSnapshot(self.nodes, capacity, self.racks, power, pods, self.skus, self.models)
-        if capacity.keys() == self.capacity.keys() and pods.keys() == self.tpu_pods.keys():
+        if changed is not None:
+            _chain(self, after, changed)
+        elif capacity.keys() == self.capacity.keys() and pods.keys() == self.tpu_pods.keys():
             accelerators = frozenset(a for a, cap in capacity.items() if self.capacity[a] != cap)
             racks = frozenset(
                 k for k in power.keys() | self.rack_power_used_w.keys() if power.get(k) != self.rack_power_used_w.get(k)

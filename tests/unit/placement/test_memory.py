@@ -11,12 +11,11 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared.domain.dtypes import compute_dtype, dtype_bytes
 from shared.domain.memory import (
     DEFAULT_WORKSPACE_BYTES,
     MemoryShare,
     activation_peak_bytes,
-    compute_dtype,
-    dtype_bytes,
     fits,
     kv_cache_bytes,
     max_concurrency,

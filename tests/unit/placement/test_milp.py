@@ -11,7 +11,7 @@ from tests.unit.placement.builders import node, request, snapshot, tpu_pod
 
 pytest.importorskip("scipy")  # the MILP reference needs SciPy's HiGHS; everything else here does not
 
-from shared.domain.placement.milp import candidate_options, greedy_batch, objective, optimal_batch
+from tests.reference.milp import candidate_options, greedy_batch, objective, optimal_batch
 
 
 def test_greedy_is_myopic_where_the_milp_is_not() -> None:

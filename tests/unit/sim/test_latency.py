@@ -31,9 +31,13 @@ from shared.domain.latency import (
     transformer_kv_bytes_per_token,
 )
 from shared.infra.catalog import load_skus
+from tests.fixtures.perf.generate import NOISE
+from tests.fixtures.perf.generate import render as render_fixture
 
 SHARED_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 SPLITWISE_CSV = SHARED_DATA / "perf" / "splitwise_perf_model.csv"
+# The project's own rows in the same format (synthetic; see tests/fixtures/perf/generate.py).
+FIXTURE_CSV = Path(__file__).resolve().parents[2] / "fixtures" / "perf" / "splitwise_synthetic.csv"
 SKUS = load_skus()
 
 
@@ -237,6 +241,53 @@ def test_read_splitwise_perf_csv() -> None:
         read_splitwise_perf_csv(text + "llama2-70b,a100-80gb,512,one,128,1.0,0.7,1,1,1,2\n")
     with pytest.raises(ValueError, match="lacks column"):
         read_splitwise_perf_csv("model,hardware\n")
+
+
+# --- the calibration, on the project's own fixture (runs on a clean clone) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def fixture_rows() -> list[PerfRow]:
+    return read_splitwise_perf_csv(FIXTURE_CSV.read_text())
+
+
+def test_the_fixture_is_what_its_generator_writes() -> None:
+    # Changing the SKU catalog, the model or the shipped constants changes the rows:
+    # regenerate with `python -m tests.fixtures.perf.generate`.
+    assert FIXTURE_CSV.read_text() == render_fixture()
+
+
+@pytest.mark.parametrize(
+    ("hardware", "shipped"), [("a100-80gb", AMPERE_CALIBRATION), ("h100-80gb", HOPPER_CALIBRATION)]
+)
+def test_fit_on_the_fixture_sees_through_its_noise_and_drops_the_planted_row(
+    fixture_rows: list[PerfRow], hardware: str, shipped: Calibration
+) -> None:
+    s = SKUS[SPLITWISE_HARDWARE[hardware]]
+    rows = [r for r in fixture_rows if r.hardware == hardware]
+    assert len(rows) == 23
+    fit = fit_calibration(rows, sku=s, models=SPLITWISE_MODELS)
+    print(f"\n{hardware} (fixture): {fit.calibration}\n  {fit.error}")
+    # the planted TP2 batch-64 configuration, and only it, is inconsistent
+    assert fit.excluded == (("llama2-70b", hardware, 2, 512, 64, 128),)
+    used = [r for r in rows if r.config not in fit.excluded]
+    # every time is the shipped model's x (1 +/- 6%): |model - measured| / measured <= 0.06 / 0.94
+    bound = NOISE / (1 - NOISE)
+    error = calibration_error(used, sku=s, models=SPLITWISE_MODELS, calibration=calibration_for(s))
+    assert error.rows == 22 and error.prefill_max <= bound and error.decode_max <= bound
+    # the fit explains the rows at least about as well as the calibration that made them
+    assert fit.error.prefill_median < 0.04 and fit.error.decode_median < 0.04
+    assert fit.error.prefill_max <= bound and fit.error.decode_max < 0.07
+    # and predicts what the shipped constants predict, within the noise
+    for r in used:
+        model = SPLITWISE_MODELS[r.model]
+        for fn, args in ((prefill_ms, (r.prompt_tokens, r.batch)), (decode_step_ms, (r.batch, r.prompt_tokens + 64))):
+            got = fn(model, s, r.tp, *args, calibration=fit.calibration)
+            want = fn(model, s, r.tp, *args, calibration=shipped)
+            assert got == pytest.approx(want, rel=NOISE), (r.config, fn.__name__)
+    # the prefill terms are well determined by these rows: within 10% of the shipped constants
+    for name in ("mfu", "tp_serial_fraction", "prefill_overhead_ms"):
+        assert getattr(fit.calibration, name) == pytest.approx(getattr(shipped, name), rel=0.1), name
 
 
 # --- against the measured Splitwise figures ---------------------------------------------------------

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from services.cli import app
+from hetsched.cli import app
 from shared.infra.catalog import demo_fleet_path
 
 TRACES = Path(__file__).resolve().parents[2] / "fixtures" / "traces"

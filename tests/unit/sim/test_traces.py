@@ -308,21 +308,36 @@ def test_the_mixer_is_splitmix64() -> None:
     assert _splitmix64(0x9E3779B97F4A7C15) == 0x6E789E6AA1B965F4
 
 
-# --- the real Azure trace -------------------------------------------------------------------------
+# --- a whole Azure conversation trace: the real one where present, the project's own sample always ---------
+
+# azure_conv_sample.csv (written for these tests, not sampled from the real trace): 40 requests in pairs
+# 1155 +/- 25k input and 211 -/+ 5k output tokens (k = 0..19), so the means are exactly 1155 and 211, as
+# the real trace's are to the token; 3.0000001 s between arrivals except 5 ties (rows 8, 15, 22, 29, 36):
+# 34 x 3.0000001 s = 102.0000034 s.
+AZURE_CONV_SAMPLE = FIXTURES / "azure_conv_sample.csv"
 
 
-def test_the_azure_conversation_trace_2023() -> None:
-    if not AZURE_CONV_2023.exists():
-        pytest.skip(f"reference data not present at {AZURE_CONV_2023} (only on the development machine)")
-    text = AZURE_CONV_2023.read_text()
-    assert detect_format(text, AZURE_CONV_2023.name) == "azure"
+@pytest.mark.parametrize(
+    ("path", "requests", "span_ms"),
+    [
+        pytest.param(AZURE_CONV_SAMPLE, 40, (102_000.00339, 102_000.00341), id="project-sample"),
+        pytest.param(AZURE_CONV_2023, 19_366, (57 * 60_000, 59 * 60_000), id="azure-conv-2023"),
+    ],
+)
+def test_a_whole_azure_conversation_trace(path: Path, requests: int, span_ms: tuple[float, float]) -> None:
+    if not path.exists():
+        pytest.skip(f"reference data not present at {path} (only on the development machine)")
+    text = path.read_text()
+    assert detect_format(text, path.name) == "azure"
     trace = read_azure_csv(text)
     n = len(trace.requests)
     mean_in = sum(r.input_tokens for r in trace.requests) / n
     mean_out = sum(r.output_tokens for r in trace.requests) / n
-    span_min = trace.requests[-1].arrival_ms / 60_000
-    print(f"\nAzure conv 2023: {n} requests over {span_min:.1f} min, mean in {mean_in:.1f}, mean out {mean_out:.1f}")
-    assert n == 19_366 and trace.skipped == {}
+    span = trace.requests[-1].arrival_ms
+    print(f"\n{path.name}: {n} requests over {span / 60_000:.1f} min, mean in {mean_in:.1f}, mean out {mean_out:.1f}")
+    assert n == requests and trace.skipped == {}
     assert mean_in == pytest.approx(1155, abs=1)
     assert mean_out == pytest.approx(211, abs=1)
-    assert 57 < span_min < 59
+    assert span_ms[0] < span < span_ms[1]
+    arrivals = [r.arrival_ms for r in trace.requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0.0

@@ -1,8 +1,9 @@
-"""Real `nvidia-smi topo -m` outputs from ../shared/data/topo against their hand-read ground truth.
+"""`nvidia-smi topo -m` outputs against their hand-read ground truth.
 
-The folder is reference data outside the repository; on a machine without it these tests skip.
-Only the samples named in ground_truth.json are parsed (the folder also holds companion outputs
-such as `nvlink --status` that are not matrices).
+Two sets, the same checks: the project's own samples (tests/fixtures/topo/ground_truth.json, written
+for these tests and read by hand; they run everywhere) and the real outputs in ../shared/data/topo,
+reference data outside the repository (they skip on a machine without it). Only the samples named in
+a ground_truth.json are parsed (the folders also hold companion outputs that are not matrices).
 """
 
 from __future__ import annotations
@@ -15,27 +16,38 @@ import pytest
 
 from shared.domain.topology import ParsedTopology, maximal_nvlink_cliques, nvlink_domains, parse_topo_matrix
 
+OWN = Path(__file__).resolve().parents[2] / "fixtures" / "topo"
 TOPO = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "topo"
-GROUND_TRUTH = TOPO / "ground_truth.json"
 
 
-def _truth() -> dict[str, dict[str, Any]]:
-    if not GROUND_TRUTH.is_file():
+def _truth(folder: Path) -> dict[str, dict[str, Any]]:
+    path = folder / "ground_truth.json"
+    if not path.is_file():
         return {}
-    loaded: dict[str, dict[str, Any]] = json.loads(GROUND_TRUTH.read_text(encoding="utf-8"))
+    loaded: dict[str, dict[str, Any]] = json.loads(path.read_text(encoding="utf-8"))
     return loaded
 
 
-TRUTH = _truth()
-SAMPLES = sorted(TRUTH) or ["<no samples>"]
+OWN_TRUTH = _truth(OWN)
+TRUTH = _truth(TOPO)
+SAMPLES = [pytest.param((OWN, name, OWN_TRUTH[name]), id=f"own-{name}") for name in sorted(OWN_TRUTH)] + (
+    [pytest.param((TOPO, name, TRUTH[name]), id=name) for name in sorted(TRUTH)]
+    or [pytest.param((TOPO, "", {}), id="reference-samples")]
+)
+
+
+def _text(case: tuple[Path, str, dict[str, Any]]) -> str:
+    folder, name, _truth_of = case
+    if not name:
+        pytest.skip(
+            f"reference samples not present: {TOPO / 'ground_truth.json'} does not exist (only on the dev machine)"
+        )
+    return (folder / f"{name}.txt").read_text(encoding="utf-8")
 
 
 @pytest.fixture(params=SAMPLES)
 def sample(request: pytest.FixtureRequest) -> tuple[ParsedTopology, dict[str, Any]]:
-    name = str(request.param)
-    if not TRUTH:
-        pytest.skip(f"reference samples not present: {GROUND_TRUTH} does not exist (only on the dev machine)")
-    return parse_topo_matrix((TOPO / f"{name}.txt").read_text(encoding="utf-8")), TRUTH[name]
+    return parse_topo_matrix(_text(request.param)), request.param[2]
 
 
 def _without_spacers(cells: list[str], columns: int) -> list[str]:
@@ -101,15 +113,17 @@ def test_affinity(sample: tuple[ParsedTopology, dict[str, Any]]) -> None:
         assert gpu.gpu_numa_id == (None if gpu_numa in ("", "N/A") else int(gpu_numa))
 
 
-@pytest.mark.parametrize("name", SAMPLES)
-def test_pasted_variants_parse_the_same(name: str) -> None:
+@pytest.mark.parametrize("case", SAMPLES)
+def test_pasted_variants_parse_the_same(case: tuple[Path, str, dict[str, Any]]) -> None:
     # The same output pasted through a terminal (tabs -> spaces, indentation lost) or saved on
     # Windows (CRLF) must read the same.
-    if not TRUTH:
-        pytest.skip(f"reference samples not present: {GROUND_TRUTH} does not exist (only on the dev machine)")
-    text = (TOPO / f"{name}.txt").read_text(encoding="utf-8")
+    text = _text(case)
     original = parse_topo_matrix(text)
     spaces = "\n".join(line.expandtabs(8) for line in text.splitlines())
     dedented = "\n".join(line.expandtabs(8).lstrip() for line in text.splitlines())
     for variant in (spaces, dedented, text.replace("\n", "\r\n")):
         assert parse_topo_matrix(variant) == original
+
+
+def test_the_projects_own_samples_are_there() -> None:
+    assert sorted(OWN_TRUTH) == ["four_plus_four", "tab_nic_legend"]

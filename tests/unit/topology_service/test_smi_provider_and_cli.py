@@ -48,7 +48,7 @@ def test_provider_errors_name_the_line(name: str) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "hetsched.cli", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_topo_parse_json_has_the_api_md_shape() -> None:
@@ -75,7 +75,7 @@ def test_topo_parse_of_a_bad_file_exits_non_zero_with_the_line() -> None:
 def test_topo_parse_json_on_every_real_sample_matches_the_ground_truth() -> None:
     from typer.testing import CliRunner
 
-    from services.cli import app
+    from hetsched.cli import app
 
     truth = json.loads((SHARED_TOPO / "ground_truth.json").read_text())
     runner = CliRunner()

@@ -1,4 +1,5 @@
-"""Imports every table module so that ``SQLModel.metadata`` is complete (Alembic's env calls this)."""
+"""Imports every service's table module so that ``SQLModel.metadata`` is complete (Alembic's env calls
+this). The one place that sees every schema: migrations, not services."""
 
 from __future__ import annotations
 

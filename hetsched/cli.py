@@ -5,19 +5,23 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
-import nats
 import typer
+from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.table import Table
 
+from hetsched.stack import Stack, read_state, wait_healthy
 from services.registry import SERVICES
-from services.stack import Stack, read_state, wait_healthy
+from shared.contracts.base import Rejected
+from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseReply, ReleaseRequest
 from shared.contracts.subjects import Rpc, Subjects
+from shared.infra.bus import invalid_request
+from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings, load_settings
 
 DataDirOption = Annotated[
@@ -41,43 +45,28 @@ def _endpoints(settings: Settings) -> tuple[str, str | None, str]:
     return nats_url, database_url, prefix
 
 
-async def _request(nats_url: str, subject: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=1)
-    try:
-        msg = await nc.request(subject, json.dumps(body).encode(), timeout=timeout_s)
-        reply: dict[str, Any] = json.loads(msg.data)
-        return reply
-    finally:
-        await nc.close()
+ReplyT = TypeVar("ReplyT")
 
 
-def _call(rpc: Rpc, body: dict[str, Any], data_dir: Path | None = None) -> dict[str, Any]:
-    settings = _settings(data_dir)
-    nats_url, _db, prefix = _endpoints(settings)
-    try:
-        return asyncio.run(_request(nats_url, Subjects(prefix).rpc(rpc), body, settings.request_timeout_ms / 1000))
-    except Exception as exc:
-        err.print(f"[red]no answer on {Subjects(prefix).rpc(rpc)} at {nats_url}: {type(exc).__name__} {exc}[/red]")
-        raise typer.Exit(2) from exc
-
-
-def _fetch_fleet(region: str | None, data_dir: Path | None) -> dict[str, Any]:
-    from shared.infra.fleet_client import fetch_fleet
-
+def _with_rpc(data_dir: Path | None, what: str, work: Callable[[RpcClient], Awaitable[ReplyT]]) -> ReplyT:
+    """Run ``work`` with a client on the stack's NATS (timeout: ``HETSCHED_REQUEST_TIMEOUT_MS``); no
+    answer exits 2 and says where it asked."""
     settings = _settings(data_dir)
     nats_url, _db, prefix = _endpoints(settings)
 
-    async def run() -> dict[str, Any]:
-        nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=1)
+    async def session() -> ReplyT:
+        rpc = await RpcClient.connect(
+            nats_url, Subjects(prefix), timeout_s=settings.request_timeout_ms / 1000, name="hetsched-cli"
+        )
         try:
-            return await fetch_fleet(nc, Subjects(prefix), region=region, timeout_s=settings.request_timeout_ms / 1000)
+            return await work(rpc)
         finally:
-            await nc.close()
+            await rpc.close()
 
     try:
-        return asyncio.run(run())
+        return asyncio.run(session())
     except Exception as exc:
-        err.print(f"[red]no answer from fleet.get at {nats_url}: {type(exc).__name__} {exc}[/red]")
+        err.print(f"[red]no answer from {what} at {nats_url}: {type(exc).__name__} {exc}[/red]")
         raise typer.Exit(2) from exc
 
 
@@ -159,12 +148,14 @@ def status(
         raise typer.Exit(1)
 
 
-def _print_reply(reply: dict[str, Any], as_json: bool) -> None:
+def _print_reply(reply: BaseModel, as_json: bool) -> None:
+    """A reply exactly as the service sent it (its contract model), as JSON; a refusal exits 1."""
+    text = reply.model_dump_json(indent=2)
     if as_json:
-        print(json.dumps(reply, indent=2))
+        print(text)
     else:
-        console.print_json(json.dumps(reply))
-    if reply.get("status") == "rejected":
+        console.print_json(text)
+    if getattr(reply, "status", None) == "rejected":
         raise typer.Exit(1)
 
 
@@ -192,7 +183,7 @@ def place(
     """One `placement.place` call (or `placement.explain` with --explain)."""
     import uuid
 
-    body: dict[str, Any] = {
+    fields: dict[str, Any] = {
         "request_id": request_id or f"cli-{uuid.uuid4()}",
         "tenant": tenant,
         "model": model,
@@ -200,8 +191,6 @@ def place(
         "concurrency": concurrency,
         "backend": backend,
         "preemptible": preemptible,
-    }
-    optional = {
         "dtype": dtype,
         "kv_dtype": kv_dtype,
         "input_tokens": input_tokens,
@@ -211,8 +200,14 @@ def place(
         "region": region,
         "lease_s": lease_s,
     }
-    body.update({k: v for k, v in optional.items() if v is not None})
-    _print_reply(_call(Rpc.PLACEMENT_EXPLAIN if explain else Rpc.PLACEMENT_PLACE, body, data_dir), as_json)
+    try:
+        request = PlaceRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:  # the answer the service gives to the same body
+        _print_reply(invalid_request(exc, request_id=fields["request_id"]), as_json)
+        return
+    rpc = Rpc.PLACEMENT_EXPLAIN if explain else Rpc.PLACEMENT_PLACE
+    reply = _with_rpc(data_dir, rpc.value, lambda client: client.ask(rpc, request, PlaceReply, rejection_as_reply=True))
+    _print_reply(reply, as_json)
 
 
 @app.command()
@@ -223,7 +218,13 @@ def release(
     data_dir: DataDirOption = None,
 ) -> None:
     """One `placement.release` call."""
-    _print_reply(_call(Rpc.PLACEMENT_RELEASE, {"allocation_id": allocation_id, "tenant": tenant}, data_dir), as_json)
+    request = ReleaseRequest(allocation_id=allocation_id, tenant=tenant)
+    reply = _with_rpc(
+        data_dir,
+        Rpc.PLACEMENT_RELEASE.value,
+        lambda client: client.ask(Rpc.PLACEMENT_RELEASE, request, ReleaseReply, rejection_as_reply=True),
+    )
+    _print_reply(reply, as_json)
 
 
 @app.command()
@@ -233,11 +234,11 @@ def fleet(
     data_dir: DataDirOption = None,
 ) -> None:
     """The fleet as the services see it: nodes, NVLink domains, HBM, TPU pods."""
-    reply = _fetch_fleet(region, data_dir)
-    if as_json or reply.get("status") == "rejected":
+    reply = _with_rpc(data_dir, Rpc.FLEET_GET.value, lambda client: client.fleet(region=region))
+    if as_json or isinstance(reply, Rejected):
         _print_reply(reply, as_json)
         return
-    from services.fleet_view import render_fleet
+    from hetsched.fleet_view import render_fleet
 
     render_fleet(reply, console)
 
@@ -262,7 +263,7 @@ def sim(
     data_dir: DataDirOption = None,
 ) -> None:
     """Replay a workload trace against a fleet under each placement policy and print the KPIs."""
-    from services.sim_cli import dump_json, render_table, run_sim, write_plots
+    from hetsched.sim_cli import dump_json, render_table, run_sim, write_plots
     from shared.domain.sim import POLICIES
     from shared.domain.traces import TraceError
 
@@ -274,11 +275,14 @@ def sim(
         raise typer.Exit(2)
     live_policy = None
     if live:
-        from services.sim_live import LivePolicy
+        from hetsched.sim_live import LivePolicy
 
-        nats_url, _db, prefix = _endpoints(_settings(data_dir))
+        settings = _settings(data_dir)
+        nats_url, _db, prefix = _endpoints(settings)
         try:
-            live_policy = LivePolicy(nats_url=nats_url, subjects=Subjects(prefix))
+            live_policy = LivePolicy(
+                nats_url=nats_url, subjects=Subjects(prefix), timeout_s=settings.request_timeout_ms / 1000
+            )
         except Exception as exc:
             err.print(f"[red]--live: no stack at {nats_url}: {type(exc).__name__} {exc}[/red]")
             raise typer.Exit(2) from exc
@@ -323,7 +327,7 @@ def topo_parse(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON (API.md shape).")] = False,
 ) -> None:
     """Parse one `nvidia-smi topo -m` output: GPUs, link matrix, NVLink domains, NUMA/CPU affinity."""
-    from services.fleet_view import render_topology, topology_json
+    from hetsched.fleet_view import render_topology, topology_json
     from shared.domain.topology import TopologyParseError, parse_topo_matrix
 
     try:
@@ -357,9 +361,5 @@ def asyncapi(
         out.write_text(text)
 
 
-def main() -> None:  # pragma: no cover - console entry
+if __name__ == "__main__":  # pragma: no cover - `python -m hetsched.cli`
     app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(app())

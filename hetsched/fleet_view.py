@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from shared.contracts.fleet import FleetGetReply
 from shared.domain.topology import ParsedTopology, nvlink_domains
 
 GIB = 1024**3
@@ -50,34 +51,33 @@ def render_topology(parsed: ParsedTopology, console: Console) -> None:
         console.print(f"NVLink domain {domain['members']}: {domain['kind']}; cliques {cliques}")
 
 
-def render_fleet(reply: dict[str, Any], console: Console) -> None:
+def render_fleet(reply: FleetGetReply, console: Console) -> None:
+    """`hetsched fleet`: nodes, NVLink domains with two or more GPUs, TPU pods."""
     nodes = Table("region", "node", "sku", "GPUs", "NVLink layout", "domains", "HBM GiB", "reserved GiB", "state")
-    for node in reply.get("nodes", []):
-        accs = node.get("accelerators", [])
-        domains = sorted({a.get("domain") or "-" for a in accs})
+    for node in reply.nodes:
+        accs = node.accelerators
+        domains = {a.domain or "-" for a in accs}
         nodes.add_row(
-            node["region"],
-            node["name"],
-            node["sku"],
+            node.region,
+            node.name,
+            node.sku,
             str(len(accs)),
-            str(node.get("kind") or "-"),
+            node.kind or "-",
             str(len(domains)),
-            f"{sum(a['hbm_total'] for a in accs) / GIB:,.0f}",
-            f"{sum(a.get('hbm_reserved', 0) for a in accs) / GIB:,.1f}",
-            node.get("state", "up"),
+            f"{sum(a.hbm_total for a in accs) / GIB:,.0f}",
+            f"{sum(a.hbm_reserved for a in accs) / GIB:,.1f}",
+            node.state,
         )
     console.print(nodes)
     domain_table = Table("NVLink domain", "kind", "GPUs", "largest clique")
-    for domain in reply.get("domains", []):
-        if len(domain["members"]) < 2:
+    for domain in reply.domains:
+        if len(domain.members) < 2:
             continue
-        largest = max((len(c) for c in domain.get("cliques", [])), default=1)
-        domain_table.add_row(domain["id"], domain["kind"], str(len(domain["members"])), str(largest))
+        largest = max((len(c) for c in domain.cliques), default=1)
+        domain_table.add_row(domain.id, domain.kind, str(len(domain.members)), str(largest))
     console.print(domain_table)
     pods = Table("TPU pod", "region", "type", "shape", "chips", "HBM GiB")
-    for pod in reply.get("tpu_pods", []):
-        hbm = (pod.get("hbm_per_chip") or 0) * pod["chips"] / GIB
-        pods.add_row(
-            pod["name"], pod["region"], pod["type"], "x".join(map(str, pod["shape"])), str(pod["chips"]), f"{hbm:,.0f}"
-        )
+    for pod in reply.tpu_pods:
+        hbm = (pod.hbm_per_chip or 0) * pod.chips / GIB
+        pods.add_row(pod.name, pod.region, pod.type, "x".join(map(str, pod.shape)), str(pod.chips), f"{hbm:,.0f}")
     console.print(pods)

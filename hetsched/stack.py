@@ -14,14 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nats
-
-from services.embedded import EmbeddedNats, EmbeddedPostgres, child_preexec, stop_process
+from hetsched.embedded import EmbeddedNats, EmbeddedPostgres, child_preexec, stop_process
 from services.registry import SERVICES, module_of
+from shared.contracts.base import Rejected
+from shared.contracts.health import HealthReply, HealthRequest
 from shared.contracts.subjects import Subjects
 from shared.infra.catalog import demo_fleet_path
 from shared.infra.db import plain_url
 from shared.infra.migrate import upgrade
+from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.settings import Settings
 
 STATE_FILE = "stack.json"
@@ -51,31 +52,40 @@ def read_state(settings: Settings) -> dict[str, Any] | None:
     return state
 
 
+HEALTH_PROBE_TIMEOUT_S = 1.0
+"""One health request's timeout while polling: a service still starting must not hold up the others."""
+
+
+async def probe_health(rpc: RpcClient, package: str) -> dict[str, Any]:
+    """One service's health reply as JSON (``HealthReply``), or ``{"status": "down", "error": ...}``."""
+    try:
+        reply = await rpc.ask(SERVICES[package].health, HealthRequest(), HealthReply, timeout_s=HEALTH_PROBE_TIMEOUT_S)
+    except RpcError as exc:
+        return {"status": "down", "error": exc.reason}
+    if isinstance(reply, Rejected):
+        return {"status": "down", "error": reply.error.message}
+    return reply.model_dump(mode="json")
+
+
 async def wait_healthy(
     *, nats_url: str, subjects: Subjects, deadline_s: float, only: set[str] | None = None
 ) -> dict[str, dict[str, Any]]:
     """Poll every service's (or ``only`` these packages') health subject until all answer `ok` or the
-    deadline passes."""
-    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=3)
+    deadline passes; each reply as its JSON, or ``{"status": "down", "error": ...}``."""
+    rpc = await RpcClient.connect(nats_url, subjects, timeout_s=HEALTH_PROBE_TIMEOUT_S, name="hetsched-health")
     try:
         deadline = time.monotonic() + deadline_s
         replies: dict[str, dict[str, Any]] = {}
+        packages = [p for p in SERVICES if only is None or p in only]
         while True:
-            for package, definition in SERVICES.items():
-                if only is not None and package not in only:
-                    continue
-                if replies.get(package, {}).get("status") == "ok":
-                    continue
-                try:
-                    msg = await nc.request(subjects.rpc(definition.health), b"{}", timeout=1)
-                    replies[package] = json.loads(msg.data)
-                except Exception as exc:
-                    replies[package] = {"status": "down", "error": type(exc).__name__}
+            waiting = [p for p in packages if replies.get(p, {}).get("status") != "ok"]
+            answers = await asyncio.gather(*(probe_health(rpc, p) for p in waiting))
+            replies.update(zip(waiting, answers, strict=True))
             if all(r.get("status") == "ok" for r in replies.values()) or time.monotonic() > deadline:
-                return replies
+                return {p: replies[p] for p in packages}
             await asyncio.sleep(0.2)
     finally:
-        await nc.close()
+        await rpc.close()
 
 
 class Stack:
@@ -107,7 +117,8 @@ class Stack:
             self.database_url = self.postgres.url(DATABASE_NAME)
 
     def migrate(self) -> None:
-        upgrade(self.database_url)
+        """Migrate as the configured (or embedded super-) user; the services then connect as their roles."""
+        upgrade(self.database_url, role_password=self.settings.database_role_password)
 
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -116,6 +127,8 @@ class Stack:
         env["HETSCHED_DATA_DIR"] = str(self.settings.data_dir)
         env["HETSCHED_SUBJECT_PREFIX"] = self.settings.subject_prefix
         env["HETSCHED_STREAM_PREFIX"] = self.settings.stream_prefix
+        if self.settings.database_role_password is not None:  # the roles' password, wherever settings came from
+            env["HETSCHED_DATABASE_ROLE_PASSWORD"] = self.settings.database_role_password.get_secret_value()
         fleet = self.fleet_file or self.settings.topology_inventory or demo_fleet_path()
         env["HETSCHED_TOPOLOGY_INVENTORY"] = str(Path(fleet).resolve())
         return env

@@ -1,0 +1,387 @@
+"""The capacity ledger's handlers: one method per request and per event. Each reads like a sentence:
+load (store) -> decide (``shared.domain.ledger``) -> write (store) + events (unit of work) -> reply."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from datetime import datetime
+from typing import Protocol, TypeVar
+
+from pydantic import BaseModel
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.capacity_ledger import mapping, store
+from shared.contracts.base import ErrorCode, rejected
+from shared.contracts.envelope import EventEnvelope
+from shared.contracts.ledger import (
+    AllocationsFlaggedEvent,
+    CapacityChangedEvent,
+    CommitBatchReply,
+    CommitBatchRequest,
+    CommitReply,
+    CommitRequest,
+    DriftEvent,
+    LedgerEvent,
+    LedgerReleaseReply,
+    LedgerReleaseRequest,
+    LedgerRenewReply,
+    LedgerRenewRequest,
+    SnapshotReply,
+    SnapshotRequest,
+)
+from shared.contracts.subjects import Context
+from shared.contracts.topology import GpuTelemetryEvent, NodeProfileEvent, NodeStateEvent, TpuPodEvent
+from shared.domain.capacity import AcceleratorCapacity
+from shared.domain.fleet import AcceleratorId, TpuPod, tpu_chip_ids
+from shared.domain.ledger import (
+    Access,
+    AllocationRecord,
+    AllocationState,
+    CommitPlan,
+    DriftDetector,
+    Duplicate,
+    EndedAllocation,
+    ExistingAllocation,
+    Refused,
+    ReplicaPool,
+    may_change,
+    plan_commits,
+    renewal_end,
+    view_of,
+)
+from shared.domain.memory import usable_hbm
+from shared.domain.topology.tpu import TpuType
+from shared.infra.clock import Clock
+from shared.infra.uow import UnitOfWork
+
+T = TypeVar("T")
+
+
+class Batcher(Protocol):
+    async def submit(self, request: CommitRequest) -> CommitReply: ...
+
+
+class Units(Protocol):
+    """Opens units of work (``shared.infra.uow.UnitOfWorkFactory``, or a fake in tests)."""
+
+    async def run(self, work: Callable[[UnitOfWork], Awaitable[T]]) -> T: ...
+    async def read(self, work: Callable[[AsyncSession], Awaitable[T]]) -> T: ...
+
+
+class Store(Protocol):
+    """The ledger's repository (the ``store`` module, or a fake in tests)."""
+
+    async def existing_allocations(
+        self, *, session: AsyncSession, keys: Iterable[tuple[str, str]]
+    ) -> dict[tuple[str, str], ExistingAllocation]: ...
+    async def lock_accelerators(
+        self, *, session: AsyncSession, ids: Iterable[str]
+    ) -> dict[str, AcceleratorCapacity]: ...
+    async def lock_replica_pools(self, *, session: AsyncSession, ids: Iterable[str]) -> dict[str, ReplicaPool]: ...
+    async def insert_allocations(
+        self, *, session: AsyncSession, allocations: Sequence[store.NewAllocation]
+    ) -> None: ...
+    async def lock_allocation(self, *, session: AsyncSession, allocation_id: str) -> AllocationRecord | None: ...
+    async def end_allocation(
+        self, *, session: AsyncSession, allocation: AllocationRecord, state: AllocationState, now: datetime
+    ) -> list[EndedAllocation]: ...
+    async def set_lease(self, *, session: AsyncSession, allocation_id: str, expires_at: datetime) -> None: ...
+    async def expired_ids(self, *, session: AsyncSession, now: datetime, limit: int) -> list[str]: ...
+    async def snapshot(
+        self, *, session: AsyncSession, node: str | None, after: str | None, limit: int
+    ) -> store.SnapshotPage: ...
+    async def upsert_capacity(
+        self, *, session: AsyncSession, node: str, accelerators: Sequence[store.AcceleratorSpec]
+    ) -> dict[str, AcceleratorCapacity]: ...
+    async def set_node_available(
+        self, *, session: AsyncSession, node: str, available: bool
+    ) -> store.NodeAvailability: ...
+    async def node_accelerators(self, *, session: AsyncSession, node: str) -> list[AcceleratorCapacity]: ...
+
+
+def new_allocation_id() -> str:
+    return f"al-{uuid.uuid4().hex}"
+
+
+class LedgerHandlers:
+    """Commit / release / renew / snapshot, the lease sweeper, and the topology and telemetry events."""
+
+    def __init__(
+        self,
+        *,
+        uow: Units,
+        clock: Clock,
+        batcher: Batcher,
+        ceiling: float,
+        default_lease_s: int,
+        sweep_period_s: float,
+        drift: DriftDetector,
+        snapshot_limit: int = 2048,
+        sweep_batch: int = 500,
+        store: Store = store,
+        new_id: Callable[[], str] = new_allocation_id,
+        log: logging.Logger | None = None,
+    ) -> None:
+        self._uow = uow
+        self._store = store
+        self._clock = clock
+        self._batcher = batcher
+        self._ceiling = ceiling
+        self._default_lease_s = default_lease_s
+        self._sweep_period_s = sweep_period_s
+        self._drift = drift
+        self._snapshot_limit = snapshot_limit
+        self._sweep_batch = sweep_batch
+        self._new_id = new_id
+        self._log = log or logging.getLogger("hetsched.capacity-ledger")
+
+    # -- requests ------------------------------------------------------------------------------
+
+    async def commit(self, request: CommitRequest) -> BaseModel:
+        """One commit, applied together with the commits that arrive meanwhile (group commit)."""
+        return await self._batcher.submit(request)
+
+    async def commit_batch(self, request: CommitBatchRequest) -> BaseModel:
+        return CommitBatchReply(results=await self.apply_commits(request.commits))
+
+    async def apply_commits(self, requests: Sequence[CommitRequest]) -> list[CommitReply]:
+        """Commits in one transaction, each all-or-nothing on its own; one reply per commit, in order."""
+        intents = [mapping.intent(r) for r in requests]
+
+        async def work(uow: UnitOfWork) -> tuple[CommitPlan, list[store.NewAllocation]]:
+            existing = await self._store.existing_allocations(session=uow.session, keys=[i.key for i in intents])
+            view = await self._store.lock_accelerators(
+                session=uow.session, ids=[a for i in intents for a in i.accelerator_ids]
+            )
+            parents = await self._store.lock_replica_pools(
+                session=uow.session, ids=[i.parent_id for i in intents if i.parent_id]
+            )
+            plan = plan_commits(
+                intents,
+                view=view,
+                existing=existing,
+                parents=parents,
+                now=uow.now,
+                default_lease_s=self._default_lease_s,
+            )
+            new = [
+                store.NewAllocation(
+                    id=self._new_id(), intent=intents[i], lease_expires_at=o.lease_expires_at, created_at=uow.now
+                )
+                for i, o in plan.accepted
+            ]
+            await self._store.insert_allocations(session=uow.session, allocations=new)
+            for a in new:
+                uow.emit(
+                    Context.LEDGER,
+                    LedgerEvent.ALLOCATION_COMMITTED,
+                    mapping.committed_event(allocation_id=a.id, intent=a.intent, lease_expires_at=a.lease_expires_at),
+                    tenant=a.intent.tenant,
+                    correlation_id=a.intent.request_id,
+                )
+            return plan, new
+
+        plan, new = await self._uow.run(work)
+        written = iter(new)
+        replies: list[CommitReply] = []
+        for intent, outcome in zip(intents, plan.outcomes, strict=True):
+            if isinstance(outcome, Refused):
+                replies.append(mapping.refused_reply(intent.request_id, outcome))
+            elif isinstance(outcome, Duplicate):
+                replies.append(mapping.duplicate_reply(intent.request_id, outcome))
+            else:
+                allocation = next(written)
+                after = view_of(plan.view, intent.accelerator_ids)
+                replies.append(mapping.committed_reply(allocation.id, allocation.lease_expires_at, intent, after))
+        return replies
+
+    async def release(self, request: LedgerReleaseRequest) -> BaseModel:
+        access = await self._end(request.allocation_id, tenant=request.tenant, state=AllocationState.RELEASED)
+        if access is Access.NOT_FOUND:
+            return rejected(ErrorCode.NOT_FOUND, f"no allocation {request.allocation_id!r}")
+        if access is Access.FORBIDDEN:
+            return rejected(ErrorCode.FORBIDDEN, "the allocation belongs to another tenant")
+        return LedgerReleaseReply(status="released", already=access is Access.ENDED)
+
+    async def renew(self, request: LedgerRenewRequest) -> BaseModel:
+        end = renewal_end(now=self._clock(), lease_s=request.lease_s, lease_expires_at=request.lease_expires_at)
+        if end is None:
+            return rejected(ErrorCode.INVALID_REQUEST, "the new lease ends in the past")
+
+        async def work(uow: UnitOfWork) -> Access:
+            allocation = await self._store.lock_allocation(session=uow.session, allocation_id=request.allocation_id)
+            access = may_change(allocation, tenant=request.tenant)
+            if access is Access.OK:
+                await self._store.set_lease(session=uow.session, allocation_id=request.allocation_id, expires_at=end)
+            return access
+
+        access = await self._uow.run(work)
+        if access is Access.NOT_FOUND:
+            return rejected(ErrorCode.NOT_FOUND, f"no allocation {request.allocation_id!r}")
+        if access is Access.FORBIDDEN:
+            return rejected(ErrorCode.FORBIDDEN, "the allocation belongs to another tenant")
+        if access is Access.ENDED:
+            return rejected(ErrorCode.CONFLICT, "the allocation was released or has expired")
+        return LedgerRenewReply(status="renewed", lease_expires_at=end)
+
+    async def snapshot(self, request: SnapshotRequest) -> BaseModel:
+        page = await self._uow.read(
+            lambda session: self._store.snapshot(
+                session=session, node=request.node, after=request.cursor, limit=request.limit or self._snapshot_limit
+            )
+        )
+        return SnapshotReply(
+            accelerators=[mapping.ledger_view(e.capacity, e.allocations) for e in page.entries],
+            next_cursor=page.next_cursor,
+        )
+
+    # -- the lease sweeper ---------------------------------------------------------------------
+
+    async def sweep_leases(self) -> None:
+        """Forever: release allocations whose lease ended, each with an `allocation_expired` event."""
+        while True:
+            await asyncio.sleep(self._sweep_period_s)
+            try:
+                await self.sweep_once()
+            except Exception:
+                self._log.exception("lease sweep failed; retrying")
+
+    async def sweep_once(self) -> int:
+        """One pass of the sweeper; how many allocations it expired."""
+        now = self._clock()
+        ids = await self._uow.read(
+            lambda session: self._store.expired_ids(session=session, now=now, limit=self._sweep_batch)
+        )
+        expired = 0
+        for allocation_id in ids:
+            if await self._end(allocation_id, tenant=None, state=AllocationState.EXPIRED) is Access.OK:
+                expired += 1
+        return expired
+
+    async def _end(self, allocation_id: str, *, tenant: str | None, state: AllocationState) -> Access:
+        """End an allocation (and the requests inside a replica) with an event each, if ``tenant`` may."""
+        event = LedgerEvent.ALLOCATION_RELEASED if state is AllocationState.RELEASED else LedgerEvent.ALLOCATION_EXPIRED
+
+        async def work(uow: UnitOfWork) -> Access:
+            allocation = await self._store.lock_allocation(session=uow.session, allocation_id=allocation_id)
+            access = may_change(allocation, tenant=tenant)
+            if access is not Access.OK or allocation is None:
+                return access
+            for ended in await self._store.end_allocation(
+                session=uow.session, allocation=allocation, state=state, now=uow.now
+            ):
+                uow.emit(
+                    Context.LEDGER,
+                    event,
+                    mapping.ended_event(ended),
+                    tenant=ended.allocation.tenant,
+                    correlation_id=ended.allocation.request_id,
+                )
+            return access
+
+        return await self._uow.run(work)
+
+    # -- TOPOLOGY events -----------------------------------------------------------------------
+
+    async def on_node_profiled(self, *, uow: UnitOfWork, event: EventEnvelope, payload: NodeProfileEvent) -> None:
+        """A node's GPUs become ledger accelerators (usable = HBM x ceiling)."""
+        accelerators = [
+            self._spec(AcceleratorId.gpu(payload.node, a.index), a.sku, a.hbm_bytes)
+            for a in payload.profile.accelerators
+        ]
+        view = await self._store.upsert_capacity(session=uow.session, node=payload.node, accelerators=accelerators)
+        self._capacity_changed(uow, event, node=payload.node, reason="profiled", view=view.values())
+
+    async def on_node_changed(self, *, uow: UnitOfWork, event: EventEnvelope, payload: NodeProfileEvent) -> None:
+        """A re-profiled node resizes its accelerators; what is reserved on them stays."""
+        await self.on_node_profiled(uow=uow, event=event, payload=payload)
+
+    async def on_tpu_pod_profiled(self, *, uow: UnitOfWork, event: EventEnvelope, payload: TpuPodEvent) -> None:
+        """A TPU chip is an accelerator of its own; a slice reserves its chips whole."""
+        pod = TpuPod(name=payload.pod, region=payload.region, type=TpuType(payload.type), shape=tuple(payload.shape))
+        accelerators = [self._spec(chip, payload.sku, payload.hbm_per_chip) for chip in tpu_chip_ids(pod)]
+        view = await self._store.upsert_capacity(session=uow.session, node=pod.name, accelerators=accelerators)
+        self._capacity_changed(uow, event, node=pod.name, reason="profiled", view=view.values())
+
+    async def on_node_lost(self, *, uow: UnitOfWork, event: EventEnvelope, payload: NodeStateEvent) -> None:
+        await self._availability(uow, event, node=payload.node, available=False, reason="lost")
+
+    async def on_node_removed(self, *, uow: UnitOfWork, event: EventEnvelope, payload: NodeStateEvent) -> None:
+        await self._availability(uow, event, node=payload.node, available=False, reason="removed")
+
+    async def on_node_recovered(self, *, uow: UnitOfWork, event: EventEnvelope, payload: NodeStateEvent) -> None:
+        await self._availability(uow, event, node=payload.node, available=True, reason="recovered")
+
+    def _spec(self, accelerator_id: str, sku: str, hbm_bytes: int) -> store.AcceleratorSpec:
+        return store.AcceleratorSpec(
+            id=accelerator_id,
+            sku=sku,
+            hbm_total=hbm_bytes,
+            ceiling=self._ceiling,
+            usable=usable_hbm(hbm_bytes, self._ceiling),
+        )
+
+    async def _availability(
+        self, uow: UnitOfWork, event: EventEnvelope, *, node: str, available: bool, reason: str
+    ) -> None:
+        """Lost / removed: the node's accelerators take nothing more and the allocations on them are
+        flagged; recovered: they take commits again."""
+        changed = await self._store.set_node_available(session=uow.session, node=node, available=available)
+        if changed.flagged:
+            uow.emit(
+                Context.LEDGER,
+                LedgerEvent.ALLOCATIONS_FLAGGED,
+                AllocationsFlaggedEvent(node=node, reason=f"node_{reason}", allocation_ids=changed.flagged),
+                causation_id=event.event_id,
+            )
+        self._capacity_changed(uow, event, node=node, reason=reason, view=changed.view.values())
+
+    def _capacity_changed(
+        self,
+        uow: UnitOfWork,
+        event: EventEnvelope,
+        *,
+        node: str,
+        reason: str,
+        view: Iterable[AcceleratorCapacity],
+    ) -> None:
+        accelerators = sorted(view, key=lambda c: c.id)
+        if not accelerators:
+            return  # a node the ledger never knew
+        uow.emit(
+            Context.LEDGER,
+            LedgerEvent.CAPACITY_CHANGED,
+            CapacityChangedEvent(node=node, reason=reason, accelerators=mapping.balances(accelerators)),
+            causation_id=event.event_id,
+        )
+
+    # -- TELEMETRY events ----------------------------------------------------------------------
+
+    async def on_gpu_telemetry(self, *, uow: UnitOfWork, event: EventEnvelope, payload: GpuTelemetryEvent) -> None:
+        """Observed HBM use against what the ledger reserved; drift is reported once per episode."""
+        used = {g.index: g.memory_used_bytes for g in payload.gpus if g.memory_used_bytes is not None}
+        if not used:
+            return
+        for acc in await self._store.node_accelerators(session=uow.session, node=payload.node):
+            observed = used.get(acc.index) if acc.index >= 0 else None  # a TPU chip has no GPU index
+            if observed is None:
+                continue
+            drift = self._drift.observe(
+                accelerator_id=acc.id, observed_bytes=observed, reserved_bytes=acc.reserved, usable_bytes=acc.usable
+            )
+            if drift is not None:
+                uow.emit(
+                    Context.LEDGER,
+                    LedgerEvent.DRIFT_DETECTED,
+                    DriftEvent(
+                        accelerator_id=drift.accelerator_id,
+                        observed_bytes=drift.observed_bytes,
+                        reserved_bytes=drift.reserved_bytes,
+                        usable_bytes=drift.usable_bytes,
+                        difference_bytes=drift.difference,
+                    ),
+                    causation_id=event.event_id,
+                )

@@ -1,0 +1,149 @@
+"""Contract <-> domain for the ledger: requests to commit intents, capacities and allocations to the
+replies and event payloads (every byte field under both its names)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+
+from shared.contracts.base import ErrorBody, ErrorCode
+from shared.contracts.ledger import (
+    AcceleratorBalance,
+    AcceleratorLedgerView,
+    AllocationEvent,
+    CommitReply,
+    CommitRequest,
+    ShareIn,
+    ShareOut,
+)
+from shared.domain.capacity import AcceleratorCapacity
+from shared.domain.ledger import CommitIntent, Duplicate, EndedAllocation, Refused
+from shared.domain.memory import MemoryShare
+
+
+def share(s: ShareIn) -> tuple[str, MemoryShare]:
+    return s.accelerator_id, MemoryShare(weights=s.weights, kv=s.kv, activation=s.activation, workspace=s.workspace)
+
+
+def intent(request: CommitRequest) -> CommitIntent:
+    return CommitIntent(
+        request_id=request.request_id,
+        tenant=request.tenant,
+        shares=tuple(share(s) for s in request.shares),
+        kind=request.kind,
+        parent_id=request.parent_id,
+        preemptible=request.preemptible,
+        priority=request.priority,
+        lease_s=request.lease_s,
+        lease_expires_at=request.lease_expires_at,
+        expected=request.expected,
+    )
+
+
+def balance(c: AcceleratorCapacity) -> AcceleratorBalance:
+    return AcceleratorBalance(
+        id=c.id,
+        usable=c.usable,
+        reserved=c.reserved,
+        usable_bytes=c.usable,
+        reserved_bytes=c.reserved,
+        available=c.available,
+    )
+
+
+def balances(view: Iterable[AcceleratorCapacity]) -> list[AcceleratorBalance]:
+    return [balance(c) for c in view]
+
+
+def ledger_view(c: AcceleratorCapacity, allocations: Iterable[str]) -> AcceleratorLedgerView:
+    return AcceleratorLedgerView(
+        id=c.id,
+        node=c.node,
+        hbm_usable=c.usable,
+        hbm_reserved=c.reserved,
+        hbm_usable_bytes=c.usable,
+        hbm_reserved_bytes=c.reserved,
+        available=c.available,
+        allocations=list(allocations),
+    )
+
+
+def share_out(accelerator_id: str, s: MemoryShare) -> ShareOut:
+    return ShareOut(
+        accelerator_id=accelerator_id,
+        weights=s.weights,
+        kv=s.kv,
+        activation=s.activation,
+        workspace=s.workspace,
+        total=s.total,
+        weights_bytes=s.weights,
+        kv_bytes=s.kv,
+        activation_bytes=s.activation,
+        workspace_bytes=s.workspace,
+        total_bytes=s.total,
+    )
+
+
+def committed_event(*, allocation_id: str, intent: CommitIntent, lease_expires_at: datetime) -> AllocationEvent:
+    return AllocationEvent(
+        allocation_id=allocation_id,
+        request_id=intent.request_id,
+        tenant=intent.tenant,
+        kind=intent.kind,
+        parent_id=intent.parent_id,
+        preemptible=intent.preemptible,
+        priority=intent.priority,
+        lease_expires_at=lease_expires_at,
+        counts_against_hbm=intent.counts_against_hbm,
+        shares=[share_out(a, s) for a, s in intent.shares],
+    )
+
+
+def ended_event(ended: EndedAllocation) -> AllocationEvent:
+    a = ended.allocation
+    return AllocationEvent(
+        allocation_id=a.id,
+        request_id=a.request_id,
+        tenant=a.tenant,
+        kind=a.kind,
+        parent_id=a.parent_id,
+        preemptible=a.preemptible,
+        priority=a.priority,
+        lease_expires_at=a.lease_expires_at,
+        counts_against_hbm=a.counts_against_hbm,
+        shares=[share_out(acc, s) for acc, s in ended.shares],
+    )
+
+
+def refused_reply(request_id: str, outcome: Refused) -> CommitReply:
+    view = balances(outcome.view) if outcome.view is not None else []
+    details = {"view": [b.model_dump() for b in view]} if outcome.view is not None else None
+    return CommitReply(
+        status="rejected",
+        request_id=request_id,
+        error=ErrorBody(code=ErrorCode(outcome.code), message=outcome.message, details=details),
+        view=view,
+    )
+
+
+def committed_reply(
+    allocation_id: str, lease_expires_at: datetime, intent: CommitIntent, view: Iterable[AcceleratorCapacity]
+) -> CommitReply:
+    return CommitReply(
+        status="committed",
+        request_id=intent.request_id,
+        allocation_id=allocation_id,
+        lease_expires_at=lease_expires_at,
+        view=balances(view),
+    )
+
+
+def duplicate_reply(request_id: str, outcome: Duplicate) -> CommitReply:
+    return CommitReply(
+        status="committed",
+        request_id=request_id,
+        allocation_id=outcome.allocation_id,
+        duplicate=True,
+        lease_expires_at=outcome.lease_expires_at,
+        view=balances(outcome.view),
+    )

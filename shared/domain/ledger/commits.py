@@ -1,0 +1,226 @@
+"""Planning a batch of commits against the locked view: which are accepted, which repeat an earlier
+commit, which are refused and why. The store reads the inputs and writes the accepted ones; every
+rule in between is here.
+
+A commit whose (tenant, request_id) exists returns that allocation (a duplicate) and reserves
+nothing; the same key with other shares is ``invalid_request``. A replica that does not fit is
+refused with the fresh view: ``conflict`` when the caller's ``expected`` view differs from the
+current one (it decided on stale data), else ``no_capacity``. A request lives inside its replica's
+KV pool: it is checked against the pool, not against the accelerators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Literal
+
+from shared.domain.capacity import AcceleratorCapacity
+from shared.domain.errors import ErrorCode
+from shared.domain.ledger.fit import Shares, apply_shares, check_fit
+from shared.domain.memory import MemoryShare
+
+AllocationKind = Literal["replica", "request"]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitIntent:
+    """One commit as the ledger's rules see it (``shares``: accelerator id -> bytes, in request order)."""
+
+    request_id: str
+    tenant: str
+    shares: tuple[tuple[str, MemoryShare], ...]
+    kind: AllocationKind = "replica"
+    parent_id: str | None = None
+    preemptible: bool = False
+    priority: int = 0
+    lease_s: int | None = None
+    lease_expires_at: datetime | None = None
+    expected: Mapping[str, int] | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tenant, self.request_id)
+
+    @property
+    def accelerator_ids(self) -> list[str]:
+        return [accelerator_id for accelerator_id, _ in self.shares]
+
+    @property
+    def counts_against_hbm(self) -> bool:
+        """A replica's bytes count on its accelerators; a request's live inside its replica's KV pool."""
+        return self.kind == "replica"
+
+
+@dataclass(frozen=True, slots=True)
+class ExistingAllocation:
+    """An allocation already stored under a commit's (tenant, request_id)."""
+
+    id: str
+    lease_expires_at: datetime
+    shares: tuple[tuple[str, MemoryShare], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPool:
+    """A replica allocation that requests live in: its KV bytes per accelerator and what is in use."""
+
+    id: str
+    tenant: str
+    kind: str
+    active: bool
+    pool: Mapping[str, int]
+    used: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """Write it: a new allocation with this lease."""
+
+    lease_expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Duplicate:
+    """The same commit as an earlier one: that allocation, nothing more reserved."""
+
+    allocation_id: str
+    lease_expires_at: datetime
+    view: tuple[AcceleratorCapacity, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Nothing written. ``view`` is the fresh view of its accelerators when it did not fit, else None."""
+
+    code: ErrorCode
+    message: str
+    view: tuple[AcceleratorCapacity, ...] | None = None
+
+
+Outcome = Accepted | Duplicate | Refused
+
+
+@dataclass(frozen=True, slots=True)
+class CommitPlan:
+    """One outcome per intent, in the intents' order, and the view after the accepted ones."""
+
+    outcomes: tuple[Outcome, ...]
+    view: Mapping[str, AcceleratorCapacity]
+
+    @property
+    def accepted(self) -> list[tuple[int, Accepted]]:
+        return [(i, o) for i, o in enumerate(self.outcomes) if isinstance(o, Accepted)]
+
+
+def same_shares(a: Shares, b: Shares) -> bool:
+    """Whether two commits ask for the same bytes on the same accelerators (in any order)."""
+    return sorted(a, key=_share_key) == sorted(b, key=_share_key)
+
+
+def _share_key(item: tuple[str, MemoryShare]) -> tuple[str, int, int, int, int]:
+    accelerator_id, share = item
+    return (accelerator_id, share.weights, share.kv, share.activation, share.workspace)
+
+
+def view_of(view: Mapping[str, AcceleratorCapacity], ids: Sequence[str]) -> tuple[AcceleratorCapacity, ...]:
+    """The known accelerators among ``ids``, each once, in id order (what a reply shows)."""
+    return tuple(view[i] for i in sorted(set(ids)) if i in view)
+
+
+def is_stale(expected: Mapping[str, int] | None, view: Mapping[str, AcceleratorCapacity], ids: Sequence[str]) -> bool:
+    """Whether the caller decided on reserved bytes that are no longer the ledger's."""
+    if expected is None:
+        return False
+    return any(expected.get(a) is not None and a in view and expected[a] != view[a].reserved for a in ids)
+
+
+def refusal_code(intent: CommitIntent, view: Mapping[str, AcceleratorCapacity]) -> ErrorCode:
+    """A commit that does not fit: ``conflict`` if the caller's view was stale, else ``no_capacity``."""
+    return ErrorCode.CONFLICT if is_stale(intent.expected, view, intent.accelerator_ids) else ErrorCode.NO_CAPACITY
+
+
+def check_request(intent: CommitIntent, parent: ReplicaPool | None) -> Refused | None:
+    """Whether a request allocation fits its replica's KV pool (None when it does)."""
+    if parent is None:
+        return Refused(ErrorCode.NOT_FOUND, f"no replica allocation {intent.parent_id!r}")
+    if parent.tenant != intent.tenant:
+        return Refused(ErrorCode.FORBIDDEN, "the replica belongs to another tenant")
+    if parent.kind != "replica" or not parent.active:
+        return Refused(ErrorCode.CONFLICT, f"replica {intent.parent_id} is not active")
+    for accelerator_id, share in intent.shares:
+        pool = parent.pool.get(accelerator_id)
+        if pool is None:
+            return Refused(ErrorCode.INVALID_REQUEST, f"{accelerator_id} is not one of the replica's accelerators")
+        free = pool - parent.used.get(accelerator_id, 0)
+        if share.total > free:
+            short_gb = (share.total - free) / 1e9
+            return Refused(ErrorCode.NO_CAPACITY, f"{accelerator_id}: KV pool short by {short_gb:.2f} GB")
+    return None
+
+
+def lease_end(intent: CommitIntent, *, now: datetime, default_lease_s: int) -> datetime:
+    """The lease a commit gets: its absolute end, else ``lease_s`` (or the default) from now."""
+    return intent.lease_expires_at or now + timedelta(seconds=intent.lease_s or default_lease_s)
+
+
+def plan_commits(
+    intents: Sequence[CommitIntent],
+    *,
+    view: Mapping[str, AcceleratorCapacity],
+    existing: Mapping[tuple[str, str], ExistingAllocation],
+    parents: Mapping[str, ReplicaPool],
+    now: datetime,
+    default_lease_s: int,
+) -> CommitPlan:
+    """Decide every commit of a batch in order; each is all-or-nothing, and later ones see the bytes
+    earlier ones reserved (and the KV earlier requests took from a pool)."""
+    outcomes: list[Outcome] = []
+    pools = dict(parents)
+    seen: set[tuple[str, str]] = set()
+    for intent in intents:
+        ids = intent.accelerator_ids
+        if intent.key in existing or intent.key in seen:
+            outcomes.append(_duplicate(intent, existing.get(intent.key), view, ids))
+            continue
+        if intent.lease_expires_at is not None and intent.lease_expires_at <= now:
+            outcomes.append(Refused(ErrorCode.INVALID_REQUEST, "lease_expires_at is in the past"))
+            continue
+        unknown = sorted({a for a in ids if a not in view})
+        if unknown:
+            outcomes.append(Refused(ErrorCode.NOT_FOUND, f"unknown accelerator(s): {', '.join(unknown)}"))
+            continue
+        if intent.counts_against_hbm:
+            fit = check_fit(view, intent.shares)
+            if not fit.ok:
+                outcomes.append(Refused(refusal_code(intent, view), fit.describe(), view_of(view, ids)))
+                continue
+            view = apply_shares(view, intent.shares)
+        else:
+            parent = pools.get(intent.parent_id or "")
+            problem = check_request(intent, parent)
+            if problem is not None:
+                outcomes.append(problem)
+                continue
+            if parent is not None:
+                used = dict(parent.used)
+                for accelerator_id, share in intent.shares:
+                    used[accelerator_id] = used.get(accelerator_id, 0) + share.total
+                pools[parent.id] = ReplicaPool(parent.id, parent.tenant, parent.kind, parent.active, parent.pool, used)
+        seen.add(intent.key)
+        outcomes.append(Accepted(lease_end(intent, now=now, default_lease_s=default_lease_s)))
+    return CommitPlan(tuple(outcomes), view)
+
+
+def _duplicate(
+    intent: CommitIntent,
+    row: ExistingAllocation | None,
+    view: Mapping[str, AcceleratorCapacity],
+    ids: Sequence[str],
+) -> Outcome:
+    if row is None:  # not stored: an earlier commit of this same batch has the key
+        return Refused(ErrorCode.INVALID_REQUEST, "request_id appears twice in this batch")
+    if not same_shares(row.shares, intent.shares):
+        return Refused(ErrorCode.INVALID_REQUEST, "request_id was already used for different shares")
+    return Duplicate(row.id, row.lease_expires_at, view_of(view, ids))

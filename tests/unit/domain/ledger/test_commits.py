@@ -1,0 +1,178 @@
+"""plan_commits: each commit of a batch decided in order against the locked view, all or nothing."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from shared.domain.errors import ErrorCode
+from shared.domain.ledger import (
+    Accepted,
+    CommitIntent,
+    CommitPlan,
+    Duplicate,
+    ExistingAllocation,
+    Refused,
+    ReplicaPool,
+    plan_commits,
+    same_shares,
+)
+from tests.unit.domain.ledger.builders import GB, NOW, gpu, hbm, intent, view
+
+LEASE_S = 300
+V = view(gpu("n/gpu0", usable_gb=80, reserved_gb=30), gpu("n/gpu1", usable_gb=80), gpu("n/gpu2", available=False))
+
+
+def plan(
+    *intents: CommitIntent,
+    existing: dict[tuple[str, str], ExistingAllocation] | None = None,
+    parents: dict[str, ReplicaPool] | None = None,
+) -> CommitPlan:
+    return plan_commits(
+        intents, view=V, existing=existing or {}, parents=parents or {}, now=NOW, default_lease_s=LEASE_S
+    )
+
+
+def refused(outcome: object) -> Refused:
+    assert isinstance(outcome, Refused), outcome
+    return outcome
+
+
+def test_a_commit_that_fits_is_accepted_with_the_default_lease_and_reserves_its_bytes() -> None:
+    result = plan(intent(("n/gpu0", hbm(20)), ("n/gpu1", hbm(5, kv_gb=5))))
+    assert result.outcomes == (Accepted(NOW + timedelta(seconds=LEASE_S)),)
+    assert result.view["n/gpu0"].reserved == 50 * GB and result.view["n/gpu1"].reserved == 10 * GB
+
+
+def test_the_lease_comes_from_lease_s_or_the_absolute_end() -> None:
+    end = NOW + timedelta(hours=2)
+    result = plan(
+        intent(("n/gpu1", hbm(1)), rid="a", lease_s=60),
+        intent(("n/gpu1", hbm(1)), rid="b", lease_expires_at=end),
+        intent(("n/gpu1", hbm(1)), rid="c", lease_expires_at=NOW),  # ends now: in the past
+    )
+    assert result.outcomes[:2] == (Accepted(NOW + timedelta(seconds=60)), Accepted(end))
+    assert refused(result.outcomes[2]).code is ErrorCode.INVALID_REQUEST
+
+
+def test_unknown_accelerators_are_not_found_and_nothing_is_reserved() -> None:
+    result = plan(intent(("n/gpu1", hbm(1)), ("x/gpu1", hbm(1)), ("a/gpu0", hbm(1))))
+    out = refused(result.outcomes[0])
+    assert out.code is ErrorCode.NOT_FOUND and out.message == "unknown accelerator(s): a/gpu0, x/gpu1"
+    assert result.view == V
+
+
+@pytest.mark.parametrize(
+    ("expected", "code"),
+    [
+        (None, ErrorCode.NO_CAPACITY),
+        ({"n/gpu0": 30 * GB}, ErrorCode.NO_CAPACITY),  # the caller saw the current view: it just does not fit
+        ({"n/gpu0": 0}, ErrorCode.CONFLICT),  # the caller decided on a stale view
+        ({"n/gpu1": 0, "n/gpu0": 30 * GB}, ErrorCode.NO_CAPACITY),
+        ({"n/gpu1": 5}, ErrorCode.CONFLICT),  # stale on another accelerator of the same commit
+    ],
+)
+def test_a_commit_that_does_not_fit_is_a_conflict_only_when_the_view_was_stale(
+    expected: dict[str, int] | None, code: ErrorCode
+) -> None:
+    result = plan(intent(("n/gpu0", hbm(60)), ("n/gpu1", hbm(1)), expected=expected))
+    out = refused(result.outcomes[0])
+    assert out.code is code
+    assert out.message == "n/gpu0: HBM short by 10.00 GB"
+    assert out.view == (V["n/gpu0"], V["n/gpu1"])  # the fresh view to retry with
+    assert result.view == V
+
+
+def test_an_unavailable_accelerator_is_no_capacity_saying_unavailable() -> None:
+    out = refused(plan(intent(("n/gpu2", hbm(1)))).outcomes[0])
+    assert out.code is ErrorCode.NO_CAPACITY and out.message == "n/gpu2: unavailable"
+
+
+def test_later_commits_see_what_earlier_ones_reserved_and_refusals_reserve_nothing() -> None:
+    result = plan(
+        intent(("n/gpu1", hbm(50)), rid="a"),
+        intent(("n/gpu1", hbm(40)), rid="b"),  # 50 + 40 > 80
+        intent(("n/gpu1", hbm(30)), rid="c"),  # 50 + 30 = 80: fits, b took nothing
+    )
+    assert [type(o) for o in result.outcomes] == [Accepted, Refused, Accepted]
+    assert refused(result.outcomes[1]).view == (gpu("n/gpu1", usable_gb=80, reserved_gb=50),)
+    assert result.view["n/gpu1"].reserved == 80 * GB
+    assert [i for i, _ in result.accepted] == [0, 2]
+
+
+def test_a_repeated_commit_returns_the_stored_allocation() -> None:
+    stored = ExistingAllocation("al-9", NOW + timedelta(minutes=1), (("n/gpu1", hbm(2)), ("n/gpu0", hbm(1))))
+    same = intent(("n/gpu0", hbm(1)), ("n/gpu1", hbm(2)), rid="r-9")  # same shares, another order
+    other = intent(("n/gpu0", hbm(1)), rid="r-9")
+    for candidate, expected in ((same, Duplicate), (other, Refused)):
+        outcome = plan(candidate, existing={("acme", "r-9"): stored}).outcomes[0]
+        assert type(outcome) is expected
+    duplicate = plan(same, existing={("acme", "r-9"): stored}).outcomes[0]
+    assert duplicate == Duplicate("al-9", stored.lease_expires_at, (V["n/gpu0"], V["n/gpu1"]))
+    assert refused(plan(other, existing={("acme", "r-9"): stored}).outcomes[0]).code is ErrorCode.INVALID_REQUEST
+    assert plan(same, existing={("globex", "r-9"): stored}).outcomes[0] == Accepted(NOW + timedelta(seconds=LEASE_S))
+
+
+def test_the_same_request_id_twice_in_one_batch_is_invalid_the_second_time() -> None:
+    result = plan(intent(("n/gpu1", hbm(1))), intent(("n/gpu1", hbm(1))))
+    assert isinstance(result.outcomes[0], Accepted)
+    assert refused(result.outcomes[1]).message == "request_id appears twice in this batch"
+    assert result.view["n/gpu1"].reserved == 1 * GB
+
+
+POOL = ReplicaPool("al-rep", "acme", "replica", True, pool={"n/gpu0": 10 * GB}, used={"n/gpu0": 4 * GB})
+
+
+def child(
+    kv_gb: float, *, rid: str = "q", tenant: str = "acme", acc: str = "n/gpu0", parent: str = "al-rep"
+) -> CommitIntent:
+    return intent((acc, hbm(kv_gb=kv_gb)), rid=rid, tenant=tenant, kind="request", parent_id=parent)
+
+
+@pytest.mark.parametrize(
+    ("request_", "parents", "code"),
+    [
+        (child(6), {"al-rep": POOL}, None),  # 4 + 6 = 10 GB: the pool is exactly full
+        (child(7), {"al-rep": POOL}, ErrorCode.NO_CAPACITY),
+        (child(1, tenant="globex"), {"al-rep": POOL}, ErrorCode.FORBIDDEN),
+        (child(1), {}, ErrorCode.NOT_FOUND),
+        (
+            child(1),
+            {"al-rep": ReplicaPool("al-rep", "acme", "replica", False, {"n/gpu0": 10 * GB})},
+            ErrorCode.CONFLICT,
+        ),
+        (child(1, acc="n/gpu1"), {"al-rep": POOL}, ErrorCode.INVALID_REQUEST),  # not one of the replica's
+    ],
+)
+def test_requests_live_inside_their_replica_kv_pool(
+    request_: CommitIntent, parents: dict[str, ReplicaPool], code: ErrorCode | None
+) -> None:
+    result = plan(request_, parents=parents)
+    if code is None:
+        assert isinstance(result.outcomes[0], Accepted)
+    else:
+        assert refused(result.outcomes[0]).code is code
+    assert result.view == V  # requests never add accelerator bytes
+
+
+def test_requests_of_one_batch_share_their_pool() -> None:
+    result = plan(
+        child(3, rid="q1"), child(2, rid="q2"), child(2, rid="q3"), child(1, rid="q4"), parents={"al-rep": POOL}
+    )
+    assert [type(o) for o in result.outcomes] == [Accepted, Accepted, Refused, Accepted]  # 4 + 3 + 2 + 1 = 10 GB
+    assert refused(result.outcomes[2]).message == "n/gpu0: KV pool short by 1.00 GB"  # 9 GB used + 2 > 10
+    assert POOL.used == {"n/gpu0": 4 * GB}  # the input is not changed
+
+
+def test_outcomes_keep_the_batch_order() -> None:
+    intents = [intent(("n/gpu1", hbm(10)), rid=f"r-{i}") for i in range(9)]  # 8 fit in 80 GB, the 9th not
+    result = plan(*intents)
+    assert [type(o) for o in result.outcomes] == [Accepted] * 8 + [Refused]
+
+
+def test_same_shares_ignores_order_but_not_bytes() -> None:
+    a = [("x", hbm(1)), ("y", hbm(kv_gb=2))]
+    assert same_shares(a, list(reversed(a)))
+    assert not same_shares(a, [("x", hbm(1)), ("y", hbm(2))])  # same total, other kind of bytes
+    assert not same_shares(a, a[:1])

@@ -1,0 +1,451 @@
+"""LedgerHandlers with fakes: an in-memory store, a unit of work that records its events, a fixed
+clock. No servers; what is checked is the handler's part (what it asks the store, what it emits,
+what it answers)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+import pytest
+
+from services.capacity_ledger.batcher import CommitBatcher
+from services.capacity_ledger.handlers import LedgerHandlers
+from services.capacity_ledger.store import AcceleratorSpec, LedgerEntry, NewAllocation, NodeAvailability, SnapshotPage
+from shared.contracts.base import Rejected
+from shared.contracts.envelope import EventEnvelope, new_event
+from shared.contracts.ledger import (
+    AllocationEvent,
+    AllocationsFlaggedEvent,
+    CapacityChangedEvent,
+    CommitBatchReply,
+    CommitBatchRequest,
+    CommitReply,
+    CommitRequest,
+    DriftEvent,
+    LedgerReleaseReply,
+    LedgerReleaseRequest,
+    LedgerRenewReply,
+    LedgerRenewRequest,
+    ShareIn,
+    SnapshotReply,
+    SnapshotRequest,
+)
+from shared.contracts.subjects import Subjects
+from shared.contracts.topology import GpuSample, GpuTelemetryEvent, NodeProfileEvent, NodeStateEvent
+from shared.domain.capacity import AcceleratorCapacity
+from shared.domain.ledger import (
+    AllocationRecord,
+    AllocationState,
+    DriftDetector,
+    EndedAllocation,
+    ExistingAllocation,
+    ReplicaPool,
+)
+from shared.domain.memory import MemoryShare, usable_hbm
+from shared.infra.uow import UnitOfWork
+
+T = TypeVar("T")
+GB = 10**9
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+USABLE = 80 * GB
+
+
+# -- fakes ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeStore:
+    """The ledger's tables in memory; records what the handlers asked."""
+
+    accelerators: dict[str, AcceleratorCapacity] = field(default_factory=dict)
+    allocations: dict[str, AllocationRecord] = field(default_factory=dict)
+    shares: dict[str, tuple[tuple[str, MemoryShare], ...]] = field(default_factory=dict)
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    page: SnapshotPage = field(default_factory=lambda: SnapshotPage([], None))
+    expired: list[str] = field(default_factory=list)
+    flagged: list[str] = field(default_factory=list)
+
+    def _called(self, name: str, **kwargs: Any) -> None:
+        self.calls.append((name, kwargs))
+
+    def called(self, name: str) -> list[dict[str, Any]]:
+        return [kwargs for n, kwargs in self.calls if n == name]
+
+    async def existing_allocations(
+        self, *, session: Any, keys: Iterable[tuple[str, str]]
+    ) -> dict[tuple[str, str], ExistingAllocation]:
+        wanted = set(keys)
+        return {
+            (a.tenant, a.request_id): ExistingAllocation(a.id, a.lease_expires_at, self.shares[a.id])
+            for a in self.allocations.values()
+            if (a.tenant, a.request_id) in wanted
+        }
+
+    async def lock_accelerators(self, *, session: Any, ids: Iterable[str]) -> dict[str, AcceleratorCapacity]:
+        return {i: self.accelerators[i] for i in sorted(set(ids)) if i in self.accelerators}
+
+    async def lock_replica_pools(self, *, session: Any, ids: Iterable[str]) -> dict[str, ReplicaPool]:
+        return {}
+
+    async def insert_allocations(self, *, session: Any, allocations: Sequence[NewAllocation]) -> None:
+        self._called("insert_allocations", allocations=list(allocations))
+        for a in allocations:
+            self.allocations[a.id] = AllocationRecord(
+                id=a.id,
+                request_id=a.intent.request_id,
+                tenant=a.intent.tenant,
+                kind=a.intent.kind,
+                state=AllocationState.ACTIVE,
+                lease_expires_at=a.lease_expires_at,
+            )
+            self.shares[a.id] = a.intent.shares
+            for acc, share in a.intent.shares:
+                c = self.accelerators[acc]
+                self.accelerators[acc] = replace(c, reserved=c.reserved + share.total)
+
+    async def lock_allocation(self, *, session: Any, allocation_id: str) -> AllocationRecord | None:
+        return self.allocations.get(allocation_id)
+
+    async def end_allocation(
+        self, *, session: Any, allocation: AllocationRecord, state: AllocationState, now: datetime
+    ) -> list[EndedAllocation]:
+        self._called("end_allocation", allocation_id=allocation.id, state=state, now=now)
+        self.allocations[allocation.id] = replace(allocation, state=state)
+        return [EndedAllocation(allocation, self.shares[allocation.id])]
+
+    async def set_lease(self, *, session: Any, allocation_id: str, expires_at: datetime) -> None:
+        self._called("set_lease", allocation_id=allocation_id, expires_at=expires_at)
+
+    async def expired_ids(self, *, session: Any, now: datetime, limit: int) -> list[str]:
+        self._called("expired_ids", now=now, limit=limit)
+        return list(self.expired)
+
+    async def snapshot(self, *, session: Any, node: str | None, after: str | None, limit: int) -> SnapshotPage:
+        self._called("snapshot", node=node, after=after, limit=limit)
+        return self.page
+
+    async def upsert_capacity(
+        self, *, session: Any, node: str, accelerators: Sequence[AcceleratorSpec]
+    ) -> dict[str, AcceleratorCapacity]:
+        self._called("upsert_capacity", node=node, accelerators=list(accelerators))
+        for i, a in enumerate(accelerators):
+            self.accelerators[a.id] = AcceleratorCapacity(a.id, node, i, a.sku, a.usable, 0)
+        return {a.id: self.accelerators[a.id] for a in accelerators}
+
+    async def set_node_available(self, *, session: Any, node: str, available: bool) -> NodeAvailability:
+        self._called("set_node_available", node=node, available=available)
+        for i, c in list(self.accelerators.items()):
+            if c.node == node:
+                self.accelerators[i] = replace(c, available=available)
+        view = {i: c for i, c in self.accelerators.items() if c.node == node}
+        return NodeAvailability(view, [] if available else list(self.flagged))
+
+    async def node_accelerators(self, *, session: Any, node: str) -> list[AcceleratorCapacity]:
+        return [c for c in self.accelerators.values() if c.node == node]
+
+
+class FakeUnits:
+    """Runs work in a unit of work with no database; keeps every event emitted, in order."""
+
+    def __init__(self, clock: Callable[[], datetime]) -> None:
+        self.clock = clock
+        self.events: list[tuple[str, EventEnvelope]] = []
+        self.runs = 0
+
+    def unit(self) -> UnitOfWork:
+        return UnitOfWork(session=None, now=self.clock(), subjects=Subjects("test"), source="capacity-ledger")  # type: ignore[arg-type]
+
+    async def run(self, work: Callable[[UnitOfWork], Awaitable[T]]) -> T:
+        self.runs += 1
+        uow = self.unit()
+        result = await work(uow)
+        self.events += [(e.type.rsplit(".", 1)[-1], e) for _, e in uow.events]
+        return result
+
+    async def read(self, work: Callable[[Any], Awaitable[T]]) -> T:
+        return await work(None)
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        return [e.payload for n, e in self.events if n == name]
+
+
+class NoBatcher:
+    async def submit(self, request: CommitRequest) -> CommitReply:
+        raise AssertionError("not used here")
+
+
+def gpu(acc_id: str, *, reserved_gb: float = 0, available: bool = True) -> AcceleratorCapacity:
+    node, _, local = acc_id.partition("/")
+    index = int(local.removeprefix("gpu")) if local.startswith("gpu") else -1
+    return AcceleratorCapacity(acc_id, node, index, "H100-SXM-80GB", USABLE, int(reserved_gb * GB), available)
+
+
+def make(
+    *accelerators: AcceleratorCapacity, now: datetime = NOW, batcher: Any = None
+) -> tuple[LedgerHandlers, FakeStore, FakeUnits]:
+    store = FakeStore(accelerators={a.id: a for a in accelerators})
+    units = FakeUnits(lambda: now)
+    ids = (f"al-{i}" for i in itertools.count())
+    handlers = LedgerHandlers(
+        uow=units,
+        clock=lambda: now,
+        batcher=batcher or NoBatcher(),
+        ceiling=0.92,
+        default_lease_s=300,
+        sweep_period_s=0.1,
+        drift=DriftDetector(threshold=0.10, consecutive=2),
+        store=store,
+        new_id=lambda: next(ids),
+    )
+    return handlers, store, units
+
+
+def commit_request(rid: str, *shares: tuple[str, float], tenant: str = "acme", **extra: Any) -> CommitRequest:
+    return CommitRequest(
+        request_id=rid,
+        tenant=tenant,
+        shares=[ShareIn(accelerator_id=a, weights=int(gb * GB)) for a, gb in shares],
+        **extra,
+    )
+
+
+def envelope() -> Any:
+    return new_event(type="topology.x", source="test", occurred_at=NOW, payload={})
+
+
+# -- commits ---------------------------------------------------------------------------------------
+
+
+async def test_commit_batch_results_keep_the_request_order() -> None:
+    handlers, _store, units = make(gpu("n/gpu0"), gpu("n/gpu1"))
+    request = CommitBatchRequest(
+        commits=[
+            commit_request("a", ("n/gpu0", 50)),
+            commit_request("b", ("x/gpu0", 1)),  # unknown
+            commit_request("c", ("n/gpu0", 50)),  # 50 + 50 > 80: refused
+            commit_request("d", ("n/gpu1", 10)),
+            commit_request("e", ("n/gpu0", 20)),
+        ]
+    )
+    reply = await handlers.commit_batch(request)
+    assert isinstance(reply, CommitBatchReply)
+    assert [r.request_id for r in reply.results] == ["a", "b", "c", "d", "e"]
+    assert [r.status for r in reply.results] == ["committed", "rejected", "rejected", "committed", "committed"]
+    assert [r.allocation_id for r in reply.results] == ["al-0", None, None, "al-1", "al-2"]
+    assert [r.error.code if r.error else None for r in reply.results] == [None, "not_found", "no_capacity", None, None]
+    assert reply.results[2].view[0].reserved_bytes == 50 * GB  # the fresh view, with its unit-named field
+    assert reply.results[4].view[0].reserved == 70 * GB  # the view after the batch
+    assert all(r.lease_expires_at == NOW + timedelta(seconds=300) for r in reply.results if r.status == "committed")
+    assert units.runs == 1  # one transaction for the batch
+    committed = units.named("allocation_committed")
+    assert [e["allocation_id"] for e in committed] == ["al-0", "al-1", "al-2"]
+    assert committed[0]["shares"][0]["total_bytes"] == 50 * GB
+
+
+async def test_a_duplicate_commit_writes_nothing_and_emits_nothing() -> None:
+    handlers, store, units = make(gpu("n/gpu0"))
+    first = await handlers.apply_commits([commit_request("a", ("n/gpu0", 10))])
+    again = await handlers.apply_commits([commit_request("a", ("n/gpu0", 10))])
+    assert again[0].duplicate and again[0].allocation_id == first[0].allocation_id
+    assert len(units.named("allocation_committed")) == 1
+    assert store.accelerators["n/gpu0"].reserved == 10 * GB
+
+
+async def test_commits_through_the_batcher_each_get_their_own_reply() -> None:
+    batcher = CommitBatcher(max_batch=4)
+    handlers, _store, _units = make(gpu("n/gpu0"), batcher=batcher)
+    batcher.start(handlers.apply_commits)
+    try:
+        replies = await asyncio.gather(*(handlers.commit(commit_request(f"r{i}", ("n/gpu0", 10))) for i in range(10)))
+    finally:
+        await batcher.stop()
+    assert [r.request_id for r in replies] == [f"r{i}" for i in range(10)]  # type: ignore[attr-defined]
+    assert [r.status for r in replies] == ["committed"] * 8 + ["rejected"] * 2  # type: ignore[attr-defined]
+    assert batcher.batches < 10  # commits that queued together shared a transaction
+
+
+# -- release, renew, sweep -------------------------------------------------------------------------
+
+
+async def committed(handlers: LedgerHandlers, rid: str = "a", tenant: str = "acme") -> str:
+    (reply,) = await handlers.apply_commits([commit_request(rid, ("n/gpu0", 10), tenant=tenant)])
+    assert reply.allocation_id is not None
+    return reply.allocation_id
+
+
+async def test_releasing_another_tenants_allocation_is_forbidden_and_changes_nothing() -> None:
+    handlers, store, units = make(gpu("n/gpu0"))
+    allocation = await committed(handlers, tenant="globex")
+    reply = await handlers.release(LedgerReleaseRequest(allocation_id=allocation, tenant="acme"))
+    assert isinstance(reply, Rejected) and reply.error.code == "forbidden"
+    assert store.called("end_allocation") == [] and units.named("allocation_released") == []
+
+
+async def test_release_ends_it_once_with_an_event() -> None:
+    handlers, store, units = make(gpu("n/gpu0"))
+    allocation = await committed(handlers)
+    first = await handlers.release(LedgerReleaseRequest(allocation_id=allocation, tenant="acme"))
+    again = await handlers.release(LedgerReleaseRequest(allocation_id=allocation, tenant="acme"))
+    assert first == LedgerReleaseReply(status="released", already=False)
+    assert again == LedgerReleaseReply(status="released", already=True)
+    assert store.called("end_allocation") == [
+        {"allocation_id": allocation, "state": AllocationState.RELEASED, "now": NOW}
+    ]
+    released = units.named("allocation_released")
+    assert len(released) == 1 and AllocationEvent.model_validate(released[0]).shares[0].total == 10 * GB
+    unknown = await handlers.release(LedgerReleaseRequest(allocation_id="al-nope", tenant="acme"))
+    assert isinstance(unknown, Rejected) and unknown.error.code == "not_found"
+
+
+async def test_renew_computes_the_lease_from_the_clock_and_stores_exactly_that() -> None:
+    handlers, store, _units = make(gpu("n/gpu0"))
+    allocation = await committed(handlers)
+    reply = await handlers.renew(LedgerRenewRequest(allocation_id=allocation, tenant="acme", lease_s=120))
+    assert reply == LedgerRenewReply(status="renewed", lease_expires_at=NOW + timedelta(seconds=120))
+    end = NOW + timedelta(hours=3)
+    await handlers.renew(LedgerRenewRequest(allocation_id=allocation, tenant="acme", lease_expires_at=end))
+    assert store.called("set_lease") == [
+        {"allocation_id": allocation, "expires_at": NOW + timedelta(seconds=120)},
+        {"allocation_id": allocation, "expires_at": end},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tenant", "lease_end", "code"),
+    [
+        ("acme", NOW - timedelta(seconds=1), "invalid_request"),  # in the past by the injected clock
+        ("globex", NOW + timedelta(hours=1), "forbidden"),
+    ],
+)
+async def test_renew_refusals_store_nothing(tenant: str, lease_end: datetime, code: str) -> None:
+    handlers, store, _units = make(gpu("n/gpu0"))
+    allocation = await committed(handlers)
+    reply = await handlers.renew(
+        LedgerRenewRequest(allocation_id=allocation, tenant=tenant, lease_expires_at=lease_end)
+    )
+    assert isinstance(reply, Rejected) and reply.error.code == code
+    assert store.called("set_lease") == []
+
+
+async def test_renewing_an_ended_allocation_is_a_conflict() -> None:
+    handlers, _store, _units = make(gpu("n/gpu0"))
+    allocation = await committed(handlers)
+    await handlers.release(LedgerReleaseRequest(allocation_id=allocation, tenant="acme"))
+    reply = await handlers.renew(LedgerRenewRequest(allocation_id=allocation, tenant="acme", lease_s=60))
+    assert isinstance(reply, Rejected) and reply.error.code == "conflict"
+
+
+async def test_the_sweeper_expires_what_the_store_finds_at_the_clocks_now() -> None:
+    handlers, store, units = make(gpu("n/gpu0"))
+    a, b = await committed(handlers, "a"), await committed(handlers, "b")
+    await handlers.release(LedgerReleaseRequest(allocation_id=b, tenant="acme"))
+    store.expired = [a, b]  # b ended meanwhile: skipped
+    assert await handlers.sweep_once() == 1
+    assert store.called("expired_ids") == [{"now": NOW, "limit": 500}]
+    assert [e["allocation_id"] for e in units.named("allocation_expired")] == [a]
+
+
+# -- snapshot --------------------------------------------------------------------------------------
+
+
+async def test_snapshot_passes_the_cursor_and_limit_through() -> None:
+    handlers, store, _units = make()
+    store.page = SnapshotPage([LedgerEntry(gpu("n/gpu3", reserved_gb=5), ("al-1",))], "n/gpu3")
+    reply = await handlers.snapshot(SnapshotRequest(node="n", cursor="n/gpu2", limit=1))
+    assert store.called("snapshot") == [{"node": "n", "after": "n/gpu2", "limit": 1}]
+    assert isinstance(reply, SnapshotReply) and reply.next_cursor == "n/gpu3"
+    (view,) = reply.accelerators
+    assert (view.id, view.hbm_reserved, view.hbm_reserved_bytes, view.hbm_usable_bytes) == (
+        "n/gpu3",
+        5 * GB,
+        5 * GB,
+        USABLE,
+    )
+    assert view.allocations == ["al-1"]
+    await handlers.snapshot(SnapshotRequest())
+    assert store.called("snapshot")[-1] == {"node": None, "after": None, "limit": 2048}
+
+
+# -- topology and telemetry events -----------------------------------------------------------------
+
+
+def profile_event(node: str, gpus: int) -> NodeProfileEvent:
+    return NodeProfileEvent.model_validate(
+        {
+            "node": node,
+            "region": "r1",
+            "kind": "fully_connected",
+            "fingerprint": "f",
+            "profile": {
+                "name": node,
+                "region": "r1",
+                "cluster": "c1",
+                "rack": "k1",
+                "sku": "H100-SXM-80GB",
+                "links": [["X" if i == j else "NV18" for j in range(gpus)] for i in range(gpus)],
+                "accelerators": [
+                    {"index": i, "sku": "H100-SXM-80GB", "hbm_bytes": 85_899_345_920} for i in range(gpus)
+                ],
+            },
+        }
+    )
+
+
+async def test_a_profiled_node_registers_usable_bytes_and_announces_them() -> None:
+    handlers, store, units = make()
+    uow = units.unit()
+    await handlers.on_node_profiled(uow=uow, event=envelope(), payload=profile_event("n", 2))
+    (call,) = store.called("upsert_capacity")
+    assert [(a.id, a.usable) for a in call["accelerators"]] == [
+        ("n/gpu0", usable_hbm(85_899_345_920, 0.92)),
+        ("n/gpu1", usable_hbm(85_899_345_920, 0.92)),
+    ]
+    ((_, env),) = uow.events
+    changed = CapacityChangedEvent.model_validate(env.payload)
+    assert changed.reason == "profiled" and [a.usable_bytes for a in changed.accelerators] == [79_027_398_246] * 2
+
+
+@pytest.mark.parametrize(("handler", "reason"), [("on_node_lost", "lost"), ("on_node_removed", "removed")])
+async def test_a_lost_or_removed_node_is_unavailable_flags_its_allocations_and_says_so(
+    handler: str, reason: str
+) -> None:
+    handlers, store, units = make(gpu("n/gpu0"), gpu("n/gpu1"), gpu("m/gpu0"))
+    store.flagged = ["al-7"]
+    uow = units.unit()
+    state = NodeStateEvent(node="n", region="r1", accelerators=["n/gpu0", "n/gpu1"])
+    await getattr(handlers, handler)(uow=uow, event=envelope(), payload=state)
+    assert store.called("set_node_available") == [{"node": "n", "available": False}]
+    names = [e.type for _, e in uow.events]
+    assert names == ["ledger.allocations_flagged", "ledger.capacity_changed"]
+    flagged = AllocationsFlaggedEvent.model_validate(uow.events[0][1].payload)
+    assert flagged.reason == f"node_{reason}" and flagged.allocation_ids == ["al-7"]
+    changed = CapacityChangedEvent.model_validate(uow.events[1][1].payload)
+    assert changed.reason == reason and [a.available for a in changed.accelerators] == [False, False]
+
+
+async def test_a_recovered_node_takes_commits_again() -> None:
+    handlers, store, units = make(gpu("n/gpu0", available=False))
+    uow = units.unit()
+    await handlers.on_node_recovered(
+        uow=uow, event=envelope(), payload=NodeStateEvent(node="n", region="r1", accelerators=[])
+    )
+    assert store.accelerators["n/gpu0"].available
+    assert [e.type for _, e in uow.events] == ["ledger.capacity_changed"]
+
+
+async def test_drift_is_emitted_once_per_episode() -> None:
+    handlers, _store, units = make(gpu("n/gpu0"), gpu("n/gpu1", reserved_gb=30), gpu("n/0.0"))
+    drifts: list[DriftEvent] = []
+    for used_gb in (30, 30, 30, 2, 30, 30):
+        uow = units.unit()
+        gpus = [GpuSample(index=0, memory_used_bytes=int(used_gb * GB)), GpuSample(index=1, memory_used_bytes=30 * GB)]
+        await handlers.on_gpu_telemetry(uow=uow, event=envelope(), payload=GpuTelemetryEvent(node="n", gpus=gpus))
+        drifts += [DriftEvent.model_validate(e.payload) for _, e in uow.events]
+    # gpu0: drift on the 2nd sample, the episode ends at 2 GB, a new one is reported on the 6th;
+    # gpu1 uses what it reserved; the TPU chip has no GPU index to match.
+    assert [(d.accelerator_id, d.difference_bytes) for d in drifts] == [("n/gpu0", 30 * GB), ("n/gpu0", 30 * GB)]

@@ -1,0 +1,360 @@
+"""PlacementHandlers with fakes: the real pure view (``FleetView``), a ledger that answers as each test
+scripts it, a unit of work that records its events, an in-memory decision store. No servers."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import pytest
+from opentelemetry import metrics
+from pydantic import BaseModel
+
+from services.placement.handlers import PlacementHandlers, PlacementMetrics
+from services.placement.store import DecisionStore
+from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
+from shared.contracts.envelope import EventEnvelope
+from shared.contracts.ledger import (
+    AcceleratorBalance,
+    CommitReply,
+    CommitRequest,
+    LedgerReleaseReply,
+    LedgerReleaseRequest,
+    LedgerRenewReply,
+    LedgerRenewRequest,
+)
+from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseRequest, RenewRequest
+from shared.contracts.placement_events import PlacementEvent
+from shared.contracts.subjects import Rpc, Subjects
+from shared.domain.fleet import AcceleratorId, tpu_chip_ids
+from shared.domain.memory import usable_hbm
+from shared.domain.placement.view import FleetView, LedgerAccelerator, LedgerMirror
+from shared.infra.rpc import RpcClient, RpcError
+from shared.infra.uow import UnitOfWork
+from tests.unit.placement.builders import models, node, skus, tpu_pod
+
+pytestmark = pytest.mark.asyncio
+
+T = TypeVar("T")
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+USABLE = usable_hbm(skus()["H100-SXM-80GB"].hbm_bytes)
+log = logging.getLogger("test.placement")
+
+
+# -- fakes -------------------------------------------------------------------------------------
+
+
+Answer = BaseModel | Exception | Callable[[BaseModel], BaseModel]
+
+
+class FakeRpc(RpcClient):
+    """Answers each subject from a script (a reply, an exception to raise, or a function of the
+    request); the last answer repeats. Records every request."""
+
+    def __init__(self, **script: list[Answer]) -> None:
+        super().__init__(lambda: None, Subjects("t"))  # type: ignore[arg-type, return-value]
+        self.script = {Rpc[name.upper()]: answers for name, answers in script.items()}
+        self.sent: list[tuple[Rpc, BaseModel]] = []
+        self.during_commit: Callable[[CommitRequest], None] | None = None
+
+    async def call(
+        self, rpc: Rpc, request: BaseModel, *, timeout_s: float | None = None, rejection_as_reply: bool = False
+    ) -> BaseModel:
+        self.sent.append((rpc, request))
+        if rpc is Rpc.LEDGER_COMMIT and self.during_commit is not None:
+            assert isinstance(request, CommitRequest)
+            self.during_commit(request)
+        answers = self.script[rpc]
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        if callable(answer) and not isinstance(answer, BaseModel):
+            return answer(request)
+        return answer
+
+    def requests(self, rpc: Rpc) -> list[Any]:
+        return [request for sent, request in self.sent if sent is rpc]
+
+
+class FakeUnitOfWork:
+    """Runs the work on a ``UnitOfWork`` with no session; keeps the events of work that completed."""
+
+    def __init__(self) -> None:
+        self.events: list[EventEnvelope] = []
+
+    async def run(self, work: Callable[[UnitOfWork], Awaitable[T]]) -> T:
+        uow = UnitOfWork(session=None, now=NOW, subjects=Subjects("t"), source="placement")  # type: ignore[arg-type]
+        result = await work(uow)  # an exception discards the events, as a rollback does
+        self.events.extend(event for _subject, event in uow.events)
+        return result
+
+    async def read(self, work: Callable[[Any], Awaitable[T]]) -> T:
+        return await work(None)
+
+    def names(self) -> list[str]:
+        return [e.type.rsplit(".", 1)[-1] for e in self.events]
+
+
+class FakeStore(DecisionStore):
+    def __init__(self) -> None:
+        self.replies: dict[tuple[str, str], PlaceReply] = {}
+        self.released: list[str] = []
+
+    async def find(self, *, session: Any, tenant: str, request_id: str) -> PlaceReply | None:
+        return self.replies.get((tenant, request_id))
+
+    async def record_placed(self, *, session: Any, tenant: str, reply: PlaceReply) -> None:
+        self.replies.setdefault((tenant, reply.request_id), reply)
+
+    async def mark_released(self, *, session: Any, allocation_id: str) -> None:
+        self.released.append(allocation_id)
+
+
+class FakeTimer:
+    def __init__(self) -> None:
+        self.ms = itertools.count(0.0, 0.25)
+
+    def __call__(self) -> float:
+        return next(self.ms)
+
+
+# -- builders ------------------------------------------------------------------------------------
+
+
+def fleet_view(*, nodes: tuple[str, ...] = ("n1",), pods: tuple[str, ...] = ()) -> FleetView:
+    rows = [
+        LedgerAccelerator(id=AcceleratorId.gpu(n, i), node=n, usable=USABLE, reserved=0)
+        for n in nodes
+        for i in range(8)
+    ]
+    tpu_hbm = usable_hbm(skus()["TPU-V5E"].hbm_bytes)
+    pod_list = [tpu_pod(p, shape=(4, 4)) for p in pods]
+    rows += [
+        LedgerAccelerator(id=c, node=p.name, usable=tpu_hbm, reserved=0) for p in pod_list for c in tpu_chip_ids(p)
+    ]
+    return FleetView(
+        skus=skus(),
+        models=models(),
+        nodes=[(node(n).nvswitch(8).profile(), True) for n in nodes],
+        pods=[(p, None) for p in pod_list],
+        ledger=LedgerMirror(rows),
+    )
+
+
+class Rig:
+    def __init__(self, rpc: FakeRpc, view: FleetView | None = None) -> None:
+        self.rpc = rpc
+        self.view = view or fleet_view()
+        self.uow = FakeUnitOfWork()
+        self.store = FakeStore()
+        self.handlers = PlacementHandlers(
+            view=self.view,
+            store=self.store,
+            uow=self.uow,  # type: ignore[arg-type]
+            rpc=rpc,
+            timer=FakeTimer(),
+            default_lease_s=3600,
+            metrics=PlacementMetrics.create(metrics.get_meter("test.placement")),
+        )
+
+    def reserved(self) -> dict[str, int]:
+        return {a: c.reserved for a, c in self.view.snapshot.capacity.items() if c.reserved}
+
+
+def place(rid: str = "r-1", **extra: Any) -> PlaceRequest:
+    body: dict[str, Any] = {
+        "request_id": rid,
+        "tenant": "acme",
+        "model": "llama3-8b",
+        "dtype": "bf16",
+        "context_tokens": 4096,
+        "concurrency": 4,
+        "backend": "gpu",
+        **extra,
+    }
+    return PlaceRequest.model_validate(body)
+
+
+def committed(allocation_id: str = "al-1") -> Callable[[BaseModel], BaseModel]:
+    def answer(request: BaseModel) -> CommitReply:
+        assert isinstance(request, CommitRequest)
+        return CommitReply(status="committed", request_id=request.request_id, allocation_id=allocation_id)
+
+    return answer
+
+
+def refused(code: ErrorCode, *, full: bool = True) -> Callable[[BaseModel], BaseModel]:
+    """The ledger refuses the commit; its view shows the asked GPUs full (a fresher view than ours)."""
+
+    def answer(request: BaseModel) -> CommitReply:
+        assert isinstance(request, CommitRequest)
+        view = [
+            AcceleratorBalance(id=s.accelerator_id, usable=USABLE, reserved=USABLE if full else 0, available=True)
+            for s in request.shares
+        ]
+        return CommitReply(
+            status="rejected",
+            request_id=request.request_id,
+            error=ErrorBody(code=code, message="HBM short"),
+            view=view,
+        )
+
+    return answer
+
+
+def accelerators(commit: CommitRequest) -> list[str]:
+    return [s.accelerator_id for s in commit.shares]
+
+
+# -- place -----------------------------------------------------------------------------------------
+
+
+async def test_a_placement_commits_once_and_keeps_its_bytes_in_the_view() -> None:
+    rig = Rig(FakeRpc(ledger_commit=[committed("al-1")]))
+    reply = await rig.handlers.place(place())
+    assert isinstance(reply, PlaceReply) and reply.status == "placed" and reply.allocation_id == "al-1"
+    (commit,) = rig.rpc.requests(Rpc.LEDGER_COMMIT)
+    assert commit.request_id == "placement/r-1" and commit.lease_s == 3600
+    assert commit.expected == dict.fromkeys(accelerators(commit), 0)
+    assert reply.hbm_per_accelerator is not None
+    assert rig.reserved() == dict.fromkeys(accelerators(commit), reply.hbm_per_accelerator.total)
+    # Its event, later, changes nothing: the allocation is counted once.
+    total = reply.hbm_per_accelerator.total
+    rig.view.allocation_moved("al-1", key=("acme", "placement/r-1"), delta=dict.fromkeys(accelerators(commit), total))
+    assert rig.reserved() == dict.fromkeys(accelerators(commit), reply.hbm_per_accelerator.total)
+    assert rig.uow.names() == ["placement_decided"]
+    event = PlacementEvent.model_validate(rig.uow.events[0].payload)
+    assert event.reply == reply and event.attempts == 1
+
+
+async def test_the_same_request_id_returns_the_stored_decision() -> None:
+    rig = Rig(FakeRpc(ledger_commit=[committed("al-1"), committed("al-2")]))
+    first = await rig.handlers.place(place("same"))
+    again = await rig.handlers.place(place("same"))
+    assert again == first
+    assert len(rig.rpc.requests(Rpc.LEDGER_COMMIT)) == 1
+
+
+async def test_a_conflict_decides_again_on_the_ledgers_fresher_figures() -> None:
+    rig = Rig(FakeRpc(ledger_commit=[refused(ErrorCode.CONFLICT), committed("al-2")]))
+    reply = await rig.handlers.place(place())
+    assert isinstance(reply, PlaceReply) and reply.status == "placed" and reply.allocation_id == "al-2"
+    first, second = rig.rpc.requests(Rpc.LEDGER_COMMIT)
+    assert not set(accelerators(first)) & set(accelerators(second))  # the refused GPUs are full per the ledger
+    assert "after 2 attempt(s)" in reply.explanation[-1]
+    assert PlacementEvent.model_validate(rig.uow.events[0].payload).attempts == 2
+
+
+async def test_conflicts_retry_four_times_then_answer_conflict() -> None:
+    rig = Rig(FakeRpc(ledger_commit=[refused(ErrorCode.CONFLICT, full=False)]))
+    reply = await rig.handlers.place(place())
+    assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.CONFLICT
+    assert len(rig.rpc.requests(Rpc.LEDGER_COMMIT)) == 4
+    assert rig.reserved() == {} and rig.view.assumed == 0
+    assert rig.uow.events == []
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        refused(ErrorCode.CONFLICT),
+        refused(ErrorCode.NO_CAPACITY),
+        rejected(ErrorCode.FORBIDDEN, "not yours"),
+        refused(ErrorCode.NOT_FOUND),
+        RpcError(Rpc.LEDGER_COMMIT, "no reply within 10 s"),
+        RuntimeError("the connection broke"),
+    ],
+    ids=["conflict", "no_capacity", "rejected", "not_found", "timeout", "exception"],
+)
+async def test_a_failed_commit_forgets_the_assumed_share(answer: Answer) -> None:
+    rig = Rig(FakeRpc(ledger_commit=[answer]))
+    seen: list[dict[str, int]] = []
+    rig.rpc.during_commit = lambda _commit: seen.append(rig.reserved())  # the share is assumed meanwhile
+    try:
+        reply = await rig.handlers.place(place())
+    except RuntimeError:
+        reply = None
+    assert seen and all(seen), "the decision was not assumed in the view while its commit was in flight"
+    assert rig.reserved() == {} and rig.view.assumed == 0
+    assert reply is None or reply.model_dump()["status"] == "rejected"
+
+
+async def test_a_timeout_answers_a_typed_refusal() -> None:
+    rig = Rig(FakeRpc(ledger_commit=[RpcError(Rpc.LEDGER_COMMIT, "no reply within 10 s")]))
+    reply = await rig.handlers.place(place())
+    assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.INTERNAL
+    assert "did not answer" in reply.error.message
+
+
+async def test_a_refusal_other_than_conflict_is_passed_on_without_retry() -> None:
+    rig = Rig(FakeRpc(ledger_commit=[rejected(ErrorCode.INVALID_REQUEST, "lease too long")]))
+    reply = await rig.handlers.place(place())
+    assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.INVALID_REQUEST
+    assert len(rig.rpc.requests(Rpc.LEDGER_COMMIT)) == 1
+
+
+async def test_nothing_fits_is_a_rejected_event_and_no_commit() -> None:
+    rig = Rig(FakeRpc(ledger_commit=[committed()]))
+    reply = await rig.handlers.place(place(model="llama3-405b", dtype="fp16", context_tokens=131072, concurrency=64))
+    assert isinstance(reply, PlaceReply) and reply.status == "rejected" and reply.error is not None
+    assert rig.rpc.requests(Rpc.LEDGER_COMMIT) == [] and rig.uow.names() == ["placement_rejected"]
+
+
+async def test_a_tpu_commit_reserves_exactly_the_slice_it_reports() -> None:
+    rig = Rig(FakeRpc(ledger_commit=[committed("al-t")]), fleet_view(nodes=(), pods=("p1",)))
+    reply = await rig.handlers.place(place(backend="tpu"))
+    assert isinstance(reply, PlaceReply) and reply.status == "placed" and reply.tpu_slice is not None
+    slice_ = reply.tpu_slice
+    reported = {
+        AcceleratorId.tpu(slice_.pod, (x, y))
+        for x in range(slice_.origin[0], slice_.origin[0] + slice_.shape[0])
+        for y in range(slice_.origin[1], slice_.origin[1] + slice_.shape[1])
+    }
+    (commit,) = rig.rpc.requests(Rpc.LEDGER_COMMIT)
+    assert set(accelerators(commit)) == reported
+    whole = rig.view.snapshot.tpu_pods["p1"].usable_per_chip
+    assert {s.weights for s in commit.shares} == {whole}
+
+
+async def test_explain_reserves_nothing() -> None:
+    rig = Rig(FakeRpc(ledger_commit=[committed()]))
+    reply = await rig.handlers.explain(place())
+    assert isinstance(reply, PlaceReply) and reply.status == "placed" and reply.allocation_id is None
+    assert reply.explanation[0].startswith("dry run")
+    assert rig.rpc.sent == [] and rig.uow.events == [] and rig.reserved() == {}
+
+
+# -- release / renew ---------------------------------------------------------------------------------
+
+
+async def test_release_goes_through_the_ledger_and_announces_it() -> None:
+    rig = Rig(FakeRpc(ledger_release=[LedgerReleaseReply(status="released")]))
+    reply = await rig.handlers.release(ReleaseRequest(allocation_id="al-1", tenant="acme"))
+    assert reply.model_dump()["status"] == "released"
+    assert rig.rpc.requests(Rpc.LEDGER_RELEASE) == [LedgerReleaseRequest(allocation_id="al-1", tenant="acme")]
+    assert rig.uow.names() == ["placement_released"] and rig.store.released == ["al-1"]
+
+
+async def test_a_refused_release_changes_nothing() -> None:
+    refusal = LedgerReleaseReply(status="rejected", error=ErrorBody(code=ErrorCode.FORBIDDEN, message="not yours"))
+    rig = Rig(FakeRpc(ledger_release=[refusal]))
+    reply = await rig.handlers.release(ReleaseRequest(allocation_id="al-1", tenant="globex"))
+    assert reply.model_dump()["error"]["code"] == "forbidden"
+    assert rig.uow.events == [] and rig.store.released == []
+
+
+async def test_renew_passes_exactly_the_requested_lease() -> None:
+    until = datetime(2026, 12, 1, 12, 20, 34, tzinfo=UTC)
+    rig = Rig(FakeRpc(ledger_renew=[LedgerRenewReply(status="renewed", lease_expires_at=until)]))
+    reply = await rig.handlers.renew(RenewRequest(allocation_id="al-1", tenant="acme", lease_s=1234))
+    assert rig.rpc.requests(Rpc.LEDGER_RENEW) == [LedgerRenewRequest(allocation_id="al-1", tenant="acme", lease_s=1234)]
+    assert reply.model_dump() == {"status": "renewed", "lease_expires_at": until, "error": None}
+
+
+async def test_renew_without_an_answer_is_a_typed_refusal() -> None:
+    rig = Rig(FakeRpc(ledger_renew=[RpcError(Rpc.LEDGER_RENEW, "no service answers this subject")]))
+    reply = await rig.handlers.renew(RenewRequest(allocation_id="al-1", tenant="acme", lease_s=60))
+    assert reply.model_dump()["status"] == "rejected"
