@@ -42,6 +42,7 @@ def wire(runtime: Runtime) -> Ctx:
         default_lease_s=settings.ledger_default_lease_s,
         sweep_period_s=settings.ledger_sweep_ms / 1000,
         drift=DriftDetector(threshold=settings.drift_threshold, consecutive=settings.drift_consecutive),
+        max_payload=lambda: runtime.nats.max_payload,
         log=runtime.log,
     )
     return Ctx(handlers=handlers, batcher=batcher)

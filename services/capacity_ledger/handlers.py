@@ -120,6 +120,7 @@ class LedgerHandlers:
         sweep_period_s: float,
         drift: DriftDetector,
         snapshot_limit: int = 2048,
+        max_payload: Callable[[], int] = lambda: 1 << 20,
         sweep_batch: int = 500,
         store: Store = store,
         new_id: Callable[[], str] = new_allocation_id,
@@ -134,6 +135,7 @@ class LedgerHandlers:
         self._sweep_period_s = sweep_period_s
         self._drift = drift
         self._snapshot_limit = snapshot_limit
+        self._max_payload = max_payload
         self._sweep_batch = sweep_batch
         self._new_id = new_id
         self._log = log or logging.getLogger("hetsched.capacity-ledger")
@@ -233,10 +235,14 @@ class LedgerHandlers:
                 session=session, node=request.node, after=request.cursor, limit=request.limit or self._snapshot_limit
             )
         )
-        return SnapshotReply(
-            accelerators=[mapping.ledger_view(e.capacity, e.allocations) for e in page.entries],
-            next_cursor=page.next_cursor,
-        )
+        views = [mapping.ledger_view(e.capacity, e.allocations) for e in page.entries]
+        reply = SnapshotReply(accelerators=views, next_cursor=page.next_cursor)
+        # A page must fit one NATS message, whatever limit was asked: keep halving and say where to go on.
+        budget = int(self._max_payload() * 0.9)
+        while len(views) > 1 and len(reply.model_dump_json()) > budget:
+            views = views[: len(views) // 2]
+            reply = SnapshotReply(accelerators=views, next_cursor=views[-1].id)
+        return reply
 
     # -- the lease sweeper ---------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from shared.contracts.base import Contract, ErrorBody, Request
+from shared.contracts.base import Contract, ErrorBody, Request, both_names
 
 
 class LedgerEvent(StrEnum):
@@ -29,20 +29,6 @@ ALLOCATION_EXPIRED = LedgerEvent.ALLOCATION_EXPIRED
 ALLOCATIONS_FLAGGED = LedgerEvent.ALLOCATIONS_FLAGGED
 CAPACITY_CHANGED = LedgerEvent.CAPACITY_CHANGED
 DRIFT_DETECTED = LedgerEvent.DRIFT_DETECTED
-
-
-def both_names(data: Any, pairs: tuple[tuple[str, str], ...]) -> Any:
-    """Fill a byte field's older name from its ``_bytes`` name or the other way round, so a reader
-    accepts either and both are emitted (API.md's names stay; the suffixed ones are added)."""
-    if not isinstance(data, dict):
-        return data
-    out = dict(data)
-    for old, new in pairs:
-        if old not in out and new in out:
-            out[old] = out[new]
-        elif new not in out and old in out:
-            out[new] = out[old]
-    return out
 
 
 class SnapshotRequest(Request):

@@ -11,7 +11,6 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, ValidationError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared.contracts.base import CONTRACT_MAJOR_VERSION, ErrorCode, Rejected, Request, major_version, rejected
 from shared.contracts.envelope import EventEnvelope
@@ -25,7 +24,6 @@ log = logging.getLogger("hetsched.bus")
 
 RequestT = TypeVar("RequestT", bound=Request)
 Handler = Callable[[RequestT], Awaitable[BaseModel]]
-EventHandler = Callable[[AsyncSession, EventEnvelope], Awaitable[None]]
 # called as handler(uow=UnitOfWork, event=EventEnvelope, payload=<contract model>)
 TypedEventHandler = Callable[..., Awaitable[None]]
 
@@ -112,28 +110,6 @@ async def dispatch(raw: bytes, model: type[RequestT], handler: Handler[RequestT]
     except Exception:
         log.exception("request handler failed", extra={"model": model.__name__})
         return _encode(rejected(ErrorCode.INTERNAL, "internal error; the server logged it"))
-
-
-def idempotent(
-    *, sessions: async_sessionmaker[AsyncSession], schema: str, consumer: str, handler: EventHandler
-) -> Callable[[bytes], Awaitable[None]]:
-    """Wrap an event handler so each event id is applied once, in one transaction with its effects.
-
-    A message that is not an envelope is logged and dropped (redelivering it cannot help); an
-    exception from the handler propagates so the subscriber's ack policy redelivers it.
-    """
-
-    async def on_message(raw: bytes) -> None:
-        try:
-            event = EventEnvelope.model_validate_json(raw)
-        except ValidationError as exc:
-            log.warning("dropping a message that is not an event envelope", extra={"error": str(exc)[:300]})
-            return
-        async with sessions() as session, session.begin():
-            if await claim(session=session, schema=schema, consumer=consumer, event_id=event.event_id):
-                await handler(session, event)
-
-    return on_message
 
 
 def consume(

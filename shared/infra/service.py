@@ -38,7 +38,7 @@ from shared.contracts.base import ErrorCode, Request, rejected
 from shared.contracts.health import HealthReply, HealthRequest
 from shared.contracts.streams import stream_name, stream_specs
 from shared.contracts.subjects import Context, Rpc, Subjects
-from shared.infra.bus import EventHandler, TypedEventHandler, consume, ensure_streams, idempotent
+from shared.infra.bus import TypedEventHandler, consume, ensure_streams
 from shared.infra.clock import Clock, system_clock
 from shared.infra.db import make_engine, make_sessions, service_database_url
 from shared.infra.outbox import OutboxRelay
@@ -111,7 +111,7 @@ EVENT_BATCH = 64
 EVENT_FETCH_TIMEOUT_S = 1.0
 REDELIVERY_DELAY_S = 0.5
 
-# Factories take the service's Ctx (what ``wire`` built), or the Runtime for a definition without ``wire``.
+# Factories and hooks take the service's Ctx: what its ``wire`` built once.
 RouteFactory = Callable[[Any], Callable[[Any], Awaitable[BaseModel]]]
 Hook = Callable[[Any], Awaitable[None]]
 
@@ -141,16 +141,6 @@ class Consumer:
 
 
 @dataclass(frozen=True)
-class EventRoute:
-    """A durable consumer of raw envelopes (``event`` may be ``*``); prefer ``Consumer``."""
-
-    context: Context
-    event: str
-    durable: str
-    factory: Callable[[Any], EventHandler]
-
-
-@dataclass(frozen=True)
 class Loop:
     """A background loop for the life of the service (a sweeper, a detector)."""
 
@@ -166,11 +156,10 @@ class ServiceDefinition:
     routes: tuple[Route, ...] = ()
     on_start: tuple[Hook, ...] = ()
     on_stop: tuple[Hook, ...] = ()
-    events: tuple[EventRoute, ...] = ()
     consumers: tuple[Consumer, ...] = ()
     loops: tuple[Loop, ...] = ()
     # Builds the service's objects once per app; every factory and hook then receives what it returns.
-    wire: Callable[[Runtime], Any] | None = None
+    wire: Callable[[Runtime], Any] = lambda runtime: runtime
     # Other subscriptions (core NATS, e.g. heartbeats), wired with the context.
     extra: Callable[[NatsBroker, Any], None] | None = None
     # Extra health checks (name -> "ok" or why not), e.g. how stale a read model is.
@@ -264,19 +253,6 @@ def _event_loop(runtime: Runtime, *, subject: str, context: Context, durable: st
     )
 
 
-def _subscribe_events(runtime: Runtime, route: EventRoute, ctx: Any) -> _EventLoop:
-    apply = idempotent(
-        sessions=runtime.sessions, schema=runtime.schema, consumer=route.durable, handler=route.factory(ctx)
-    )
-    return _event_loop(
-        runtime,
-        subject=runtime.subjects.event(route.context, route.event),
-        context=route.context,
-        durable=_durable(runtime, route.durable),
-        apply=apply,
-    )
-
-
 def _subscribe_consumer(runtime: Runtime, consumer: Consumer, ctx: Any) -> _EventLoop:
     handlers = {name: factory(ctx) for name, factory in consumer.on.items()}
     subject = (
@@ -348,7 +324,7 @@ def build_app(
         uses_database=database,
     )
     holder.append(runtime)
-    ctx: Any = definition.wire(runtime) if definition.wire is not None else runtime
+    ctx: Any = definition.wire(runtime)
     queue = f"{settings.subject_prefix}.{definition.schema}"
     requests = RequestServer()
     extra_checks = (lambda: definition.checks(ctx)) if definition.checks is not None else None  # type: ignore[misc]
@@ -358,8 +334,7 @@ def build_app(
     for route in definition.routes:
         handler = route.factory(ctx) if route.factory else _not_implemented(definition.name, route.rpc)
         requests.add(Endpoint(runtime.subjects.rpc(route.rpc), queue, route.model, handler, settings.request_workers))
-    event_loops = [_subscribe_events(runtime, route, ctx) for route in definition.events]
-    event_loops += [_subscribe_consumer(runtime, consumer, ctx) for consumer in definition.consumers]
+    event_loops = [_subscribe_consumer(runtime, consumer, ctx) for consumer in definition.consumers]
     if definition.extra is not None:
         definition.extra(broker, ctx)
 

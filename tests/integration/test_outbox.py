@@ -17,11 +17,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.streams import stream_name, stream_specs
 from shared.contracts.subjects import Context, Subjects
-from shared.infra.bus import ensure_streams, idempotent
+from shared.infra.bus import consume, ensure_streams
 from shared.infra.db import make_engine, make_sessions
 from shared.infra.outbox import OutboxRelay, enqueue
 from shared.infra.settings import Settings
 from shared.infra.tables import outbox_table
+from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 SCHEMA = "ledger"
@@ -145,13 +146,21 @@ async def test_idempotent_consumer_applies_a_redelivered_event_once(
     await js.publish(subject, body, headers={"Nats-Msg-Id": f"{event.event_id}-a"})
     await js.publish(subject, body, headers={"Nats-Msg-Id": f"{event.event_id}-b"})
 
-    async def apply(session: AsyncSession, ev: EventEnvelope) -> None:
-        await session.execute(
+    async def apply(*, uow: UnitOfWork, event: EventEnvelope, payload: object) -> None:
+        await uow.session.execute(
             text("INSERT INTO public.probe_state VALUES (:id, 1) ON CONFLICT (id) DO UPDATE SET n = probe_state.n + 1"),
-            {"id": ev.event_id},
+            {"id": event.event_id},
         )
 
-    handler = idempotent(sessions=sessions, schema=SCHEMA, consumer="probe-consumer", handler=apply)
+    handler = consume(
+        uow=UnitOfWorkFactory(
+            sessions=sessions, schema=SCHEMA, source="probe", subjects=Subjects(settings.subject_prefix)
+        ),
+        schema=SCHEMA,
+        consumer="probe-consumer",
+        context=Context.LEDGER,
+        handlers={"idem_probe": apply},
+    )
     stream = stream_name(Context.LEDGER, stream_prefix=settings.stream_prefix)
     sub = await js.pull_subscribe(subject, durable=f"probe-{uuid.uuid4().hex[:8]}", stream=stream)
     handled = 0

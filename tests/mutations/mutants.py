@@ -105,4 +105,21 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="            if streak >= self.consecutive:\n",
         tests=(LEDGER_DOMAIN, LEDGER_UNIT, LEDGER_IT),
     ),
+    Mutant(
+        name="view_counts_twice",
+        what="placement's view counts an allocation again when its commit is seen twice",
+        file="shared/domain/placement/view.py",
+        find="            if (nbytes > 0) == (pair in self._held) or not nbytes:\n",
+        replace="            if not nbytes:\n",
+        tests=("tests/unit/placement/test_view.py", PLACEMENT_IT),
+    ),
+    Mutant(
+        name="cross_schema_read",
+        what="placement reads the ledger's table instead of learning from its events",
+        file="services/placement/store.py",
+        find='        """The reply a placed request got, if this (tenant, request id) was placed before."""\n',
+        replace='        """The reply a placed request got, if this (tenant, request id) was placed before."""\n'
+        '        await session.execute(__import__("sqlalchemy").text("SELECT count(*) FROM ledger.allocations"))\n',
+        tests=("tests/unit/test_schema_ownership.py", PLACEMENT_IT),
+    ),
 )

@@ -186,7 +186,7 @@ def gpu(acc_id: str, *, reserved_gb: float = 0, available: bool = True) -> Accel
 
 
 def make(
-    *accelerators: AcceleratorCapacity, now: datetime = NOW, batcher: Any = None
+    *accelerators: AcceleratorCapacity, now: datetime = NOW, batcher: Any = None, max_payload: int = 1 << 20
 ) -> tuple[LedgerHandlers, FakeStore, FakeUnits]:
     store = FakeStore(accelerators={a.id: a for a in accelerators})
     units = FakeUnits(lambda: now)
@@ -201,6 +201,7 @@ def make(
         drift=DriftDetector(threshold=0.10, consecutive=2),
         store=store,
         new_id=lambda: next(ids),
+        max_payload=lambda: max_payload,
     )
     return handlers, store, units
 
@@ -449,3 +450,13 @@ async def test_drift_is_emitted_once_per_episode() -> None:
     # gpu0: drift on the 2nd sample, the episode ends at 2 GB, a new one is reported on the 6th;
     # gpu1 uses what it reserved; the TPU chip has no GPU index to match.
     assert [(d.accelerator_id, d.difference_bytes) for d in drifts] == [("n/gpu0", 30 * GB), ("n/gpu0", 30 * GB)]
+
+
+async def test_a_snapshot_page_too_big_for_one_message_is_cut_and_says_where_to_go_on() -> None:
+    handlers, store, _units = make(max_payload=20_000)
+    store.page = SnapshotPage([LedgerEntry(gpu(f"n{i:04d}/gpu0"), ()) for i in range(400)], None)
+    reply = await handlers.snapshot(SnapshotRequest(limit=400))
+    assert isinstance(reply, SnapshotReply)
+    # 400 views are ~100 kB of JSON; the page is halved until it fits 90% of the 20 kB payload limit.
+    assert 1 <= len(reply.accelerators) < 400 and len(reply.model_dump_json()) <= 18_000
+    assert reply.next_cursor == reply.accelerators[-1].id  # the next page starts after the last one sent
