@@ -111,6 +111,25 @@ class LedgerHarness:
             proc.wait(timeout=30)
 
     async def __aenter__(self) -> LedgerHarness:
+        try:
+            return await self._start()
+        except BaseException:
+            await self.__aexit__()  # leave no service, database or stream behind
+            raise
+
+    async def snapshot_ids(self) -> list[str]:
+        """Every accelerator the ledger knows, following the snapshot's pages."""
+        ids: list[str] = []
+        cursor: str | None = None
+        while True:
+            body: dict[str, Any] = {"limit": 20_000, **({"cursor": cursor} if cursor else {})}
+            page = await self.call(Rpc.LEDGER_SNAPSHOT, body, timeout=5)
+            ids += [a["id"] for a in page.get("accelerators", [])]
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return ids
+
+    async def _start(self) -> LedgerHarness:
         self.database_url = await self.servers.create_database(self.database)
         await asyncio.to_thread(upgrade, self.database_url)
         fleet = self.workdir / "stress-fleet.yaml"
@@ -124,9 +143,9 @@ class LedgerHarness:
         deadline = time.monotonic() + 60
         while True:
             try:
-                snap = await self.call(Rpc.LEDGER_SNAPSHOT, {"limit": 20_000}, timeout=5)
-                if len(snap.get("accelerators", [])) >= want:
-                    self.accelerators = [a["id"] for a in snap["accelerators"]]
+                ids = await self.snapshot_ids()
+                if len(ids) >= want:
+                    self.accelerators = ids
                     return self
             except Exception:
                 pass
@@ -137,7 +156,8 @@ class LedgerHarness:
     async def __aexit__(self, *exc: object) -> None:
         for package in list(self.procs):
             self.stop(package)
-        await self.nc.close()
+        if getattr(self, "nc", None) is not None:
+            await self.nc.close()
         await self.servers.drop_database(self.database)
         await self.servers.delete_streams()
 
