@@ -15,7 +15,8 @@ from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from hetsched.stack import Stack, read_state, wait_healthy
+from hetsched.deadletter_cli import app as deadletter_app
+from hetsched.stack import ServerDied, Stack, read_state, server_liveness, wait_healthy
 from services.registry import SERVICES
 from shared.contracts.base import Rejected
 from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseReply, ReleaseRequest
@@ -30,6 +31,7 @@ DataDirOption = Annotated[
 app = typer.Typer(help="hetsched: places LLM inference on heterogeneous GPU/TPU fleets.", no_args_is_help=True)
 console = Console()
 err = Console(stderr=True)
+app.add_typer(deadletter_app, name="deadletter")
 
 
 def _settings(data_dir: Path | None = None) -> Settings:
@@ -88,6 +90,7 @@ def up(
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     started = time.monotonic()
+    died: ServerDied | None = None
     try:
         stack.start_servers()
         if stop_requested:
@@ -114,10 +117,16 @@ def up(
         while not stop_requested:
             stack.supervise_once()
             time.sleep(0.2)
+    except ServerDied as exc:
+        died = exc
+        err.print(f"[bold red]!!! {exc}: stopping the stack[/bold red]")
     finally:
         console.print("stopping...")
         stack.stop()
         console.print("stopped")
+    if died is not None:
+        err.print(f"[bold red]hetsched up exits: embedded {died.server} died[/bold red]")
+        raise typer.Exit(3)
 
 
 @app.command()
@@ -133,11 +142,18 @@ def status(
     except Exception as exc:
         health = {p: {"status": "down", "error": f"NATS unreachable: {type(exc).__name__}"} for p in SERVICES}
     services = {SERVICES[p].name: r for p, r in health.items()}
-    report: dict[str, Any] = {"nats_url": nats_url, "database_url": database_url, "services": services}
+    report: dict[str, Any] = {
+        "nats_url": nats_url,
+        "database_url": database_url,
+        "servers": server_liveness(read_state(settings) or {}),
+        "services": services,
+    }
     if as_json:
         print(json.dumps(report, indent=2))
     else:
         console.print(f"NATS      {nats_url}\nPostgres  {database_url}")
+        for server, live in report["servers"].items():
+            console.print(f"embedded {server}: pid {live['pid']} {'running' if live['running'] else 'NOT RUNNING'}")
         table = Table("service", "status", "version", "checks")
         for name, reply in services.items():
             table.add_row(

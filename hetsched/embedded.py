@@ -44,12 +44,25 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+def _listens(proc: subprocess.Popen[bytes], port: int) -> bool:
+    """Whether ``proc`` itself listens on ``port`` (not some other process holding it)."""
+    import psutil
+
+    try:
+        conns = psutil.Process(proc.pid).net_connections(kind="inet")
+    except psutil.AccessDenied:
+        return True  # cannot tell: the port answering must do
+    except psutil.NoSuchProcess:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
+
+
 def _wait_port(host: str, port: int, *, proc: subprocess.Popen[bytes], deadline_s: float, what: str) -> None:
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with code {proc.returncode} before listening")
-        if port_open(host, port):
+        if port_open(host, port) and _listens(proc, port):
             return
         time.sleep(0.05)
     raise RuntimeError(f"{what} did not listen on {host}:{port} within {deadline_s}s")
@@ -102,6 +115,8 @@ class EmbeddedNats:
             stderr=subprocess.STDOUT,
             preexec_fn=child_preexec,
         )
+        if not isinstance(out, int):
+            out.close()  # the child has its own copy; a restart must not leak one per start
         _wait_port("127.0.0.1", self.port, proc=self.proc, deadline_s=20, what="nats-server")
         return self
 
@@ -239,6 +254,8 @@ class EmbeddedPostgres:
             cwd=self.pgdata,
             preexec_fn=child_preexec,
         )
+        if not isinstance(out, int):
+            out.close()  # the child has its own copy; a restart must not leak one per start
         _wait_port("127.0.0.1", self.port, proc=self.proc, deadline_s=60, what="postgres")
         self._wait_ready()
         return self

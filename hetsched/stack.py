@@ -27,6 +27,18 @@ from shared.infra.settings import Settings
 
 STATE_FILE = "stack.json"
 DATABASE_NAME = "hetsched"
+SERVER_RESTART_ATTEMPTS = 3
+"""Tries to bring a dead embedded server back (same port, same data) before `up` gives up."""
+SERVER_RESTART_BACKOFF_S = 1.0
+"""Wait before the second try, doubled each time: a killed Postgres's backends need a moment to exit."""
+
+
+class ServerDied(RuntimeError):
+    """An embedded server died and could not be restarted: `up` stops everything and exits non-zero."""
+
+    def __init__(self, server: str, message: str) -> None:
+        super().__init__(message)
+        self.server = server
 
 
 @dataclass
@@ -50,6 +62,25 @@ def read_state(settings: Settings) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     return state
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def server_liveness(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The embedded servers a state file names: ``{"nats": {"pid": .., "running": ..}, ...}``."""
+    pids = state.get("servers") or {}
+    return {
+        name: {"pid": pids[f"{name}_pid"], "running": _running(int(pids[f"{name}_pid"]))}
+        for name in ("nats", "postgres")
+        if pids.get(f"{name}_pid")
+    }
 
 
 HEALTH_PROBE_TIMEOUT_S = 1.0
@@ -134,20 +165,21 @@ class Stack:
         return env
 
     def _spawn(self, package: str) -> subprocess.Popen[bytes]:
-        log = open(self.settings.data_dir / "logs" / f"{package}.log", "ab")
-        return subprocess.Popen(
-            [sys.executable, "-m", module_of(package)],
-            env=self._child_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=child_preexec,
-        )
+        with open(self.settings.data_dir / "logs" / f"{package}.log", "ab") as log:  # the child keeps its copy
+            return subprocess.Popen(
+                [sys.executable, "-m", module_of(package)],
+                env=self._child_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=child_preexec,
+            )
 
     def start_services(self) -> None:
         for package in SERVICES:
             self.children[package] = Child(package=package, proc=self._spawn(package))
 
     def write_state(self) -> None:
+        """The state file, replaced atomically: `status` and tests never read half of it."""
         state = {
             "pid": os.getpid(),
             "nats_url": self.nats_url,
@@ -160,11 +192,60 @@ class Stack:
             },
             "services": {p: c.proc.pid for p, c in self.children.items()},
         }
-        state_path(self.settings).write_text(json.dumps(state, indent=2))
+        path = state_path(self.settings)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(path)
 
     # -- supervise ---------------------------------------------------------------------------
+    def supervise_servers(self) -> None:
+        """Restart an embedded server that died, on its port with its data (services reconnect by
+        themselves); raise ``ServerDied`` naming it when it cannot be brought back. ``poll()`` reaps it."""
+        servers: list[tuple[str, EmbeddedNats | EmbeddedPostgres | None]] = [
+            ("nats-server", self.nats),
+            ("postgres", self.postgres),
+        ]
+        for name, server in servers:
+            if server is None or server.proc is None or self._stopping:
+                continue
+            code = server.proc.poll()
+            if code is None:
+                continue
+            old_pid = server.proc.pid
+            self.echo(
+                f"[bold red]!!! embedded {name} (pid {old_pid}) died with exit code {code}; "
+                f"restarting it on port {server.port} with the same data[/bold red]"
+            )
+            self._restart_server(name, server, code=code)
+            assert server.proc is not None
+            self.echo(f"[bold yellow]embedded {name} restarted: pid {old_pid} -> {server.proc.pid}[/bold yellow]")
+            self.write_state()
+
+    def _restart_server(self, name: str, server: EmbeddedNats | EmbeddedPostgres, *, code: int) -> None:
+        log = self.settings.data_dir / "logs" / ("nats.log" if name == "nats-server" else "postgres.log")
+        backoff = SERVER_RESTART_BACKOFF_S
+        why = ""
+        for attempt in range(1, SERVER_RESTART_ATTEMPTS + 1):
+            try:
+                server.start(log_file=log)
+                return
+            except (RuntimeError, OSError) as exc:
+                why = str(exc)
+                self.echo(f"[red]restart {attempt}/{SERVER_RESTART_ATTEMPTS} of embedded {name} failed: {why}[/red]")
+                if server.proc is not None:
+                    stop_process(server.proc, sig=signal.SIGKILL, timeout_s=5)  # a half-started one, reaped
+                if attempt < SERVER_RESTART_ATTEMPTS:
+                    time.sleep(backoff)
+                    backoff *= 2
+        raise ServerDied(
+            name,
+            f"embedded {name} died (exit code {code}) and could not be restarted on port {server.port}: {why}",
+        )
+
     def supervise_once(self) -> None:
-        """Restart a service that died (with a backoff that grows with its restarts)."""
+        """Bring back a dead embedded server, then restart a service that died (with a backoff that grows
+        with its restarts)."""
+        self.supervise_servers()
         for child in self.children.values():
             code = child.proc.poll()
             if code is None or self._stopping:

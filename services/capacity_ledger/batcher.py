@@ -5,11 +5,19 @@ flush, fewer round trips), which is what lets one ledger sustain thousands of co
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from shared.contracts.ledger import CommitReply, CommitRequest
+from shared.infra import deadline
 
-ApplyBatch = Callable[[Sequence[CommitRequest]], Awaitable[list[CommitReply]]]
+
+class ApplyBatch(Protocol):
+    """Applies commits in one transaction; ``deadlines``: each commit's caller's deadline (epoch ms)."""
+
+    async def __call__(
+        self, requests: Sequence[CommitRequest], *, deadlines: Sequence[float | None] | None = None
+    ) -> list[CommitReply]: ...
 
 
 class CommitBatcher:
@@ -17,14 +25,15 @@ class CommitBatcher:
     ``lanes`` concurrent loops.
 
     If a batch fails as a whole (an unexpected database error), each of its commits is retried alone,
-    so one bad commit cannot take others down with it.
+    so one bad commit cannot take others down with it. Each commit carries its caller's deadline
+    (the lanes run outside the request's task, so the context variable does not reach them).
     """
 
     def __init__(self, *, max_batch: int = 256, lanes: int = 2) -> None:
         self._apply: ApplyBatch | None = None
         self._max = max_batch
         self._lanes = lanes
-        self._queue: asyncio.Queue[tuple[CommitRequest, asyncio.Future[CommitReply]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[CommitRequest, asyncio.Future[CommitReply], float | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self.batches = 0
         self.commits = 0
@@ -42,7 +51,7 @@ class CommitBatcher:
         if self._apply is None:
             raise RuntimeError("the commit batcher has not been started")
         future: asyncio.Future[CommitReply] = asyncio.get_running_loop().create_future()
-        await self._queue.put((request, future))
+        await self._queue.put((request, future, deadline.current()))
         return await future
 
     async def _lane(self) -> None:
@@ -55,17 +64,17 @@ class CommitBatcher:
             self.batches += 1
             self.commits += len(items)
             try:
-                replies = await apply([request for request, _ in items])
+                replies = await apply([item[0] for item in items], deadlines=[item[2] for item in items])
             except Exception:
                 replies = None
             if replies is not None:
-                for (_, future), reply in zip(items, replies, strict=True):
+                for (_, future, _until), reply in zip(items, replies, strict=True):
                     if not future.done():
                         future.set_result(reply)
                 continue
-            for request, future in items:
+            for request, future, until in items:
                 try:
-                    (reply,) = await apply([request])
+                    (reply,) = await apply([request], deadlines=[until])
                     if not future.done():
                         future.set_result(reply)
                 except Exception as exc:

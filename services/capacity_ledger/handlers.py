@@ -37,6 +37,7 @@ from shared.contracts.topology import GpuTelemetryEvent, NodeProfileEvent, NodeS
 from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.fleet import AcceleratorId, TpuPod, tpu_chip_ids
 from shared.domain.ledger import (
+    MAX_LEASE_S,
     Access,
     AllocationRecord,
     AllocationState,
@@ -47,6 +48,7 @@ from shared.domain.ledger import (
     ExistingAllocation,
     Refused,
     ReplicaPool,
+    lease_too_long,
     may_change,
     plan_commits,
     renewal_end,
@@ -54,6 +56,7 @@ from shared.domain.ledger import (
 )
 from shared.domain.memory import usable_hbm
 from shared.domain.topology.tpu import TpuType
+from shared.infra import deadline
 from shared.infra.clock import Clock
 from shared.infra.uow import UnitOfWork
 
@@ -106,6 +109,14 @@ def new_allocation_id() -> str:
     return f"al-{uuid.uuid4().hex}"
 
 
+def _live_commits(
+    requests: Sequence[CommitRequest], deadlines: Sequence[float | None] | None
+) -> Callable[[], list[bool]]:
+    """Asked now, which commits' callers are still waiting (no deadline: always)."""
+    until = list(deadlines) if deadlines is not None else [None] * len(requests)
+    return lambda: [d is None or deadline.now_ms() < d for d in until]
+
+
 class LedgerHandlers:
     """Commit / release / renew / snapshot, the lease sweeper, and the topology and telemetry events."""
 
@@ -144,14 +155,25 @@ class LedgerHandlers:
 
     async def commit(self, request: CommitRequest) -> BaseModel:
         """One commit, applied together with the commits that arrive meanwhile (group commit)."""
+        if deadline.expired():  # the caller has gone: reserve nothing it would never learn of
+            return mapping.abandoned_reply(request.request_id)
         return await self._batcher.submit(request)
 
     async def commit_batch(self, request: CommitBatchRequest) -> BaseModel:
-        return CommitBatchReply(results=await self.apply_commits(request.commits))
+        until = [deadline.current()] * len(request.commits)
+        return CommitBatchReply(results=await self.apply_commits(request.commits, deadlines=until))
 
-    async def apply_commits(self, requests: Sequence[CommitRequest]) -> list[CommitReply]:
-        """Commits in one transaction, each all-or-nothing on its own; one reply per commit, in order."""
+    async def apply_commits(
+        self, requests: Sequence[CommitRequest], *, deadlines: Sequence[float | None] | None = None
+    ) -> list[CommitReply]:
+        """Commits in one transaction, each all-or-nothing on its own; one reply per commit, in order.
+        A commit whose caller's deadline (``deadlines``, epoch ms, per commit) has passed once the
+        accelerators are locked is left out: nothing is reserved for a caller who gave up."""
+        live = _live_commits(requests, deadlines)
+        if not any(live()):
+            return [mapping.abandoned_reply(r.request_id) for r in requests]
         intents = [mapping.intent(r) for r in requests]
+        gone: set[int] = set()
 
         async def work(uow: UnitOfWork) -> tuple[CommitPlan, list[store.NewAllocation]]:
             existing = await self._store.existing_allocations(session=uow.session, keys=[i.key for i in intents])
@@ -161,8 +183,11 @@ class LedgerHandlers:
             parents = await self._store.lock_replica_pools(
                 session=uow.session, ids=[i.parent_id for i in intents if i.parent_id]
             )
+            gone.clear()
+            gone.update(i for i, alive in enumerate(live()) if not alive)  # re-checked after the locks
+            planned = [i for n, i in enumerate(intents) if n not in gone]
             plan = plan_commits(
-                intents,
+                planned,
                 view=view,
                 existing=existing,
                 parents=parents,
@@ -171,7 +196,7 @@ class LedgerHandlers:
             )
             new = [
                 store.NewAllocation(
-                    id=self._new_id(), intent=intents[i], lease_expires_at=o.lease_expires_at, created_at=uow.now
+                    id=self._new_id(), intent=planned[i], lease_expires_at=o.lease_expires_at, created_at=uow.now
                 )
                 for i, o in plan.accepted
             ]
@@ -188,8 +213,13 @@ class LedgerHandlers:
 
         plan, new = await self._uow.run(work)
         written = iter(new)
+        outcomes = iter(plan.outcomes)
         replies: list[CommitReply] = []
-        for intent, outcome in zip(intents, plan.outcomes, strict=True):
+        for n, intent in enumerate(intents):
+            if n in gone:
+                replies.append(mapping.abandoned_reply(intent.request_id))
+                continue
+            outcome = next(outcomes)
             if isinstance(outcome, Refused):
                 replies.append(mapping.refused_reply(intent.request_id, outcome))
             elif isinstance(outcome, Duplicate):
@@ -209,9 +239,12 @@ class LedgerHandlers:
         return LedgerReleaseReply(status="released", already=access is Access.ENDED)
 
     async def renew(self, request: LedgerRenewRequest) -> BaseModel:
-        end = renewal_end(now=self._clock(), lease_s=request.lease_s, lease_expires_at=request.lease_expires_at)
+        now = self._clock()
+        end = renewal_end(now=now, lease_s=request.lease_s, lease_expires_at=request.lease_expires_at)
         if end is None:
             return rejected(ErrorCode.INVALID_REQUEST, "the new lease ends in the past")
+        if lease_too_long(end, now=now):
+            return rejected(ErrorCode.INVALID_REQUEST, f"the new lease is longer than {MAX_LEASE_S // 86400} days")
 
         async def work(uow: UnitOfWork) -> Access:
             allocation = await self._store.lock_allocation(session=uow.session, allocation_id=request.allocation_id)

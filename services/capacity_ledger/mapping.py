@@ -115,6 +115,17 @@ def ended_event(ended: EndedAllocation) -> AllocationEvent:
     )
 
 
+def abandoned_reply(request_id: str) -> CommitReply:
+    """A commit left out because its caller's deadline passed (it reserved nothing; a retry is safe)."""
+    return CommitReply(
+        status="rejected",
+        request_id=request_id,
+        error=ErrorBody(
+            code=ErrorCode.DEADLINE_EXCEEDED, message="the caller's deadline passed before the commit; nothing reserved"
+        ),
+    )
+
+
 def refused_reply(request_id: str, outcome: Refused) -> CommitReply:
     view = balances(outcome.view) if outcome.view is not None else []
     details = {"view": [b.model_dump() for b in view]} if outcome.view is not None else None

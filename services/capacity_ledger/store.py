@@ -152,7 +152,7 @@ async def existing_allocations(
     rows = (
         await session.execute(
             text(
-                "SELECT a.id, a.tenant, a.request_id, a.lease_expires_at, "
+                "SELECT a.id, a.tenant, a.request_id, a.lease_expires_at, a.state, "
                 "COALESCE(json_agg(json_build_array(s.accelerator_id, s.weights, s.kv, s.activation, s.workspace)) "
                 "FILTER (WHERE s.accelerator_id IS NOT NULL), '[]') AS shares "
                 "FROM ledger.allocations a LEFT JOIN ledger.shares s ON s.allocation_id = a.id "
@@ -170,6 +170,7 @@ async def existing_allocations(
             id=r["id"],
             lease_expires_at=r["lease_expires_at"],
             shares=tuple((s[0], _share(s[1], s[2], s[3], s[4])) for s in shares),
+            state=r["state"],
         )
     return out
 

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from faststream import FastStream
 from opentelemetry import metrics
 
-from services.placement.handlers import PlacementHandlers, PlacementMetrics
+from services.placement.handlers import Ownership, PlacementHandlers, PlacementMetrics
 from services.placement.readmodel import ReadModel
 from services.placement.store import DecisionStore
 from services.placement.tables import SCHEMA
+from shared.contracts.ledger import LedgerEvent
 from shared.contracts.placement import AdmitRequest, PlaceRequest, ReleaseRequest, RenewRequest
-from shared.contracts.subjects import Rpc
+from shared.contracts.subjects import Context, Rpc
 from shared.infra.catalog import load_models, load_skus
 from shared.infra.clock import monotonic_ms
-from shared.infra.service import Loop, Route, Runtime, ServiceDefinition, build_app
+from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
 
 
@@ -24,6 +27,13 @@ from shared.infra.settings import Settings
 class Ctx:
     handlers: PlacementHandlers
     readmodel: ReadModel
+
+
+def _fault_after_commit(settings: Settings) -> Callable[[], None]:
+    """Tests only: `exit` dies the way a SIGKILL would, between the ledger's commit and the decision row."""
+    if settings.placement_fault_after_commit == "exit":
+        return lambda: os._exit(70)
+    return lambda: None
 
 
 def wire(runtime: Runtime) -> Ctx:
@@ -48,6 +58,15 @@ def wire(runtime: Runtime) -> Ctx:
         timer=monotonic_ms,
         default_lease_s=settings.placement_default_lease_s,
         metrics=PlacementMetrics.create(metrics.get_meter("hetsched.placement")),
+        # An attempt holds its request id for one ledger round trip (and a second to record the outcome).
+        ownership=Ownership(
+            claim_s=settings.rpc_timeout_ms / 1000 + 1,
+            grace_s=settings.placement_intent_grace_s,
+            reconcile_period_s=settings.placement_reconcile_period_s,
+        ),
+        clock=runtime.clock,
+        log=runtime.log,
+        after_commit=_fault_after_commit(settings),
     )
     return Ctx(handlers=handlers, readmodel=readmodel)
 
@@ -66,7 +85,23 @@ SERVICE = ServiceDefinition(
     ),
     on_start=(lambda ctx: ctx.readmodel.start(),),
     on_stop=(lambda ctx: ctx.readmodel.stop(),),
-    loops=(Loop("placement-view", lambda ctx: ctx.readmodel.run),),
+    # What the ledger did to placement's allocations (committed / expired / released), durably: the
+    # decisions learn that their allocation ended, and the reconciler finds those no decision owns.
+    consumers=(
+        Consumer(
+            Context.LEDGER,
+            "ledger",
+            on={
+                LedgerEvent.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.on_allocation_committed,
+                LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.on_allocation_expired,
+                LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.on_allocation_released,
+            },
+        ),
+    ),
+    loops=(
+        Loop("placement-view", lambda ctx: ctx.readmodel.run),
+        Loop("placement-reconciler", lambda ctx: ctx.handlers.reconcile),
+    ),
     checks=lambda ctx: ctx.readmodel.health(),
 )
 

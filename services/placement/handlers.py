@@ -1,27 +1,51 @@
-"""Placement's handlers: place / explain / release / renew over the pure pipeline.
+"""Placement's handlers: place / explain / release / renew over the pure pipeline, the LEDGER events that
+tell decisions of their allocations, and the reconciler.
 
-``place`` reads like the DESIGN §4 pipeline: decide on the view -> reserve through the ledger
+``place`` reads like the DESIGN §4 pipeline: take the request id (its intent, recorded before anything is
+reserved) -> decide on the view -> keep the commit with the intent -> reserve through the ledger
 (optimistic: the reserved bytes it decided on travel with the commit, and a ``conflict`` decides again
 on the fresher figures the ledger sent back) -> record the decision and its event -> reply. While a
 commit is in flight its bytes are assumed in the view (so concurrent decisions do not all pick the
 same GPUs); whatever the ledger answers, or if it does not answer, the assumption is confirmed or
 forgotten, never left behind.
+
+One request id, one outcome (``shared.domain.placement.ownership``): requests with the same id take
+turns (a lock per id in this process, the intent's attempt and claim across processes); a retry of an
+interrupted placement asks the ledger again with the commit it sent (the ledger answers a repeat with
+the same allocation); a reused id with another body is ``conflict``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Protocol
 
 from opentelemetry.metrics import Counter, Histogram, Meter
 from pydantic import BaseModel
 
-from services.placement.mapping import balance_to_domain, held_bytes, ledger_key, to_commit, to_domain, to_reply
+from services.placement.mapping import (
+    balance_to_domain,
+    body_hash,
+    commit_held,
+    held_bytes,
+    ledger_key,
+    placement_request_id,
+    to_commit,
+    to_domain,
+    to_reply,
+)
 from services.placement.store import DecisionStore
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
+from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import (
+    AllocationEvent,
     CommitReply,
+    CommitRequest,
     LedgerReleaseReply,
     LedgerReleaseRequest,
     LedgerRenewReply,
@@ -38,14 +62,30 @@ from shared.contracts.placement import (
 from shared.contracts.placement_events import PlacementEvent, PlacementEventName, PlacementReleasedEvent
 from shared.contracts.subjects import Context, Rpc
 from shared.domain.placement import decide
+from shared.domain.placement.ownership import (
+    Answer,
+    DecisionStatus,
+    Fresh,
+    Refuse,
+    Resume,
+    Wait,
+    is_stale,
+    owns,
+    rule,
+    stale_before,
+)
 from shared.domain.placement.types import Decision, FleetSnapshot
 from shared.domain.placement.view import AssumeKey, LedgerAccelerator, overlay
-from shared.infra.clock import MonotonicMs
+from shared.infra import deadline
+from shared.infra.clock import Clock, MonotonicMs
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
 MAX_ATTEMPTS = 4
 """Commits tried per placement: each conflict decides again on fresher figures."""
+WAIT_POLL_S = 0.05
+"""How often a request waits for another process's attempt at the same request id to finish."""
+RECONCILE_BATCH = 500
 
 
 class View(Protocol):
@@ -90,8 +130,75 @@ class PlacementMetrics:
             self.rejections.add(1, {"reason": decision.error_code or ErrorCode.NO_CAPACITY})
 
 
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    """How long an attempt holds a request id, and when an untouched intent is abandoned."""
+
+    claim_s: float
+    grace_s: float
+    reconcile_period_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Claimed:
+    """This attempt holds the intent; ``commit``/``pending``: what an interrupted attempt sent, if any."""
+
+    attempt: int
+    commit: CommitRequest | None = None
+    pending: PlaceReply | None = None
+
+
+class _Lost:
+    """Another attempt took the intent over: wait for its outcome."""
+
+
+LOST = _Lost()
+
+
+class KeyedLocks:
+    """One lock per key while anyone holds or waits for it: requests with the same id take turns."""
+
+    def __init__(self) -> None:
+        self._locks: dict[Hashable, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: Hashable) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            _lock, users = self._locks[key]
+            if users <= 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
 def _ledger_error(reply: CommitReply | Rejected) -> ErrorBody:
     return reply.error or ErrorBody(code=ErrorCode.INTERNAL, message="the ledger refused without a reason")
+
+
+def _committed(reply: CommitReply | Rejected) -> str | None:
+    """The allocation id of a commit the ledger holds (new or a repeat), else None."""
+    if isinstance(reply, CommitReply) and reply.status == "committed" and reply.allocation_id:
+        return reply.allocation_id
+    return None
+
+
+def _caller_gone() -> Rejected:
+    return rejected(ErrorCode.DEADLINE_EXCEEDED, "the caller's deadline passed before the commit; nothing was reserved")
+
+
+def _ledger_silent(exc: RpcError) -> Rejected:
+    return rejected(
+        ErrorCode.INTERNAL,
+        f"the ledger did not answer: {exc.reason}; retry with the same request_id to learn the outcome",
+    )
 
 
 class PlacementHandlers:
@@ -105,7 +212,12 @@ class PlacementHandlers:
         timer: MonotonicMs,
         default_lease_s: int,
         metrics: PlacementMetrics,
+        ownership: Ownership,
+        clock: Clock,
+        log: logging.Logger | None = None,
+        after_commit: Callable[[], None] = lambda: None,
         max_attempts: int = MAX_ATTEMPTS,
+        poll_s: float = WAIT_POLL_S,
     ) -> None:
         self._view = view
         self._store = store
@@ -114,44 +226,35 @@ class PlacementHandlers:
         self._timer = timer
         self._default_lease_s = default_lease_s
         self._metrics = metrics
+        self._ownership = ownership
+        self._clock = clock
+        self._log = log or logging.getLogger("hetsched.placement")
+        self._after_commit = after_commit  # a fault-injection point for tests (HETSCHED_PLACEMENT_FAULT_AFTER_COMMIT)
         self._max_attempts = max_attempts
+        self._poll_s = poll_s
+        self.ids = KeyedLocks()
 
     # -- routes ----------------------------------------------------------------------------------
 
     async def place(self, request: PlaceRequest) -> BaseModel:
-        stored = await self._uow.read(
-            lambda session: self._store.find(session=session, tenant=request.tenant, request_id=request.request_id)
-        )
-        if stored is not None:
-            return stored  # same request id: the same decision, reserved once
-        fresher: dict[str, LedgerAccelerator] = {}
-        decision_ms = 0.0
-        for attempt in range(1, self._max_attempts + 1):
-            snapshot = overlay(self._view.snapshot, fresher)
-            decision, elapsed_ms = self._decide(snapshot, request)
-            decision_ms += elapsed_ms
-            if not decision.placed:
-                self._metrics.count(decision)
-                reply = to_reply(decision)
-                await self._record(request, reply, PlacementEventName.PLACEMENT_REJECTED, decision_ms, attempt)
-                return reply
-            committed = await self._reserve(request, decision, snapshot)
-            if isinstance(committed, CommitReply) and committed.status == "committed" and committed.allocation_id:
-                self._metrics.count(decision)
-                reply = to_reply(decision, allocation_id=committed.allocation_id)
-                note = f"reserved in the ledger after {attempt} attempt(s)"
-                if committed.duplicate:
-                    note = "the ledger already held this request id (an earlier attempt's answer was lost)"
-                reply = reply.model_copy(update={"explanation": [*reply.explanation, note]})
-                await self._record(request, reply, PlacementEventName.PLACEMENT_DECIDED, decision_ms, attempt)
-                return reply
-            error = _ledger_error(committed)
-            if error.code not in (ErrorCode.CONFLICT, ErrorCode.NO_CAPACITY):
-                return rejected(error.code, f"ledger: {error.message}")
-            # The view was stale: decide again with the ledger's figures for the GPUs it refused.
-            for balance in committed.view if isinstance(committed, CommitReply) else ():
-                fresher[balance.id] = balance_to_domain(None, balance)
-        return rejected(ErrorCode.CONFLICT, f"the fleet kept changing under {self._max_attempts} attempts; retry")
+        if deadline.expired():
+            return _caller_gone()
+        async with self.ids.hold((request.tenant, request.request_id)):
+            body = body_hash(request)
+            waited_s = 0.0
+            while True:
+                claim = await self._uow.run(lambda uow: self._claim(uow, request, body))
+                if isinstance(claim, _Claimed):
+                    outcome = await self._attempt(request, claim)
+                    if not isinstance(outcome, _Lost):
+                        return outcome
+                elif isinstance(claim, BaseModel):
+                    return claim
+                # Another process holds this request id: its outcome is the answer (bounded by its claim).
+                if deadline.expired() or waited_s > 2 * self._ownership.claim_s:
+                    return rejected(ErrorCode.CONFLICT, "another request with this request_id is being placed; retry")
+                await asyncio.sleep(self._poll_s)
+                waited_s += self._poll_s
 
     async def explain(self, request: PlaceRequest) -> BaseModel:
         decision, _elapsed_ms = self._decide(self._view.snapshot, request)
@@ -195,7 +298,220 @@ class PlacementHandlers:
             return RenewReply(status="rejected", error=renewed.error)
         return RenewReply(status="renewed", lease_expires_at=renewed.lease_expires_at)
 
+    # -- LEDGER events (a durable consumer: what the ledger did to placement's allocations) -------------
+
+    async def on_allocation_committed(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
+        """Remember placement's replica allocations, so the reconciler can find those no decision owns."""
+        request_id = placement_request_id(payload.request_id)
+        if payload.kind != "replica" or request_id is None:
+            return
+        await self._store.allocation_seen(
+            session=uow.session,
+            allocation_id=payload.allocation_id,
+            tenant=payload.tenant,
+            request_id=request_id,
+            now=uow.now,
+        )
+
+    async def on_allocation_expired(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
+        await self._store.mark_ended(
+            session=uow.session, allocation_id=payload.allocation_id, status=DecisionStatus.EXPIRED, now=uow.now
+        )
+
+    async def on_allocation_released(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
+        await self._store.mark_ended(
+            session=uow.session, allocation_id=payload.allocation_id, status=DecisionStatus.RELEASED, now=uow.now
+        )
+
+    # -- the reconciler ----------------------------------------------------------------------------
+
+    async def reconcile(self) -> None:
+        """Forever: abandon stuck intents and release the allocations no decision owns."""
+        while True:
+            await asyncio.sleep(self._ownership.reconcile_period_s)
+            try:
+                await self.reconcile_once()
+            except Exception:
+                self._log.exception("placement's reconciler failed; retrying")
+
+    async def reconcile_once(self) -> list[str]:
+        """One pass; the allocations it released."""
+        grace_s = self._ownership.grace_s
+        now = self._clock()
+        stuck = await self._uow.read(
+            lambda session: self._store.committing(
+                session=session, touched_before=stale_before(now=now, grace_s=grace_s), limit=RECONCILE_BATCH
+            )
+        )
+        for intent in stuck:
+            if not is_stale(intent, now=now, grace_s=grace_s):
+                continue
+
+            async def abandon(
+                uow: UnitOfWork,
+                tenant: str = intent.tenant,
+                rid: str = intent.request_id,
+                attempt: int = intent.attempt,
+            ) -> bool:
+                return await self._store.abandon(
+                    session=uow.session, tenant=tenant, request_id=rid, attempt=attempt, now=uow.now
+                )
+
+            if await self._uow.run(abandon):
+                self._log.warning(
+                    "abandoned a placement intent stuck in committing",
+                    extra={"tenant": intent.tenant, "request_id": intent.request_id},
+                )
+        seen = await self._uow.read(
+            lambda session: self._store.active_allocations(
+                session=session, seen_before=stale_before(now=now, grace_s=grace_s), limit=RECONCILE_BATCH
+            )
+        )
+        released: list[str] = []
+        for allocation in seen:
+            if owns(
+                allocation.intent,
+                allocation_id=allocation.allocation_id,
+                seen_at=allocation.seen_at,
+                now=now,
+                grace_s=grace_s,
+            ):
+                continue
+            try:
+                reply = await self._rpc.ask(
+                    Rpc.LEDGER_RELEASE,
+                    LedgerReleaseRequest(allocation_id=allocation.allocation_id, tenant=allocation.tenant),
+                    LedgerReleaseReply,
+                )
+            except RpcError as exc:
+                self._log.warning("the reconciler could not release an allocation", extra={"error": exc.reason})
+                continue
+            if isinstance(reply, LedgerReleaseReply) and reply.status == "released":
+                released.append(allocation.allocation_id)
+                self._log.warning(
+                    "released an allocation no placement decision owns",
+                    extra={"allocation_id": allocation.allocation_id, "request_id": allocation.request_id},
+                )
+        return released
+
     # -- steps -----------------------------------------------------------------------------------
+
+    async def _claim(self, uow: UnitOfWork, request: PlaceRequest, body: str) -> _Claimed | BaseModel | _Lost:
+        """Take this request id for an attempt, or answer what it already decided."""
+        tenant, request_id = request.tenant, request.request_id
+        stored = await self._store.lock(session=uow.session, tenant=tenant, request_id=request_id)
+        ruling = rule(stored.intent if stored else None, body_hash=body, now=uow.now)
+        until = uow.now + timedelta(seconds=self._claim_s())
+        match ruling:
+            case Fresh():
+                inserted = await self._store.insert(
+                    session=uow.session,
+                    tenant=tenant,
+                    request_id=request_id,
+                    body_hash=body,
+                    claimed_until=until,
+                    now=uow.now,
+                )
+                return _Claimed(attempt=1) if inserted else LOST
+            case Answer() if stored is not None and stored.reply is not None:
+                return stored.reply
+            case Refuse(code=code, message=message):
+                return rejected(code, message)
+            case Resume(recover=recover) if stored is not None:
+                attempt = await self._store.take(
+                    session=uow.session,
+                    tenant=tenant,
+                    request_id=request_id,
+                    claimed_until=until,
+                    now=uow.now,
+                    keep_commit=recover,
+                )
+                if recover and stored.commit is not None and stored.reply is not None:
+                    return _Claimed(attempt=attempt, commit=stored.commit, pending=stored.reply)
+                return _Claimed(attempt=attempt)
+            case Wait():
+                return LOST
+            case _:
+                return LOST
+
+    def _claim_s(self) -> float:
+        """An attempt holds its request id for one ledger round trip, or until its caller's deadline."""
+        return min(self._ownership.claim_s, deadline.remaining_s(default_s=self._ownership.claim_s) or 0.0) or 0.001
+
+    async def _attempt(self, request: PlaceRequest, claim: _Claimed) -> BaseModel | _Lost:
+        """Place once for this request id: recover an interrupted commit, else decide and commit."""
+        if deadline.expired():  # it waited its turn past the caller's deadline
+            if claim.commit is not None:  # keep an interrupted commit recoverable by the next retry
+                await self._unclaim(request, claim)
+            else:
+                await self._finish_rejected(request, claim)
+            return _caller_gone()
+        if claim.commit is not None and claim.pending is not None:
+            recovered = await self._recover(request, claim, claim.commit, claim.pending)
+            if recovered is not None:
+                return recovered
+        fresher: dict[str, LedgerAccelerator] = {}
+        decision_ms = 0.0
+        for attempt in range(1, self._max_attempts + 1):
+            snapshot = overlay(self._view.snapshot, fresher)
+            decision, elapsed_ms = self._decide(snapshot, request)
+            decision_ms += elapsed_ms
+            if not decision.placed:
+                self._metrics.count(decision)
+                reply = to_reply(decision)
+                return await self._record(
+                    request, claim, reply, PlacementEventName.PLACEMENT_REJECTED, decision_ms, attempt
+                )
+            if deadline.expired():  # the caller has gone: commit nothing it would never learn of
+                await self._finish_rejected(request, claim)
+                return _caller_gone()
+            commit = to_commit(request, decision, snapshot, lease_s=request.lease_s or self._default_lease_s)
+            pending = to_reply(decision)
+            if not await self._save(request, claim, commit, pending):
+                return LOST
+            committed = await self._reserve(commit, held_bytes(snapshot, decision), key=ledger_key(request))
+            if isinstance(committed, RpcError):
+                await self._unclaim(request, claim)
+                return _ledger_silent(committed)
+            allocation_id = _committed(committed)
+            if allocation_id is not None:
+                assert isinstance(committed, CommitReply)
+                self._after_commit()
+                self._metrics.count(decision)
+                note = f"reserved in the ledger after {attempt} attempt(s)"
+                if committed.duplicate:
+                    note = "the ledger already held this request id (an earlier attempt's answer was lost)"
+                reply = pending.model_copy(
+                    update={"allocation_id": allocation_id, "explanation": [*pending.explanation, note]}
+                )
+                return await self._record(
+                    request, claim, reply, PlacementEventName.PLACEMENT_DECIDED, decision_ms, attempt
+                )
+            error = _ledger_error(committed)
+            if error.code not in (ErrorCode.CONFLICT, ErrorCode.NO_CAPACITY):
+                await self._finish_rejected(request, claim)
+                return rejected(error.code, f"ledger: {error.message}")
+            # The view was stale: decide again with the ledger's figures for the GPUs it refused.
+            for balance in committed.view if isinstance(committed, CommitReply) else ():
+                fresher[balance.id] = balance_to_domain(None, balance)
+        await self._finish_rejected(request, claim)
+        return rejected(ErrorCode.CONFLICT, f"the fleet kept changing under {self._max_attempts} attempts; retry")
+
+    async def _recover(
+        self, request: PlaceRequest, claim: _Claimed, commit: CommitRequest, pending: PlaceReply
+    ) -> BaseModel | _Lost | None:
+        """An earlier attempt sent ``commit`` and was interrupted: ask the ledger again (a repeat answers
+        with the same allocation). None: it never landed, decide afresh."""
+        committed = await self._reserve(commit, commit_held(commit), key=ledger_key(request))
+        if isinstance(committed, RpcError):
+            await self._unclaim(request, claim)
+            return _ledger_silent(committed)
+        allocation_id = _committed(committed)
+        if allocation_id is None:
+            return None
+        note = "recovered: the ledger held this request id's commit (an earlier attempt was interrupted)"
+        reply = pending.model_copy(update={"allocation_id": allocation_id, "explanation": [*pending.explanation, note]})
+        return await self._record(request, claim, reply, PlacementEventName.PLACEMENT_DECIDED, 0.0, 1)
 
     def _decide(self, snapshot: FleetSnapshot, request: PlaceRequest) -> tuple[Decision, float]:
         started = self._timer()
@@ -205,35 +521,97 @@ class PlacementHandlers:
         return decision, elapsed_ms
 
     async def _reserve(
-        self, request: PlaceRequest, decision: Decision, snapshot: FleetSnapshot
-    ) -> CommitReply | Rejected:
+        self, commit: CommitRequest, held: Mapping[str, int], *, key: AssumeKey
+    ) -> CommitReply | Rejected | RpcError:
         """Reserve (commit to the ledger) with the decision assumed in the view meanwhile; unreserve
         (forget the assumption) on any outcome but a new allocation, the ledger's silence included."""
-        commit = to_commit(request, decision, snapshot, lease_s=request.lease_s or self._default_lease_s)
-        token = self._view.assume(ledger_key(request), held_bytes(snapshot, decision))
+        token = self._view.assume(key, held)
         kept = False
         try:
             reply = await self._rpc.ask(Rpc.LEDGER_COMMIT, commit, CommitReply)
             # A duplicate holds what an earlier commit of this request id reserved: nothing new to count.
-            if isinstance(reply, CommitReply) and reply.status == "committed" and reply.allocation_id:
-                if not reply.duplicate:
-                    self._view.confirm(token, reply.allocation_id)
-                    kept = True
+            allocation_id = _committed(reply)
+            if allocation_id is not None and isinstance(reply, CommitReply) and not reply.duplicate:
+                self._view.confirm(token, allocation_id)
+                kept = True
             return reply
         except RpcError as exc:
-            return rejected(ErrorCode.INTERNAL, f"the ledger did not answer: {exc.reason}")
+            return exc
         finally:
             if not kept:
                 self._view.forget(token)
 
-    async def _record(
-        self, request: PlaceRequest, reply: PlaceReply, event: PlacementEventName, decision_ms: float, attempts: int
-    ) -> None:
-        """Keep a placed reply (for the same request id) and announce the decision, in one transaction."""
+    async def _save(self, request: PlaceRequest, claim: _Claimed, commit: CommitRequest, pending: PlaceReply) -> bool:
+        """Keep the commit with the intent before it is sent: a retry asks the ledger again with it."""
+
+        async def work(uow: UnitOfWork) -> bool:
+            return await self._store.save_commit(
+                session=uow.session,
+                tenant=request.tenant,
+                request_id=request.request_id,
+                attempt=claim.attempt,
+                commit=commit,
+                pending=pending,
+                claimed_until=uow.now + timedelta(seconds=self._claim_s()),
+                now=uow.now,
+            )
+
+        return await self._uow.run(work)
+
+    async def _unclaim(self, request: PlaceRequest, claim: _Claimed) -> None:
+        async def work(uow: UnitOfWork) -> None:
+            await self._store.unclaim(
+                session=uow.session,
+                tenant=request.tenant,
+                request_id=request.request_id,
+                attempt=claim.attempt,
+                now=uow.now,
+            )
+
+        await self._uow.run(work)
+
+    async def _finish_rejected(self, request: PlaceRequest, claim: _Claimed) -> None:
+        """Nothing placed and nothing reserved: the same id (and body) may be retried."""
 
         async def work(uow: UnitOfWork) -> None:
-            if reply.status == "placed":
-                await self._store.record_placed(session=uow.session, reply=reply, tenant=request.tenant)
+            await self._store.finish(
+                session=uow.session,
+                tenant=request.tenant,
+                request_id=request.request_id,
+                attempt=claim.attempt,
+                status=DecisionStatus.REJECTED,
+                reply=None,
+                allocation_id=None,
+                now=uow.now,
+            )
+
+        await self._uow.run(work)
+
+    async def _record(
+        self,
+        request: PlaceRequest,
+        claim: _Claimed,
+        reply: PlaceReply,
+        event: PlacementEventName,
+        decision_ms: float,
+        attempts: int,
+    ) -> BaseModel | _Lost:
+        """Record the outcome with the intent (placed: the reply, for the same request id) and announce
+        it, in one transaction; LOST when another attempt took the intent over meanwhile."""
+
+        async def work(uow: UnitOfWork) -> bool:
+            placed = reply.status == "placed"
+            if not await self._store.finish(
+                session=uow.session,
+                tenant=request.tenant,
+                request_id=request.request_id,
+                attempt=claim.attempt,
+                status=DecisionStatus.PLACED if placed else DecisionStatus.REJECTED,
+                reply=reply if placed else None,
+                allocation_id=reply.allocation_id if placed else None,
+                now=uow.now,
+            ):
+                return False
             uow.emit(
                 Context.PLACEMENT,
                 event,
@@ -248,5 +626,6 @@ class PlacementHandlers:
                 tenant=request.tenant,
                 correlation_id=request.request_id,
             )
+            return True
 
-        await self._uow.run(work)
+        return reply if await self._uow.run(work) else LOST

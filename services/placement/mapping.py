@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
 from pydantic import BaseModel
@@ -100,6 +101,24 @@ def to_reply(decision: Decision, *, allocation_id: str | None = None) -> PlaceRe
 def ledger_key(request: PlaceRequest) -> AssumeKey:
     """The (tenant, request id) the ledger knows this placement by."""
     return request.tenant, f"{LEDGER_REQUEST_PREFIX}{request.request_id}"
+
+
+def placement_request_id(ledger_request_id: str) -> str | None:
+    """Placement's request id of a ledger request id, or None when the allocation is not placement's."""
+    if ledger_request_id.startswith(LEDGER_REQUEST_PREFIX):
+        return ledger_request_id[len(LEDGER_REQUEST_PREFIX) :]
+    return None
+
+
+def body_hash(request: PlaceRequest) -> str:
+    """What a request asks, hashed: a reused request id with another body is a conflict. The contract
+    version is left out (``1`` and ``"1.0"`` ask the same)."""
+    return hashlib.sha256(request.model_dump_json(exclude={"version"}).encode()).hexdigest()
+
+
+def commit_held(commit: CommitRequest) -> dict[str, int]:
+    """Bytes per accelerator a commit reserves (what the view assumes while it is in flight)."""
+    return {s.accelerator_id: s.weights + s.kv + s.activation + s.workspace for s in commit.shares}
 
 
 def held_bytes(snapshot: FleetSnapshot, decision: Decision) -> dict[str, int]:

@@ -1,44 +1,290 @@
-"""Placement's repository over its own table (`placement.decisions`): SQL only, keyword-only parameters."""
+"""Placement's repository over its own tables (`placement.decisions`, `placement.ledger_allocations`):
+SQL only, keyword-only parameters, domain objects out. The rules are in
+``shared.domain.placement.ownership``."""
 
 from __future__ import annotations
 
-from sqlalchemy import select, update
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.placement.tables import DecisionRow
+from services.placement.tables import DecisionRow, LedgerAllocationRow
+from shared.contracts.ledger import CommitRequest
 from shared.contracts.placement import PlaceReply
+from shared.domain.placement.ownership import DecisionStatus, Intent
 
 DECISIONS = DecisionRow.__table__  # type: ignore[attr-defined]
+ALLOCATIONS = LedgerAllocationRow.__table__  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredIntent:
+    """An intent with what it carries: the last commit sent and the reply (pending or final)."""
+
+    intent: Intent
+    commit: CommitRequest | None
+    reply: PlaceReply | None
+
+
+@dataclass(frozen=True, slots=True)
+class SeenAllocation:
+    """A ledger allocation of placement's (as LEDGER events told it) and its intent, if any."""
+
+    allocation_id: str
+    tenant: str
+    request_id: str
+    seen_at: datetime
+    intent: Intent | None
+
+
+def _intent(row: Any) -> Intent:
+    return Intent(
+        tenant=row.tenant,
+        request_id=row.request_id,
+        body_hash=row.body_hash,
+        status=DecisionStatus(row.status),
+        attempt=row.attempt,
+        claimed_until=row.claimed_until,
+        updated_at=row.updated_at,
+        allocation_id=row.allocation_id,
+    )
+
+
+def _key(tenant: str, request_id: str) -> Any:
+    return and_(DECISIONS.c.tenant == tenant, DECISIONS.c.request_id == request_id)
 
 
 class DecisionStore:
-    """Every placed reply, by (tenant, request id), so that a request id answers the same way twice."""
+    """Intents and decisions by (tenant, request id); placement's ledger allocations by id."""
 
-    async def find(self, *, session: AsyncSession, tenant: str, request_id: str) -> PlaceReply | None:
-        """The reply a placed request got, if this (tenant, request id) was placed before."""
-        reply = (
-            await session.execute(
-                select(DECISIONS.c.reply).where(DECISIONS.c.tenant == tenant, DECISIONS.c.request_id == request_id)
-            )
-        ).scalar_one_or_none()
-        return PlaceReply.model_validate(reply) if reply is not None else None
+    # -- intents ---------------------------------------------------------------------------------------
 
-    async def record_placed(self, *, session: AsyncSession, tenant: str, reply: PlaceReply) -> None:
-        """Keep a placed reply; the first one recorded for its request id stays."""
-        await session.execute(
+    async def lock(self, *, session: AsyncSession, tenant: str, request_id: str) -> StoredIntent | None:
+        """The intent of this (tenant, request id), locked for this transaction; None if there is none."""
+        row = (await session.execute(select(DECISIONS).where(_key(tenant, request_id)).with_for_update())).one_or_none()
+        if row is None:
+            return None
+        return StoredIntent(
+            intent=_intent(row),
+            commit=CommitRequest.model_validate(row.ledger_commit) if row.ledger_commit is not None else None,
+            reply=PlaceReply.model_validate(row.reply) if row.reply is not None else None,
+        )
+
+    async def insert(
+        self,
+        *,
+        session: AsyncSession,
+        tenant: str,
+        request_id: str,
+        body_hash: str,
+        claimed_until: datetime,
+        now: datetime,
+    ) -> bool:
+        """Record a new intent (attempt 1, ``committing``); False when another request recorded it first."""
+        inserted = await session.execute(
             insert(DECISIONS)
             .values(
                 tenant=tenant,
-                request_id=reply.request_id,
-                status="placed",
-                allocation_id=reply.allocation_id,
-                reply=reply.model_dump(mode="json"),
+                request_id=request_id,
+                status=DecisionStatus.COMMITTING.value,
+                body_hash=body_hash,
+                attempt=1,
+                claimed_until=claimed_until,
+                created_at=now,
+                updated_at=now,
             )
             .on_conflict_do_nothing()
+            .returning(DECISIONS.c.attempt)
         )
+        return inserted.scalar_one_or_none() is not None
+
+    async def take(
+        self,
+        *,
+        session: AsyncSession,
+        tenant: str,
+        request_id: str,
+        claimed_until: datetime,
+        now: datetime,
+        keep_commit: bool,
+    ) -> int:
+        """Take an intent over for a new attempt (``committing`` again); its attempt number."""
+        values: dict[str, Any] = {
+            "status": DecisionStatus.COMMITTING.value,
+            "attempt": DECISIONS.c.attempt + 1,
+            "claimed_until": claimed_until,
+            "updated_at": now,
+        }
+        if not keep_commit:
+            values.update(ledger_commit=None, reply=None, allocation_id=None)
+        taken = await session.execute(
+            update(DECISIONS).where(_key(tenant, request_id)).values(**values).returning(DECISIONS.c.attempt)
+        )
+        return int(taken.scalar_one())
+
+    async def save_commit(
+        self,
+        *,
+        session: AsyncSession,
+        tenant: str,
+        request_id: str,
+        attempt: int,
+        commit: CommitRequest,
+        pending: PlaceReply,
+        claimed_until: datetime,
+        now: datetime,
+    ) -> bool:
+        """Keep the commit about to be sent (and the reply it would give); False if the attempt lost the intent."""
+        saved = await session.execute(
+            update(DECISIONS)
+            .where(
+                _key(tenant, request_id),
+                DECISIONS.c.attempt == attempt,
+                DECISIONS.c.status == DecisionStatus.COMMITTING.value,
+            )
+            .values(ledger_commit=commit.model_dump(mode="json"), reply=pending.model_dump(mode="json"), updated_at=now)
+            .returning(DECISIONS.c.attempt)
+        )
+        return saved.scalar_one_or_none() is not None
+
+    async def finish(
+        self,
+        *,
+        session: AsyncSession,
+        tenant: str,
+        request_id: str,
+        attempt: int,
+        status: DecisionStatus,
+        reply: PlaceReply | None,
+        allocation_id: str | None,
+        now: datetime,
+    ) -> bool:
+        """Record an attempt's outcome (``placed`` or ``rejected``); False if the attempt lost the intent."""
+        finished = await session.execute(
+            update(DECISIONS)
+            .where(
+                _key(tenant, request_id),
+                DECISIONS.c.attempt == attempt,
+                DECISIONS.c.status == DecisionStatus.COMMITTING.value,
+            )
+            .values(
+                status=status.value,
+                reply=reply.model_dump(mode="json") if reply is not None else None,
+                allocation_id=allocation_id,
+                claimed_until=None,
+                updated_at=now,
+            )
+            .returning(DECISIONS.c.attempt)
+        )
+        return finished.scalar_one_or_none() is not None
+
+    async def unclaim(
+        self, *, session: AsyncSession, tenant: str, request_id: str, attempt: int, now: datetime
+    ) -> None:
+        """Let a retry take the intent over at once (the outcome of this attempt's commit is unknown)."""
+        await session.execute(
+            update(DECISIONS)
+            .where(_key(tenant, request_id), DECISIONS.c.attempt == attempt)
+            .values(claimed_until=now, updated_at=now)
+        )
+
+    # -- what the ledger ended ---------------------------------------------------------------------------
 
     async def mark_released(self, *, session: AsyncSession, allocation_id: str) -> None:
         await session.execute(
-            update(DECISIONS).where(DECISIONS.c.allocation_id == allocation_id).values(status="released")
+            update(DECISIONS)
+            .where(DECISIONS.c.allocation_id == allocation_id)
+            .values(status=DecisionStatus.RELEASED.value)
         )
+
+    async def mark_ended(
+        self, *, session: AsyncSession, allocation_id: str, status: DecisionStatus, now: datetime
+    ) -> None:
+        """The decision that placed this allocation learns that it ended (``expired`` or ``released``)."""
+        await session.execute(
+            update(DECISIONS)
+            .where(DECISIONS.c.allocation_id == allocation_id, DECISIONS.c.status == DecisionStatus.PLACED.value)
+            .values(status=status.value, updated_at=now)
+        )
+        await session.execute(
+            update(ALLOCATIONS)
+            .where(ALLOCATIONS.c.allocation_id == allocation_id, ALLOCATIONS.c.state == "active")
+            .values(state=status.value, ended_at=now)
+        )
+
+    # -- placement's allocations in the ledger (the reconciler's input) -----------------------------------
+
+    async def allocation_seen(
+        self, *, session: AsyncSession, allocation_id: str, tenant: str, request_id: str, now: datetime
+    ) -> None:
+        await session.execute(
+            insert(ALLOCATIONS)
+            .values(allocation_id=allocation_id, tenant=tenant, request_id=request_id, state="active", seen_at=now)
+            .on_conflict_do_nothing()
+        )
+
+    async def committing(self, *, session: AsyncSession, touched_before: datetime, limit: int) -> list[Intent]:
+        """Intents still ``committing`` that no attempt touched since ``touched_before``."""
+        rows = await session.execute(
+            select(DECISIONS)
+            .where(DECISIONS.c.status == DecisionStatus.COMMITTING.value, DECISIONS.c.updated_at < touched_before)
+            .order_by(DECISIONS.c.updated_at)
+            .limit(limit)
+        )
+        return [_intent(r) for r in rows]
+
+    async def abandon(
+        self, *, session: AsyncSession, tenant: str, request_id: str, attempt: int, now: datetime
+    ) -> bool:
+        """Mark an intent ``abandoned`` unless an attempt took it over meanwhile."""
+        done = await session.execute(
+            update(DECISIONS)
+            .where(
+                _key(tenant, request_id),
+                DECISIONS.c.attempt == attempt,
+                DECISIONS.c.status == DecisionStatus.COMMITTING.value,
+            )
+            .values(status=DecisionStatus.ABANDONED.value, claimed_until=None, updated_at=now)
+            .returning(DECISIONS.c.attempt)
+        )
+        return done.scalar_one_or_none() is not None
+
+    async def active_allocations(
+        self, *, session: AsyncSession, seen_before: datetime, limit: int
+    ) -> list[SeenAllocation]:
+        """Placement's allocations still active in the ledger, first seen before ``seen_before``, each with
+        its intent (None when there is none)."""
+        rows = await session.execute(
+            select(
+                ALLOCATIONS.c.allocation_id.label("seen_allocation_id"),
+                ALLOCATIONS.c.tenant.label("seen_tenant"),
+                ALLOCATIONS.c.request_id.label("seen_request_id"),
+                ALLOCATIONS.c.seen_at,
+                DECISIONS,
+            )
+            .select_from(
+                ALLOCATIONS.outerjoin(
+                    DECISIONS,
+                    and_(
+                        DECISIONS.c.tenant == ALLOCATIONS.c.tenant, DECISIONS.c.request_id == ALLOCATIONS.c.request_id
+                    ),
+                )
+            )
+            .where(ALLOCATIONS.c.state == "active", ALLOCATIONS.c.seen_at < seen_before)
+            .order_by(ALLOCATIONS.c.seen_at)
+            .limit(limit)
+        )
+        return [
+            SeenAllocation(
+                allocation_id=r.seen_allocation_id,
+                tenant=r.seen_tenant,
+                request_id=r.seen_request_id,
+                seen_at=r.seen_at,
+                intent=_intent(r) if r.status is not None else None,
+            )
+            for r in rows
+        ]

@@ -1,11 +1,12 @@
-"""Schema `placement`: every decision, so that the same request id answers the same way twice."""
+"""Schema `placement`: every intent and decision (so that the same request id answers the same way twice)
+and the ledger's allocations of placement's, as LEDGER events told them (for the reconciler)."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Column, DateTime, PrimaryKeyConstraint, Text, text
+from sqlalchemy import Column, DateTime, Integer, PrimaryKeyConstraint, Text, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Field, SQLModel
 
@@ -18,9 +19,34 @@ class DecisionRow(SQLModel, table=True):
 
     tenant: str = Field(sa_column=Column(Text, nullable=False))
     request_id: str = Field(sa_column=Column(Text, nullable=False))
-    status: str = Field(sa_column=Column(Text, nullable=False))  # placed | released
+    # committing | placed | rejected | abandoned | expired | released (shared.domain.placement.ownership)
+    status: str = Field(sa_column=Column(Text, nullable=False))
     allocation_id: str | None = Field(default=None, sa_column=Column(Text, nullable=True, index=True))
-    reply: dict[str, Any] = Field(sa_column=Column(JSONB, nullable=False))
+    # placed: the reply; committing: the decision being committed (no allocation id yet)
+    reply: dict[str, Any] | None = Field(default=None, sa_column=Column(JSONB, nullable=True))
     created_at: datetime = Field(
         sa_column=Column(DateTime(timezone=True), nullable=False, server_default=text("now()"))
     )
+    body_hash: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    # Bumped by each attempt that takes the intent over: a write of an older attempt changes nothing.
+    attempt: int = Field(default=0, sa_column=Column(Integer, nullable=False, server_default=text("0")))
+    claimed_until: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=True), nullable=True))
+    # The last ledger commit sent (or about to be): what a retry asks the ledger again.
+    ledger_commit: dict[str, Any] | None = Field(default=None, sa_column=Column(JSONB, nullable=True))
+    updated_at: datetime = Field(
+        sa_column=Column(DateTime(timezone=True), nullable=False, server_default=text("now()"))
+    )
+
+
+class LedgerAllocationRow(SQLModel, table=True):
+    """A `replica` allocation the ledger committed for `placement/<request_id>` (from LEDGER events)."""
+
+    __tablename__ = "ledger_allocations"
+    __table_args__ = {"schema": SCHEMA}
+
+    allocation_id: str = Field(sa_column=Column(Text, primary_key=True))
+    tenant: str = Field(sa_column=Column(Text, nullable=False))
+    request_id: str = Field(sa_column=Column(Text, nullable=False, index=True))  # placement's, unprefixed
+    state: str = Field(sa_column=Column(Text, nullable=False))  # active | expired | released
+    seen_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))
+    ended_at: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=True), nullable=True))

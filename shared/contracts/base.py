@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from shared.domain.errors import ErrorCode
 
 CONTRACT_MAJOR_VERSION = 1
 
+# Length limits of free-form strings (API.md "Limits"): names and ids, and free text.
+NAME_MAX = 200
+ID_MAX = 300  # ids built from names (an accelerator id is its node's name plus `/gpu<i>`)
+TEXT_MAX = 1000
+ECHO_MAX = 80  # how much of a caller's value an error message repeats
+MAX_LEASE_S = 30 * 86400  # the longest lease (the ledger's rule: shared.domain.ledger.MAX_LEASE_S)
+
 __all__ = [
     "CONTRACT_MAJOR_VERSION",
+    "ECHO_MAX",
+    "ID_MAX",
+    "MAX_LEASE_S",
+    "NAME_MAX",
+    "TEXT_MAX",
     "Contract",
     "ErrorBody",
     "ErrorCode",
     "Rejected",
     "Request",
     "both_names",
+    "echo",
     "rejected",
 ]
 
@@ -31,7 +44,7 @@ class Contract(BaseModel):
 class Request(Contract):
     """Every request may carry ``version``; an unknown major version is rejected."""
 
-    version: int | str = Field(
+    version: int | Annotated[str, StringConstraints(max_length=20)] = Field(
         default=CONTRACT_MAJOR_VERSION,
         description="Contract version the caller speaks; only the major part is checked.",
         examples=[1, "1.0"],
@@ -45,6 +58,12 @@ class ErrorBody(Contract):
         default=None, description="Structured context, e.g. the fresh view on a conflict.", examples=[None]
     )
 
+    @field_validator("message", mode="before")
+    @classmethod
+    def _short(cls, message: Any) -> Any:
+        # A message never grows a reply past what NATS can carry: cut, not refused.
+        return message[:TEXT_MAX] if isinstance(message, str) else message
+
 
 class Rejected(Contract):
     """The reply to any request that could not be served."""
@@ -57,6 +76,18 @@ class Rejected(Contract):
 def rejected(code: ErrorCode, message: str, **details: Any) -> Rejected:
     """A typed rejection reply."""
     return Rejected(error=ErrorBody(code=code, message=message, details=details or None))
+
+
+def echo(value: object, *, limit: int = ECHO_MAX) -> str:
+    """A caller's value for an error message: its repr, cut to ``limit`` characters (never the whole of
+    a huge value, which could make the reply too large to send)."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long to print (Python's int/str digit limit)
+        return "<a number too long to print>"
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def both_names(data: Any, pairs: tuple[tuple[str, str], ...]) -> Any:
@@ -80,7 +111,7 @@ def major_version(version: object) -> int | None:
     if isinstance(version, int):
         return version
     if isinstance(version, str):
-        head = version.split(".", 1)[0].strip()
-        if head.isdigit():
+        head = version[:20].split(".", 1)[0].strip()
+        if head.isdigit() and len(head) <= 9:  # int() of a 5,000-digit string raises; no major is that long
             return int(head)
     return None

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from shared.contracts.base import Contract, Request, both_names
+from shared.contracts.base import ID_MAX, NAME_MAX, Contract, Request, both_names
 from shared.contracts.topology import NodeProfilePayload
 
 # Byte fields published without the `_bytes` suffix keep their name; the suffixed name travels next to it.
@@ -14,9 +14,14 @@ _BYTE_ALIASES = (("hbm_total", "hbm_total_bytes"), ("hbm_reserved", "hbm_reserve
 
 
 class FleetGetRequest(Request):
-    region: str | None = Field(default=None, description="Only this region.", examples=["us-west-1"])
+    region: str | None = Field(
+        default=None, max_length=NAME_MAX, description="Only this region.", examples=["us-west-1"]
+    )
     cursor: str | None = Field(
-        default=None, description="`next_cursor` of the previous page; absent for the first page.", examples=[None]
+        default=None,
+        max_length=ID_MAX,
+        description="`next_cursor` of the previous page; absent for the first page.",
+        examples=[None],
     )
     limit: int | None = Field(
         default=None, gt=0, le=10_000, description="Most nodes per page (the server may send fewer).", examples=[256]
@@ -110,7 +115,7 @@ class FleetGetReply(Contract):
 
 
 class FleetDescribeRequest(Request):
-    node: str = Field(min_length=1, description="Node name.", examples=["dgx-h100-01"])
+    node: str = Field(min_length=1, max_length=NAME_MAX, description="Node name.", examples=["dgx-h100-01"])
 
 
 class FleetDescribeReply(Contract):

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from shared.contracts.base import Contract, ErrorBody, Request, both_names
+from shared.contracts.base import ID_MAX, MAX_LEASE_S, NAME_MAX, Contract, ErrorBody, Request, both_names
 
 
 class LedgerEvent(StrEnum):
@@ -31,11 +31,20 @@ CAPACITY_CHANGED = LedgerEvent.CAPACITY_CHANGED
 DRIFT_DETECTED = LedgerEvent.DRIFT_DETECTED
 
 
+def as_utc(value: datetime | None) -> datetime | None:
+    """A time without a zone is read as UTC (comparing it with an aware one would fail)."""
+    return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
+
+
 class SnapshotRequest(Request):
     """`{}` for everything; large fleets come in pages (`cursor` / `limit`, as `fleet.get`)."""
 
-    node: str | None = Field(default=None, description="Only this node's accelerators.", examples=[None])
-    cursor: str | None = Field(default=None, description="`next_cursor` of the previous page.", examples=[None])
+    node: str | None = Field(
+        default=None, max_length=NAME_MAX, description="Only this node's accelerators.", examples=[None]
+    )
+    cursor: str | None = Field(
+        default=None, max_length=ID_MAX, description="`next_cursor` of the previous page.", examples=[None]
+    )
     limit: int | None = Field(default=None, gt=0, le=20_000, description="Most accelerators per page.", examples=[2048])
 
 
@@ -76,7 +85,9 @@ SHARE_BYTE_FIELDS = (
 class ShareIn(Contract):
     """Bytes asked for on one accelerator (each field is also accepted with a `_bytes` suffix)."""
 
-    accelerator_id: str = Field(min_length=1, description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
+    accelerator_id: str = Field(
+        min_length=1, max_length=ID_MAX, description="Accelerator id.", examples=["dgx-h100-01/gpu0"]
+    )
     weights: int = Field(default=0, ge=0, description="Weight bytes.", examples=[17_641_000_000])
     kv: int = Field(default=0, ge=0, description="KV cache bytes.", examples=[10_737_418_240])
     activation: int = Field(default=0, ge=0, description="Activation peak bytes.", examples=[1_000_000_000])
@@ -99,25 +110,39 @@ class ShareIn(Contract):
 class CommitRequest(Request):
     """Reserve HBM on one or more accelerators, all or nothing."""
 
-    request_id: str = Field(min_length=1, max_length=200, description="Idempotency key (per tenant).", examples=["r-1"])
-    tenant: str = Field(min_length=1, max_length=200, description="Owner.", examples=["acme"])
+    request_id: str = Field(
+        min_length=1, max_length=NAME_MAX, description="Idempotency key (per tenant).", examples=["r-1"]
+    )
+    tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Owner.", examples=["acme"])
     kind: Literal["replica", "request"] = Field(default="replica", description="What is held.", examples=["replica"])
     parent_id: str | None = Field(
-        default=None, description="For `request`: the replica whose KV pool it uses.", examples=[None]
+        default=None,
+        max_length=ID_MAX,
+        description="For `request`: the replica whose KV pool it uses.",
+        examples=[None],
     )
     preemptible: bool = Field(default=False, description="May be preempted.", examples=[False])
     priority: int = Field(default=0, ge=-1000, le=1000, description="Higher wins under contention.", examples=[0])
-    lease_s: int | None = Field(default=None, gt=0, le=30 * 86400, description="Lease from now.", examples=[300])
+    lease_s: int | None = Field(default=None, gt=0, le=MAX_LEASE_S, description="Lease from now.", examples=[300])
     lease_expires_at: datetime | None = Field(
-        default=None, description="Absolute lease end (UTC); must be in the future.", examples=[None]
+        default=None,
+        description="Absolute lease end (UTC; a time without zone is read as UTC); in the future, at most 30 days "
+        "away.",
+        examples=[None],
     )
     shares: list[ShareIn] = Field(min_length=1, max_length=512, description="Bytes per accelerator.")
-    expected: dict[str, int] | None = Field(
+    expected: dict[Annotated[str, StringConstraints(max_length=ID_MAX)], int] | None = Field(
         default=None,
+        max_length=512,
         description="The reserved bytes per accelerator the caller decided on; a commit that no longer fits "
         "because they changed is a `conflict` (retry with the fresh view in `error.details`).",
         examples=[{"dgx-h100-01/gpu0": 0}],
     )
+
+    @field_validator("lease_expires_at")
+    @classmethod
+    def _utc(cls, value: datetime | None) -> datetime | None:
+        return as_utc(value)
 
     @model_validator(mode="after")
     def _parent_for_requests(self) -> CommitRequest:
@@ -168,8 +193,8 @@ class CommitBatchReply(Contract):
 
 
 class LedgerReleaseRequest(Request):
-    allocation_id: str = Field(min_length=1, description="Allocation.", examples=["al-..."])
-    tenant: str = Field(min_length=1, description="Owner.", examples=["acme"])
+    allocation_id: str = Field(min_length=1, max_length=ID_MAX, description="Allocation.", examples=["al-..."])
+    tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Owner.", examples=["acme"])
 
 
 class LedgerReleaseReply(Contract):
@@ -179,10 +204,17 @@ class LedgerReleaseReply(Contract):
 
 
 class LedgerRenewRequest(Request):
-    allocation_id: str = Field(min_length=1, description="Allocation.", examples=["al-..."])
-    tenant: str = Field(min_length=1, description="Owner.", examples=["acme"])
-    lease_s: int | None = Field(default=None, gt=0, le=30 * 86400, description="New lease from now.", examples=[300])
-    lease_expires_at: datetime | None = Field(default=None, description="New absolute lease end (future).")
+    allocation_id: str = Field(min_length=1, max_length=ID_MAX, description="Allocation.", examples=["al-..."])
+    tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Owner.", examples=["acme"])
+    lease_s: int | None = Field(default=None, gt=0, le=MAX_LEASE_S, description="New lease from now.", examples=[300])
+    lease_expires_at: datetime | None = Field(
+        default=None, description="New absolute lease end (UTC): in the future, at most 30 days away."
+    )
+
+    @field_validator("lease_expires_at")
+    @classmethod
+    def _utc(cls, value: datetime | None) -> datetime | None:
+        return as_utc(value)
 
     @model_validator(mode="after")
     def _one(self) -> LedgerRenewRequest:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from shared.contracts.base import Contract, ErrorBody, Request, both_names
+from shared.contracts.base import ID_MAX, MAX_LEASE_S, NAME_MAX, Contract, ErrorBody, Request, both_names
 
 Dtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4", "fp4"]
 Backend = Literal["gpu", "tpu", "any"]
@@ -20,9 +20,9 @@ class Slo(Contract):
 
 
 class PlaceRequest(Request):
-    request_id: str = Field(min_length=1, max_length=200, description="Idempotency key.", examples=["req-42"])
-    tenant: str = Field(min_length=1, max_length=200, description="Who pays.", examples=["acme"])
-    model: str = Field(min_length=1, description="Catalog model name.", examples=["llama3-70b"])
+    request_id: str = Field(min_length=1, max_length=NAME_MAX, description="Idempotency key.", examples=["req-42"])
+    tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Who pays.", examples=["acme"])
+    model: str = Field(min_length=1, max_length=NAME_MAX, description="Catalog model name.", examples=["llama3-70b"])
     dtype: Dtype | None = Field(default=None, description="Weights dtype; catalog default.", examples=["fp8"])
     kv_dtype: Dtype | None = Field(default=None, description="KV cache dtype.", examples=["fp16"])
     context_tokens: int = Field(gt=0, description="Longest sequence the replica holds.", examples=[8192])
@@ -31,11 +31,17 @@ class PlaceRequest(Request):
     output_tokens: int | None = Field(default=None, gt=0, description="Typical output length.", examples=[200])
     tp: int | None = Field(default=None, gt=0, description="Fixed tensor-parallel degree.", examples=[4])
     backend: Backend = Field(default="any", description="`gpu`, `tpu` or `any`.", examples=["gpu"])
-    skus: list[str] | None = Field(default=None, description="SKU allow-list.", examples=[["H100-SXM-80GB"]])
-    region: str | None = Field(default=None, description="Required region.", examples=["us-west-1"])
+    skus: list[Annotated[str, StringConstraints(max_length=NAME_MAX)]] | None = Field(
+        default=None, max_length=256, description="SKU allow-list.", examples=[["H100-SXM-80GB"]]
+    )
+    region: str | None = Field(
+        default=None, max_length=NAME_MAX, description="Required region.", examples=["us-west-1"]
+    )
     preemptible: bool = Field(default=False, description="May use lent reserved capacity.", examples=[False])
     slo: Slo | None = Field(default=None, description="Latency objectives.")
-    lease_s: int | None = Field(default=None, gt=0, description="Lease length in seconds.", examples=[300])
+    lease_s: int | None = Field(
+        default=None, gt=0, le=MAX_LEASE_S, description="Lease length in seconds (at most 30 days).", examples=[300]
+    )
 
     @field_validator("tp")
     @classmethod
@@ -109,8 +115,10 @@ class PlaceReply(Contract):
 
 
 class ReleaseRequest(Request):
-    allocation_id: str = Field(min_length=1, description="Allocation to release.", examples=["alloc-1"])
-    tenant: str = Field(min_length=1, description="Owner.", examples=["acme"])
+    allocation_id: str = Field(
+        min_length=1, max_length=ID_MAX, description="Allocation to release.", examples=["alloc-1"]
+    )
+    tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Owner.", examples=["acme"])
 
 
 class ReleaseReply(Contract):
@@ -119,9 +127,13 @@ class ReleaseReply(Contract):
 
 
 class RenewRequest(Request):
-    allocation_id: str = Field(min_length=1, description="Allocation to renew.", examples=["alloc-1"])
-    tenant: str = Field(min_length=1, description="Owner.", examples=["acme"])
-    lease_s: int = Field(gt=0, description="New lease length from now.", examples=[300])
+    allocation_id: str = Field(
+        min_length=1, max_length=ID_MAX, description="Allocation to renew.", examples=["alloc-1"]
+    )
+    tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Owner.", examples=["acme"])
+    lease_s: int = Field(
+        gt=0, le=MAX_LEASE_S, description="New lease length from now (at most 30 days).", examples=[300]
+    )
 
 
 class RenewReply(Contract):
@@ -131,13 +143,13 @@ class RenewReply(Contract):
 
 
 class AdmitRequest(Request):
-    request_id: str = Field(min_length=1, description="Request id.", examples=["r-1"])
-    tenant: str = Field(min_length=1, description="Tenant.", examples=["acme"])
-    model: str = Field(min_length=1, description="Model.", examples=["llama3-70b"])
+    request_id: str = Field(min_length=1, max_length=NAME_MAX, description="Request id.", examples=["r-1"])
+    tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Tenant.", examples=["acme"])
+    model: str = Field(min_length=1, max_length=NAME_MAX, description="Model.", examples=["llama3-70b"])
     input_tokens: int = Field(gt=0, description="Input tokens.", examples=[1000])
     output_tokens: int = Field(gt=0, description="Output tokens.", examples=[200])
     slo: Slo | None = Field(default=None, description="Latency objectives.")
-    region: str | None = Field(default=None, description="Region.", examples=["us-west-1"])
+    region: str | None = Field(default=None, max_length=NAME_MAX, description="Region.", examples=["us-west-1"])
 
 
 class AdmitReply(Contract):

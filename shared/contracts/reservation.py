@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, StringConstraints, model_validator
 
-from shared.contracts.base import Contract, ErrorBody, Request
+from shared.contracts.base import ID_MAX, NAME_MAX, Contract, ErrorBody, Request
 
 
 class ReservationCreateRequest(Request):
-    tenant: str = Field(min_length=1, description="Tenant.", examples=["acme"])
+    tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Tenant.", examples=["acme"])
     policy: Literal["hard", "soft", "spot"] = Field(description="Reservation policy.", examples=["hard"])
-    accelerators: list[str] | None = Field(default=None, description="Explicit accelerators.", examples=[None])
+    accelerators: list[Annotated[str, StringConstraints(max_length=ID_MAX)]] | None = Field(
+        default=None, max_length=4096, description="Explicit accelerators.", examples=[None]
+    )
     count: int | None = Field(default=None, gt=0, description="How many accelerators.", examples=[8])
-    sku: str | None = Field(default=None, description="SKU, with count.", examples=["H100-SXM-80GB"])
-    region: str | None = Field(default=None, description="Region, with count.", examples=["us-west-1"])
+    sku: str | None = Field(
+        default=None, max_length=NAME_MAX, description="SKU, with count.", examples=["H100-SXM-80GB"]
+    )
+    region: str | None = Field(
+        default=None, max_length=NAME_MAX, description="Region, with count.", examples=["us-west-1"]
+    )
 
     @model_validator(mode="after")
     def _either_list_or_count(self) -> ReservationCreateRequest:
@@ -31,12 +37,12 @@ class ReservationCreateReply(Contract):
 
 
 class ReservationCancelRequest(Request):
-    reservation_id: str = Field(min_length=1, description="Reservation id.", examples=["res-1"])
-    tenant: str = Field(min_length=1, description="Tenant.", examples=["acme"])
+    reservation_id: str = Field(min_length=1, max_length=ID_MAX, description="Reservation id.", examples=["res-1"])
+    tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Tenant.", examples=["acme"])
 
 
 class ReservationStatusRequest(Request):
-    tenant: str = Field(min_length=1, description="Tenant.", examples=["acme"])
+    tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Tenant.", examples=["acme"])
 
 
 class ReservationStatusReply(Contract):

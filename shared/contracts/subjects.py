@@ -75,3 +75,11 @@ class Subjects:
     def events_of(self, context: Context) -> str:
         """Wildcard covering every event of one context (a stream's subject filter)."""
         return f"{self.prefix}.events.{context.value}.>"
+
+    def deadletter(self, context: Context, durable: str) -> str:
+        """``<prefix>.deadletter.<context>.<durable>``: where a consumer parks an event it cannot apply."""
+        return f"{self.prefix}.deadletter.{context.value}.{durable}"
+
+    def deadletters(self) -> str:
+        """Wildcard covering every dead letter (the DEADLETTER stream's subject filter)."""
+        return f"{self.prefix}.deadletter.>"

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from shared.contracts.base import Contract, ErrorBody, Request
+from shared.contracts.base import NAME_MAX, TEXT_MAX, Contract, ErrorBody, Request
 
 
 class TopologyEvent(StrEnum):
@@ -37,12 +38,19 @@ TPU_POD_PROFILED = TopologyEvent.TPU_POD_PROFILED
 GPU_TELEMETRY = TelemetryEvent.GPU
 
 
+LINK_MAX = 16  # a link code of `nvidia-smi topo -m` (`X`, `NV18`, `PXB`, `SYS`, ...)
+
+
 class FabricInfoPayload(Contract):
     """A GPU's NVLink fabric membership (GH200 NVL / NVL72), from NVML's GPU fabric info."""
 
-    cluster_uuid: str = Field(description="Fabric cluster UUID.", examples=["c0ffee00-0000-0000-0000-000000000001"])
+    cluster_uuid: str = Field(
+        max_length=NAME_MAX, description="Fabric cluster UUID.", examples=["c0ffee00-0000-0000-0000-000000000001"]
+    )
     clique_id: int = Field(description="Clique within the cluster: GPUs of one clique share NVLink.", examples=[1])
-    state: str = Field(default="completed", description="Fabric registration state.", examples=["completed"])
+    state: str = Field(
+        default="completed", max_length=NAME_MAX, description="Fabric registration state.", examples=["completed"]
+    )
     status_ok: bool = Field(default=True, description="Fabric status reported healthy.", examples=[True])
 
 
@@ -50,12 +58,16 @@ class AcceleratorProfile(Contract):
     """One GPU as a provider profiled it."""
 
     index: int = Field(ge=0, description="GPU index on the node, as nvidia-smi numbers it.", examples=[0])
-    sku: str = Field(description="Catalog SKU.", examples=["H100-SXM-80GB"])
+    sku: str = Field(max_length=NAME_MAX, description="Catalog SKU.", examples=["H100-SXM-80GB"])
     hbm_bytes: int = Field(ge=0, description="HBM bytes.", examples=[85_899_345_920])
-    uuid: str | None = Field(default=None, description="GPU UUID.", examples=["GPU-5f1c..."])
-    pci_bus_id: str | None = Field(default=None, description="PCI bus id.", examples=["00000000:18:00.0"])
+    uuid: str | None = Field(default=None, max_length=NAME_MAX, description="GPU UUID.", examples=["GPU-5f1c..."])
+    pci_bus_id: str | None = Field(
+        default=None, max_length=NAME_MAX, description="PCI bus id.", examples=["00000000:18:00.0"]
+    )
     numa_node: int | None = Field(default=None, description="NUMA node.", examples=[0])
-    cpu_affinity: str | None = Field(default=None, description="CPU set close to the GPU.", examples=["0-47"])
+    cpu_affinity: str | None = Field(
+        default=None, max_length=TEXT_MAX, description="CPU set close to the GPU.", examples=["0-47"]
+    )
     power_limit_w: float | None = Field(default=None, description="Power limit.", examples=[700.0])
     pcie_gen_max: int | None = Field(default=None, description="Max PCIe generation.", examples=[5])
     pcie_width_max: int | None = Field(default=None, description="Max PCIe lanes.", examples=[16])
@@ -66,13 +78,15 @@ class NodeProfilePayload(Contract):
     """A node profile on the wire (agent reports, `node_profiled`, `fleet.describe`): where the node sits,
     its GPUs and the `nvidia-smi topo -m` link matrix between them."""
 
-    name: str = Field(min_length=1, description="Node name.", examples=["dgx-h100-01"])
-    region: str = Field(description="Region.", examples=["us-west-1"])
-    cluster: str = Field(description="Cluster.", examples=["c1"])
-    rack: str = Field(description="Rack.", examples=["r1"])
-    sku: str = Field(description="SKU of its GPUs.", examples=["H100-SXM-80GB"])
-    source: str = Field(default="inventory", description="`inventory`, `nvml` or `nvidia-smi`.", examples=["nvml"])
-    links: list[list[str]] = Field(
+    name: str = Field(min_length=1, max_length=NAME_MAX, description="Node name.", examples=["dgx-h100-01"])
+    region: str = Field(max_length=NAME_MAX, description="Region.", examples=["us-west-1"])
+    cluster: str = Field(max_length=NAME_MAX, description="Cluster.", examples=["c1"])
+    rack: str = Field(max_length=NAME_MAX, description="Rack.", examples=["r1"])
+    sku: str = Field(max_length=NAME_MAX, description="SKU of its GPUs.", examples=["H100-SXM-80GB"])
+    source: str = Field(
+        default="inventory", max_length=NAME_MAX, description="`inventory`, `nvml` or `nvidia-smi`.", examples=["nvml"]
+    )
+    links: list[list[Annotated[str, StringConstraints(max_length=LINK_MAX)]]] = Field(
         description="GPU x GPU link codes (`X`, `NV18`, `PIX`, `SYS`, ...).", examples=[[["X", "NV18"], ["NV18", "X"]]]
     )
     numa: list[int | None] = Field(default_factory=list, description="NUMA node per GPU.", examples=[[0, 0]])
@@ -82,15 +96,24 @@ class NodeProfilePayload(Contract):
 class ProfileError(Contract):
     """Why an agent could not profile its node; the previous profile stays in force."""
 
-    message: str = Field(description="What went wrong.", examples=["line 5: expected 8 link cells for GPU3, found 6"])
+    message: str = Field(
+        description="What went wrong (cut to 1,000 characters).",
+        examples=["line 5: expected 8 link cells for GPU3, found 6"],
+    )
     line: int | None = Field(default=None, description="Line of the tool output, when a parse failed.", examples=[5])
-    provider: str = Field(description="Provider that failed.", examples=["nvidia-smi"])
+    provider: str = Field(max_length=NAME_MAX, description="Provider that failed.", examples=["nvidia-smi"])
+
+    @field_validator("message", mode="before")
+    @classmethod
+    def _short(cls, message: Any) -> Any:
+        # free text from a tool's output: cut, not refused (the report still says what failed)
+        return message[:TEXT_MAX] if isinstance(message, str) else message
 
 
 class TopologyReportRequest(Request):
     """An agent's report about its node: a fresh profile, or the error that stopped profiling."""
 
-    node: str = Field(min_length=1, description="Node name.", examples=["dgx-h100-01"])
+    node: str = Field(min_length=1, max_length=NAME_MAX, description="Node name.", examples=["dgx-h100-01"])
     profile: NodeProfilePayload | None = Field(
         default=None, description="The node profile (see `node_profiled`).", examples=[None]
     )
@@ -112,8 +135,10 @@ class TopologyReportReply(Contract):
 class Heartbeat(Contract):
     """Core-NATS heartbeat an agent sends every `HETSCHED_TOPOLOGY_HEARTBEAT_S` seconds."""
 
-    node: str = Field(description="Node name.", examples=["dgx-h100-01"])
-    fingerprint: str | None = Field(default=None, description="Digest of the profile the agent last reported.")
+    node: str = Field(max_length=NAME_MAX, description="Node name.", examples=["dgx-h100-01"])
+    fingerprint: str | None = Field(
+        default=None, max_length=NAME_MAX, description="Digest of the profile the agent last reported."
+    )
 
 
 class NodeDomainPayload(Contract):
@@ -161,7 +186,7 @@ class GpuSample(Contract):
 
 
 class GpuTelemetryEvent(Contract):
-    node: str = Field(description="Node name.", examples=["dgx-h100-01"])
+    node: str = Field(max_length=NAME_MAX, description="Node name.", examples=["dgx-h100-01"])
     gpus: list[GpuSample] = Field(description="One sample per GPU.")
 
 

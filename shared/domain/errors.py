@@ -10,7 +10,8 @@ from enum import StrEnum
 
 
 class ErrorCode(StrEnum):
-    """The closed list of error codes. ``not_implemented`` marks a subject not built yet."""
+    """The closed list of error codes. ``not_implemented`` marks a subject not built yet;
+    ``deadline_exceeded``: the caller's deadline passed before the work was done (nothing was done)."""
 
     INVALID_REQUEST = "invalid_request"
     UNKNOWN_MODEL = "unknown_model"
@@ -21,4 +22,5 @@ class ErrorCode(StrEnum):
     CONFLICT = "conflict"
     UNSUPPORTED_VERSION = "unsupported_version"
     NOT_IMPLEMENTED = "not_implemented"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
     INTERNAL = "internal"

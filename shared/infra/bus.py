@@ -12,13 +12,24 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, ValidationError
 
-from shared.contracts.base import CONTRACT_MAJOR_VERSION, ErrorCode, Rejected, Request, major_version, rejected
+from shared.contracts.base import (
+    CONTRACT_MAJOR_VERSION,
+    ECHO_MAX,
+    NAME_MAX,
+    ErrorCode,
+    Rejected,
+    Request,
+    echo,
+    major_version,
+    rejected,
+)
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.registry import EVENTS
 from shared.contracts.streams import StreamSpec
 from shared.contracts.subjects import Context
+from shared.infra.deadletter import UnappliableEvent
 from shared.infra.inbox import claim
-from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
+from shared.infra.uow import EventTooLarge, UnitOfWork, UnitOfWorkFactory
 
 log = logging.getLogger("hetsched.bus")
 
@@ -37,6 +48,7 @@ def _stream_config(spec: StreamSpec) -> StreamConfig:
         discard=DiscardPolicy.OLD,
         duplicate_window=spec.duplicate_window_s,
         max_age=spec.max_age_s,
+        num_replicas=spec.replicas,
     )
 
 
@@ -58,46 +70,102 @@ async def ensure_streams(js: JetStreamContext, specs: tuple[StreamSpec, ...]) ->
                 break
 
 
+# Request bodies (API.md "Limits"): the size cap comes from settings (`HETSCHED_REQUEST_MAX_BYTES`).
+DEFAULT_MAX_REQUEST_BYTES = 512 * 1024
+MAX_DEPTH = 64  # no contract nests deeper than a few levels
+REPLY_MARGIN_BYTES = 4096  # headers travel in the same NATS message as the reply body
+PART_MAX = 200  # one part of an error message (a parser's or a validator's own words)
+
+
 def _summarise(error: ValidationError) -> str:
     parts = []
     for item in error.errors()[:5]:
-        where = ".".join(str(p) for p in item["loc"]) or "body"
-        parts.append(f"field '{where}': {item['msg']}")
+        where = ".".join(str(p) for p in item["loc"])[:ECHO_MAX] or "body"
+        parts.append(f"field '{where}': {item['msg'][:PART_MAX]}")
     return "; ".join(parts)
 
 
 def invalid_request(error: ValidationError, *, request_id: object = None) -> Rejected:
     """The ``invalid_request`` reply to a body its contract refuses (the message names the fields)."""
     reply = rejected(ErrorCode.INVALID_REQUEST, _summarise(error))
-    return reply.model_copy(update={"request_id": request_id}) if isinstance(request_id, str) else reply
+    return reply.model_copy(update={"request_id": _echoed_id(request_id)})
+
+
+def _echoed_id(request_id: object) -> str | None:
+    """A request id worth repeating in a refusal: a string of a sane length, else none."""
+    return request_id if isinstance(request_id, str) and 0 < len(request_id) <= NAME_MAX else None
 
 
 def _encode(model: BaseModel) -> bytes:
     return model.model_dump_json().encode()
 
 
-async def dispatch(raw: bytes, model: type[RequestT], handler: Handler[RequestT]) -> bytes:
+def _refuse(message: str, *, code: ErrorCode = ErrorCode.INVALID_REQUEST, request_id: object = None) -> bytes:
+    reply = rejected(code, message)
+    return _encode(reply.model_copy(update={"request_id": _echoed_id(request_id)}))
+
+
+def _problem(data: object) -> str | None:
+    """Why a parsed body is refused before its contract sees it: nested too deep, or a NUL in a string
+    (Postgres cannot store one). Walks the body once, without recursion."""
+    stack: list[tuple[object, int, str]] = [(data, 0, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_DEPTH:
+            return f"body is nested deeper than {MAX_DEPTH} levels"
+        if isinstance(value, str):
+            if "\x00" in value:
+                return f"field '{where[:ECHO_MAX] or 'body'}': NUL characters are not allowed"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if "\x00" in key:
+                    return "a field name contains a NUL character"
+                stack.append((item, depth + 1, f"{where}.{key}" if where else key))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1, f"{where}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+async def dispatch(
+    raw: bytes,
+    model: type[RequestT],
+    handler: Handler[RequestT],
+    *,
+    max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_reply_bytes: int | None = None,
+) -> bytes:
     """Turn raw request bytes into a reply, never raising.
 
-    Malformed JSON, a body that is not an object, or a body that does not validate gives
-    ``invalid_request``; an unknown major version gives ``unsupported_version``; an unexpected
-    exception in the handler gives ``internal`` (logged with its stack, not sent to the caller).
+    A body over ``max_bytes``, malformed JSON (or nested past the parser's recursion limit, or with an
+    integer longer than Python converts), a body that is not an object, nested deeper than
+    ``MAX_DEPTH``, holding a NUL character, or that does not validate gives ``invalid_request``; an
+    unknown major version gives ``unsupported_version``; an unexpected exception in the handler gives
+    ``internal`` (logged with its stack, not sent to the caller). Messages repeat the caller's input
+    cut short (``echo``). A reply longer than ``max_reply_bytes`` (what NATS can carry) becomes a short
+    ``internal`` saying the answer was too large.
     """
+    if len(raw) > max_bytes:
+        return _refuse(f"body is {len(raw)} bytes; the limit is {max_bytes}")
     try:
         data: Any = json.loads(raw) if raw else None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return _encode(rejected(ErrorCode.INVALID_REQUEST, f"body is not valid JSON: {exc}"))
+    except RecursionError:
+        return _refuse("body is nested too deeply to parse")
+    except (UnicodeDecodeError, ValueError) as exc:  # ValueError: JSONDecodeError, or an over-long integer
+        return _refuse(f"body is not valid JSON: {str(exc)[:PART_MAX]}")
     if not isinstance(data, dict):
-        return _encode(rejected(ErrorCode.INVALID_REQUEST, "body must be a JSON object"))
+        return _refuse("body must be a JSON object")
+    problem = _problem(data)
+    if problem is not None:
+        return _refuse(problem, request_id=data.get("request_id"))
     if "version" in data:
         major = major_version(data["version"])
         if major is None:
-            return _encode(rejected(ErrorCode.INVALID_REQUEST, f"unreadable version {data['version']!r}"))
+            return _refuse(f"unreadable version {echo(data['version'])}")
         if major != CONTRACT_MAJOR_VERSION:
             return _encode(
                 rejected(
                     ErrorCode.UNSUPPORTED_VERSION,
-                    f"version {data['version']!r} is not supported; this server speaks {CONTRACT_MAJOR_VERSION}",
+                    f"version {echo(data['version'])} is not supported; this server speaks {CONTRACT_MAJOR_VERSION}",
                     supported=[CONTRACT_MAJOR_VERSION],
                 )
             )
@@ -105,11 +173,25 @@ async def dispatch(raw: bytes, model: type[RequestT], handler: Handler[RequestT]
         request = model.model_validate(data)
     except ValidationError as exc:
         return _encode(invalid_request(exc, request_id=data.get("request_id")))
+    except (ValueError, RecursionError) as exc:  # a validator that failed outside pydantic's own errors
+        return _refuse(f"body does not validate: {type(exc).__name__}", request_id=data.get("request_id"))
     try:
-        return _encode(await handler(request))
+        reply = _encode(await handler(request))
+    except EventTooLarge as exc:  # the request would announce more than one event can carry
+        return _refuse(str(exc), code=exc.code, request_id=data.get("request_id"))
     except Exception:
         log.exception("request handler failed", extra={"model": model.__name__})
-        return _encode(rejected(ErrorCode.INTERNAL, "internal error; the server logged it"))
+        return _refuse(
+            "internal error; the server logged it", code=ErrorCode.INTERNAL, request_id=data.get("request_id")
+        )
+    if max_reply_bytes is not None and len(reply) > max_reply_bytes:
+        log.error("a reply is too large to send", extra={"model": model.__name__, "bytes": len(reply)})
+        return _refuse(
+            f"the answer was too large to send ({len(reply)} bytes; the limit is {max_reply_bytes}); ask for less",
+            code=ErrorCode.INTERNAL,
+            request_id=data.get("request_id"),
+        )
+    return reply
 
 
 def consume(
@@ -123,17 +205,16 @@ def consume(
     """Apply one context's events by name, each event id once, with its effects and their events in
     one transaction; the payload reaches the handler as its contract model (``EVENTS``).
 
-    A message that is not an envelope, or whose payload does not match its contract, is logged and
-    dropped (redelivering it cannot help); an exception from a handler propagates so the
-    subscriber's ack policy redelivers the event.
+    A message that is not an envelope, or whose payload does not match its contract, raises
+    ``UnappliableEvent`` (redelivering it cannot help: the caller dead-letters it); an exception from
+    a handler propagates so the caller redelivers the event with backoff, then dead-letters it.
     """
 
     async def on_message(raw: bytes) -> None:
         try:
             event = EventEnvelope.model_validate_json(raw)
         except ValidationError as exc:
-            log.warning("dropping a message that is not an event envelope", extra={"error": str(exc)[:300]})
-            return
+            raise UnappliableEvent(f"not an event envelope: {_summarise(exc)}") from None
         name = event.type.rsplit(".", 1)[-1]
         handler = handlers.get(name)
         if handler is None:
@@ -142,11 +223,7 @@ def consume(
         try:
             payload = model.model_validate(event.payload) if model is not None else event.payload
         except ValidationError as exc:
-            log.warning(
-                "dropping an event whose payload does not match its contract",
-                extra={"event_id": str(event.event_id), "type": event.type, "error": str(exc)[:300]},
-            )
-            return
+            raise UnappliableEvent(f"{event.type} payload does not match its contract: {_summarise(exc)}") from None
         emitted = False
         async with uow.sessions() as session, session.begin():
             if await claim(session=session, schema=schema, consumer=consumer, event_id=event.event_id):

@@ -16,17 +16,68 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import cache
 from typing import Any
 
+from nats import errors as nats_errors
 from nats.js import JetStreamContext
+from nats.js import errors as js_errors
 from sqlalchemy import TextClause, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.sql import func
 
 from shared.contracts.envelope import EventEnvelope
+from shared.domain.errors import ErrorCode
 from shared.infra.tables import outbox_table
 
 log = logging.getLogger("hetsched.outbox")
 
 AfterPublish = Callable[[EventEnvelope], Awaitable[None] | None]
+
+# Below NATS's default max_payload (1 MiB), leaving room for headers.
+DEFAULT_EVENT_MAX_BYTES = 900_000
+
+# Errors that say "not now" (NATS or JetStream unreachable, slow, electing a leader): the relay keeps
+# the row and retries with backoff. Any other publish error is about the event itself: quarantine it.
+TRANSIENT_PUBLISH_ERRORS: tuple[type[BaseException], ...] = (
+    TimeoutError,
+    asyncio.TimeoutError,
+    nats_errors.TimeoutError,
+    nats_errors.NoRespondersError,
+    nats_errors.ConnectionClosedError,
+    nats_errors.ConnectionReconnectingError,
+    nats_errors.ConnectionDrainingError,
+    nats_errors.StaleConnectionError,
+    nats_errors.OutboundBufferLimitError,
+    js_errors.ServiceUnavailableError,
+    js_errors.ServerError,
+    js_errors.NoStreamResponseError,  # a clustered stream electing a new leader
+    OSError,
+)
+
+QUARANTINED_MESSAGE = "outbox event quarantined: it cannot be published"
+
+
+class EventTooLarge(ValueError):
+    """An event larger than the limit was emitted: the transaction fails, the caller gets ``code``."""
+
+    code = ErrorCode.INVALID_REQUEST
+
+    def __init__(self, *, event_type: str, size: int, limit: int) -> None:
+        super().__init__(f"the {event_type} event this request causes is {size} bytes; the limit is {limit}")
+        self.event_type = event_type
+        self.size = size
+        self.limit = limit
+
+
+def event_body(payload: dict[str, Any]) -> bytes:
+    """The bytes the relay publishes for an outbox row: compact UTF-8 JSON (no ASCII escaping, which
+    can grow a non-ASCII string sixfold). ``emit`` measures an event with the same function."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def check_event_size(event: EventEnvelope, *, limit: int) -> None:
+    """Raise ``EventTooLarge`` when the event's published body would exceed ``limit`` bytes."""
+    size = len(event_body(event.model_dump(mode="json")))
+    if size > limit:
+        raise EventTooLarge(event_type=event.type, size=size, limit=limit)
 
 
 async def enqueue(*, session: AsyncSession, schema: str, subject: str, event: EventEnvelope) -> None:
@@ -67,6 +118,10 @@ def msg_id_headers(event_id: str) -> dict[str, str]:
     return {"Nats-Msg-Id": event_id}
 
 
+class RelayStalled(Exception):
+    """A pass stopped at a transient publish error; what it published before is marked sent."""
+
+
 class OutboxRelay:
     """Publishes unsent outbox rows to JetStream in order and marks them sent.
 
@@ -74,6 +129,11 @@ class OutboxRelay:
     with ``Nats-Msg-Id`` = event id and waits for JetStream's ack, then marks the batch in the same
     transaction. If the relay dies between publish and mark, the rows stay unsent and are published
     again on restart; JetStream's duplicate window drops the second copy.
+
+    A row that cannot be published (larger than the server's max_payload, refused by JetStream) is
+    quarantined (``quarantined_at``, ``error``) with one ERROR log line and counted in
+    ``quarantined``; the rows behind it go on. A transient error (NATS down, a timeout) ends the pass
+    and the relay retries with backoff, quarantining nothing.
     """
 
     def __init__(
@@ -95,19 +155,25 @@ class OutboxRelay:
         self._wake = asyncio.Event()
         self._stopping = False
         self.published = 0
+        # Rows set aside since start: the alert counter the metrics endpoint exports.
+        self.quarantined = 0
 
     def wake(self) -> None:
         """Ask for a pass now (call after committing a transaction that enqueued events)."""
         self._wake.set()
 
     async def run_once(self) -> int:
-        """One pass; returns how many events were published."""
+        """One pass; returns how many rows it settled (published or quarantined).
+
+        Raises ``RelayStalled`` after committing what it published when a transient error stopped it.
+        """
         table = self._table
+        stalled: BaseException | None = None
         async with self._sessions() as session, session.begin():
             rows = (
                 await session.execute(
-                    select(table.c.seq, table.c.event_id, table.c.subject, table.c.payload)
-                    .where(table.c.sent_at.is_(None))
+                    select(table.c.seq, table.c.event_id, table.c.subject, table.c.event_type, table.c.payload)
+                    .where(table.c.sent_at.is_(None), table.c.quarantined_at.is_(None))
                     .order_by(table.c.seq)
                     .limit(self._batch)
                     .with_for_update(skip_locked=True)
@@ -115,22 +181,44 @@ class OutboxRelay:
             ).all()
             if not rows:
                 return 0
+            sent: list[int] = []
+            quarantined: list[tuple[int, str]] = []
             for row in rows:
                 payload: dict[str, Any] = row.payload
-                await self._js.publish(
-                    row.subject,
-                    json.dumps(payload, separators=(",", ":")).encode(),
-                    headers=msg_id_headers(str(row.event_id)),
-                )
+                try:
+                    await self._js.publish(row.subject, event_body(payload), headers=msg_id_headers(str(row.event_id)))
+                except TRANSIENT_PUBLISH_ERRORS as exc:
+                    stalled = exc
+                    break
+                except Exception as exc:
+                    error = f"{type(exc).__name__}: {exc}"[:500]
+                    quarantined.append((row.seq, error))
+                    log.error(
+                        QUARANTINED_MESSAGE,
+                        extra={
+                            "event_id": str(row.event_id),
+                            "event_type": row.event_type,
+                            "subject": row.subject,
+                            "error": error,
+                        },
+                    )
+                    continue
+                sent.append(row.seq)
                 if self._after_publish is not None:
                     maybe = self._after_publish(EventEnvelope.model_validate(payload))
                     if maybe is not None:
                         await maybe
-            await session.execute(
-                update(table).where(table.c.seq.in_([r.seq for r in rows])).values(sent_at=func.now())
-            )
-        self.published += len(rows)
-        return len(rows)
+            if sent:
+                await session.execute(update(table).where(table.c.seq.in_(sent)).values(sent_at=func.now()))
+            for seq, error in quarantined:
+                await session.execute(
+                    update(table).where(table.c.seq == seq).values(quarantined_at=func.now(), error=error)
+                )
+        self.published += len(sent)
+        self.quarantined += len(quarantined)
+        if stalled is not None:
+            raise RelayStalled(f"{type(stalled).__name__}: {stalled}") from stalled
+        return len(sent) + len(quarantined)
 
     async def run(self) -> None:
         """Loop until ``stop``; errors are logged and retried with backoff, never fatal."""
@@ -141,6 +229,13 @@ class OutboxRelay:
                 backoff = self._poll_s
             except asyncio.CancelledError:
                 raise
+            except RelayStalled as exc:
+                # NATS is away: one line per attempt, no stack (it says nothing new).
+                log.warning(
+                    "outbox relay cannot publish now; retrying", extra={"backoff_s": backoff, "error": str(exc)}
+                )
+                sent = 0
+                backoff = min(backoff * 2, 5.0)
             except Exception:
                 log.exception("outbox relay pass failed; retrying", extra={"backoff_s": backoff})
                 sent = 0

@@ -4,12 +4,19 @@ FastStream runs each service's lifecycle and its JetStream consumers; request su
 here because they are the latency path: measured on a 2-core machine, FastStream's per-message
 dependency-injection stack capped a trivial responder near 900 requests/s, which is less than the
 ledger's own work allows. Every request still goes through the same typed ``dispatch``.
+
+Deadlines (API.md "Deadlines"): each request carries ``Hetsched-Deadline`` (epoch ms), or gets
+``default_deadline_ms`` from now. The handler's task sees it through ``shared.infra.deadline``; a
+request whose deadline passed while it waited for a worker is dropped unanswered (its caller has
+gone) and counted in ``abandoned``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +25,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from shared.contracts.base import Request
-from shared.infra.bus import dispatch
+from shared.infra import deadline
+from shared.infra.bus import DEFAULT_MAX_REQUEST_BYTES, REPLY_MARGIN_BYTES, dispatch
 
 log = logging.getLogger("hetsched.requests")
 
@@ -33,40 +41,100 @@ class Endpoint:
 
 
 @dataclass
+class Load:
+    """How busy one subject's workers are: busy slots, and since when all of them have been."""
+
+    workers: int
+    busy: int = 0
+    full_since: float | None = None
+    abandoned: int = 0
+    served: int = 0
+
+    def take(self, now: float) -> None:
+        self.busy += 1
+        if self.busy >= self.workers and self.full_since is None:
+            self.full_since = now
+
+    def give_back(self) -> None:
+        self.busy -= 1
+        if self.busy < self.workers:
+            self.full_since = None
+
+
+@dataclass
 class RequestServer:
     """Serves endpoints with up to ``workers`` requests in flight each; stops by draining them."""
 
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    default_deadline_ms: float = 10_000
+    monotonic: Callable[[], float] = time.monotonic
     endpoints: list[Endpoint] = field(default_factory=list)
+    loads: dict[str, Load] = field(default_factory=dict)
     _subscriptions: list[Subscription] = field(default_factory=list)
     _inflight: set[asyncio.Task[None]] = field(default_factory=set)
 
     def add(self, endpoint: Endpoint) -> None:
         self.endpoints.append(endpoint)
+        self.loads[endpoint.subject] = Load(workers=endpoint.workers)
 
     async def start(self, nc: Client) -> None:
         for endpoint in self.endpoints:
             self._subscriptions.append(
-                await nc.subscribe(endpoint.subject, queue=endpoint.queue, cb=self._callback(endpoint))
+                await nc.subscribe(endpoint.subject, queue=endpoint.queue, cb=self._callback(endpoint, nc))
             )
 
-    def _callback(self, endpoint: Endpoint) -> Any:
-        slots = asyncio.Semaphore(endpoint.workers)
+    def saturated(self, *, after_s: float) -> dict[str, float]:
+        """Subjects whose every worker has been busy for longer than ``after_s``, with for how long."""
+        now = self.monotonic()
+        return {
+            subject: now - load.full_since
+            for subject, load in self.loads.items()
+            if load.full_since is not None and now - load.full_since > after_s
+        }
 
-        async def serve(msg: Msg) -> None:
+    @property
+    def abandoned(self) -> int:
+        """Requests dropped because their deadline passed before a worker took them."""
+        return sum(load.abandoned for load in self.loads.values())
+
+    def _deadline_of(self, msg: Msg) -> float:
+        sent = deadline.parse_header((msg.headers or {}).get(deadline.HEADER))
+        return sent if sent is not None else deadline.now_ms() + self.default_deadline_ms
+
+    def _callback(self, endpoint: Endpoint, nc: Client) -> Any:
+        slots = asyncio.Semaphore(endpoint.workers)
+        load = self.loads[endpoint.subject]
+
+        async def serve(msg: Msg, until_ms: float) -> None:
             try:
-                reply = await dispatch(msg.data, endpoint.model, endpoint.handler)
+                if deadline.now_ms() >= until_ms:
+                    load.abandoned += 1  # the caller gave up while the request waited: no work, no reply
+                    log.warning("dropped a request whose deadline had passed", extra={"subject": endpoint.subject})
+                    return
+                deadline.set_deadline(until_ms)  # this task's context only
+                reply = await dispatch(
+                    msg.data,
+                    endpoint.model,
+                    endpoint.handler,
+                    max_bytes=self.max_request_bytes,
+                    max_reply_bytes=max(1024, nc.max_payload - REPLY_MARGIN_BYTES),
+                )
+                load.served += 1
                 if msg.reply:
                     await msg.respond(reply)
             except Exception:  # dispatch never raises; a failed respond (connection gone) is logged
                 log.exception("could not answer a request", extra={"subject": endpoint.subject})
             finally:
+                load.give_back()
                 slots.release()
 
         async def on_message(msg: Msg) -> None:
             # nats-py calls this in order; the work runs as a task so requests are served concurrently,
             # and acquiring a slot here applies back-pressure when `workers` are busy.
+            until_ms = self._deadline_of(msg)
             await slots.acquire()
-            task = asyncio.create_task(serve(msg))
+            load.take(self.monotonic())
+            task = asyncio.create_task(serve(msg, until_ms))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
 

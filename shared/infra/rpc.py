@@ -9,7 +9,11 @@ settings. A transport failure (no responder, timeout) raises ``RpcError``; a ref
 from __future__ import annotations
 
 import json
+import statistics
+import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import nats
@@ -23,9 +27,12 @@ from shared.contracts.fleet import FleetGetReply, FleetGetRequest
 from shared.contracts.ledger import SnapshotReply, SnapshotRequest
 from shared.contracts.registry import RPCS
 from shared.contracts.subjects import Rpc, Subjects
+from shared.infra import deadline
+from shared.infra.settings import nats_servers
 
 ReplyT = TypeVar("ReplyT", bound=BaseModel)
 PageT = TypeVar("PageT", FleetGetReply, SnapshotReply)
+INNER_MARGIN_S = 0.25  # what an inner call leaves its outer request to answer in
 
 
 class RpcError(Exception):
@@ -57,6 +64,37 @@ def parse_reply(rpc: Rpc, data: bytes, *, rejection_as_reply: bool = False) -> B
         raise RpcError(rpc, f"reply does not match its contract: {exc.errors()[:2]}") from exc
 
 
+@dataclass
+class CallStats:
+    """How the recent calls to other services went, per context (``ledger``, ``fleet``, ...): what
+    health reads to say a dependency is failing (its latest call got no answer) or slow (the median
+    of its last ``window`` calls in the last ``horizon_s`` seconds is over the threshold)."""
+
+    window: int = 50
+    horizon_s: float = 60.0
+    calls: dict[str, deque[tuple[float, float, bool]]] = field(default_factory=dict)
+
+    def record(self, rpc: Rpc, *, seconds: float, ok: bool, at: float | None = None) -> None:
+        entry = (time.monotonic() if at is None else at, seconds, ok)
+        self.calls.setdefault(rpc.value.split(".", 1)[0], deque(maxlen=self.window)).append(entry)
+
+    def slow(self, *, slow_s: float, now: float | None = None) -> dict[str, str]:
+        """Contexts whose recent calls failed or whose median took longer than ``slow_s``, and why."""
+        since = (time.monotonic() if now is None else now) - self.horizon_s
+        out: dict[str, str] = {}
+        for context, calls in self.calls.items():
+            recent = [(seconds, ok) for at, seconds, ok in calls if at >= since]
+            if not recent:
+                continue
+            failed = sum(1 for _seconds, ok in recent if not ok)
+            median = statistics.median(seconds for seconds, _ok in recent)
+            if not recent[-1][1]:  # the latest call got no answer: it is failing now
+                out[context] = f"{failed} of the last {len(recent)} calls got no answer, the latest among them"
+            elif median > slow_s:
+                out[context] = f"median answer {median * 1000:.0f} ms over the last {len(recent)} calls"
+        return out
+
+
 class RpcClient:
     """Request/reply over one NATS connection (given, or taken from a provider once it is up)."""
 
@@ -70,13 +108,16 @@ class RpcClient:
         self._connection = connection
         self.subjects = subjects
         self.timeout_s = timeout_s
+        self.stats = CallStats()
 
     @classmethod
     async def connect(
         cls, url: str, subjects: Subjects, *, timeout_s: float = 5.0, name: str = "hetsched"
     ) -> RpcClient:
         """A client on a connection of its own (the command line, tests); close it with ``close``."""
-        nc = await nats.connect(url, name=name, connect_timeout=max(1, int(timeout_s)), max_reconnect_attempts=2)
+        nc = await nats.connect(
+            nats_servers(url), name=name, connect_timeout=max(1, int(timeout_s)), max_reconnect_attempts=2
+        )
         return cls(nc, subjects, timeout_s=timeout_s)
 
     @property
@@ -91,15 +132,36 @@ class RpcClient:
     async def call(
         self, rpc: Rpc, request: BaseModel, *, timeout_s: float | None = None, rejection_as_reply: bool = False
     ) -> BaseModel:
-        """Send ``request`` on ``rpc``; the reply model, or ``Rejected`` (see ``parse_reply``)."""
+        """Send ``request`` on ``rpc``; the reply model, or ``Rejected`` (see ``parse_reply``).
+
+        The request carries its deadline (``Hetsched-Deadline``): now + the timeout, or, when this
+        call is made on behalf of a request whose deadline is nearer, a little before that one, so an
+        inner call never outlives the outer one."""
+        timeout = self.inner_timeout_s(timeout_s or self.timeout_s)
+        if timeout <= 0:
+            raise RpcError(rpc, "the deadline of the request this call serves has passed")
         body = request.model_dump_json(exclude_none=True).encode()
+        headers = {deadline.HEADER: str(int(deadline.now_ms() + timeout * 1000))}
+        started = time.monotonic()
         try:
-            msg = await self.nc.request(self.subjects.rpc(rpc), body, timeout=timeout_s or self.timeout_s)
+            msg = await self.nc.request(self.subjects.rpc(rpc), body, timeout=timeout, headers=headers)
         except NoRespondersError as exc:
+            self.stats.record(rpc, seconds=time.monotonic() - started, ok=False)
             raise RpcError(rpc, "no service answers this subject") from exc
         except NatsTimeoutError as exc:
-            raise RpcError(rpc, f"no reply within {timeout_s or self.timeout_s:g} s") from exc
+            self.stats.record(rpc, seconds=time.monotonic() - started, ok=False)
+            raise RpcError(rpc, f"no reply within {timeout:g} s") from exc
+        self.stats.record(rpc, seconds=time.monotonic() - started, ok=True)
         return parse_reply(rpc, msg.data, rejection_as_reply=rejection_as_reply)
+
+    @staticmethod
+    def inner_timeout_s(timeout_s: float) -> float:
+        """``timeout_s``, cut to what is left of the current request's deadline less a margin for the
+        outer reply (a tenth of it, at most 250 ms); 0 when nothing is left."""
+        left = deadline.remaining_s()
+        if left is None:
+            return timeout_s
+        return max(0.0, min(timeout_s, left - min(left / 10, INNER_MARGIN_S)))
 
     async def ask(
         self,

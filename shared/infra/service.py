@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError
@@ -41,10 +42,11 @@ from shared.contracts.subjects import Context, Rpc, Subjects
 from shared.infra.bus import TypedEventHandler, consume, ensure_streams
 from shared.infra.clock import Clock, system_clock
 from shared.infra.db import make_engine, make_sessions, service_database_url
+from shared.infra.deadletter import UnappliableEvent, dead_letter, redelivery_delay_s
 from shared.infra.outbox import OutboxRelay
 from shared.infra.requests import Endpoint, RequestServer
 from shared.infra.rpc import RpcClient
-from shared.infra.settings import Settings
+from shared.infra.settings import Settings, nats_servers
 from shared.infra.telemetry import configure_telemetry
 from shared.infra.uow import UnitOfWorkFactory
 
@@ -78,6 +80,8 @@ class Runtime:
     js: JetStreamContext | None = None
     relay: OutboxRelay | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    # The event consumers, for their counters (redelivered, dead_lettered).
+    consumers: list[_EventLoop] = field(default_factory=list)
 
     @property
     def nats(self) -> NatsClient:
@@ -109,7 +113,10 @@ class Runtime:
 # timeout to fill the batch; its default ack policy for NATS drops a message whose handler raised.
 EVENT_BATCH = 64
 EVENT_FETCH_TIMEOUT_S = 1.0
-REDELIVERY_DELAY_S = 0.5
+DEAD_LETTERED_MESSAGE = "event dead-lettered: the consumer gave up on it"
+# Server-side deliveries, as a multiple of the limit, after which a failing event is dead-lettered even
+# if this process saw fewer failures (it restarted, or the event was nak'ed behind others).
+RESTART_SLACK = 4
 
 # Factories and hooks take the service's Ctx: what its ``wire`` built once.
 RouteFactory = Callable[[Any], Callable[[Any], Awaitable[BaseModel]]]
@@ -173,19 +180,39 @@ def _not_implemented(service: str, rpc: Rpc) -> Callable[[Any], Awaitable[BaseMo
     return handler
 
 
+def _workers_check(requests: RequestServer, *, after_s: float) -> str:
+    """`ok`, or which subjects have had every worker busy for longer than ``after_s`` (callers wait)."""
+    saturated = requests.saturated(after_s=after_s)
+    if not saturated:
+        return "ok"
+    worst = ", ".join(f"{subject} for {seconds:.1f} s" for subject, seconds in sorted(saturated.items()))
+    return f"saturated: every worker busy ({worst})"
+
+
 def _health(
-    runtime: Runtime, extra: Callable[[], Mapping[str, str]] | None
+    runtime: Runtime,
+    extra: Callable[[], Mapping[str, str]] | None,
+    requests: RequestServer | None = None,
 ) -> Callable[[HealthRequest], Awaitable[BaseModel]]:
     async def handler(_request: HealthRequest) -> BaseModel:
         checks: dict[str, str] = {}
+        slow_s = runtime.settings.dependency_slow_ms / 1000
         if runtime.uses_database:
+            started = time.monotonic()
             try:
                 async with runtime.engine.connect() as conn:
                     await asyncio.wait_for(conn.execute(text("SELECT 1")), timeout=2)
-                checks["postgres"] = "ok"
+                took = time.monotonic() - started
+                checks["postgres"] = "ok" if took <= slow_s else f"slow: SELECT 1 took {took * 1000:.0f} ms"
             except Exception as exc:
                 checks["postgres"] = f"error: {type(exc).__name__}"
         checks["nats"] = "ok" if runtime.nc is not None and runtime.nc.is_connected else "error: disconnected"
+        if requests is not None:
+            checks["workers"] = _workers_check(requests, after_s=runtime.settings.request_saturated_ms / 1000)
+        slow = runtime.rpc.stats.slow(slow_s=slow_s)
+        checks["dependencies"] = (
+            "ok" if not slow else "slow: " + "; ".join(f"{k}: {v}" for k, v in sorted(slow.items()))
+        )
         if extra is not None:
             checks.update(extra())
         healthy = all(v == "ok" for v in checks.values())
@@ -196,18 +223,40 @@ def _health(
     return handler
 
 
+def _describe_slow(slow: Mapping[str, str]) -> str:
+    return "slow: " + "; ".join(f"{context}: {why}" for context, why in sorted(slow.items()))
+
+
 def _durable(runtime: Runtime, name: str) -> str:
     return f"{runtime.settings.subject_prefix}-{runtime.schema}-{name}"
 
 
-@dataclass(frozen=True)
+@dataclass
 class _EventLoop:
-    """One durable consumer: what it reads and how each event is applied."""
+    """One durable consumer: what it reads, how each event is applied, and when it gives up on one.
+
+    An event whose handler raises is nak'ed with the rest of its batch after a delay that doubles
+    with each failure (``HETSCHED_EVENT_REDELIVERY_BACKOFF_MS``, capped), and the loop waits out that
+    delay before fetching again so the redelivery comes before newer events. After
+    ``max_deliveries`` failures, or at once for a message ``consume`` calls unappliable, the event is
+    dead-lettered (``DEADLETTER`` stream) and acknowledged: the consumer moves on. Logs: the first
+    failure with its stack, each later one on one line, the dead letter on one ERROR line.
+    """
 
     subject: str
     stream: str
     durable: str
     apply: Callable[[bytes], Awaitable[None]]
+    deadletter_subject: str = ""
+    max_deliveries: int = 5
+    backoff_s: float = 0.5
+    backoff_max_s: float = 10.0
+    # Failures per stream sequence (this process): a batch's later events are nak'ed behind a failing
+    # one, which raises their server-side delivery count without them having failed.
+    failures: dict[int, int] = field(default_factory=dict)
+    # Counters the metrics endpoint exports.
+    redelivered: int = 0
+    dead_lettered: int = 0
 
     async def run(self, runtime: Runtime) -> None:
         subscription = await runtime.jetstream.pull_subscribe(
@@ -234,22 +283,94 @@ class _EventLoop:
 
     async def apply_in_order(self, runtime: Runtime, messages: list[Msg]) -> None:
         for position, message in enumerate(messages):
+            sequence = message.metadata.sequence.stream
             try:
                 await self.apply(message.data)
-            except Exception:
-                runtime.log.exception("event handler failed; the event is redelivered", extra={"durable": self.durable})
-                for later in messages[position:]:
-                    await later.nak(delay=REDELIVERY_DELAY_S)
+            except UnappliableEvent as exc:
+                if not await self._dead_letter(runtime, message, str(exc)):
+                    await self._retry_later(messages[position:], failures=self.failures.get(sequence, 1))
+                    return
+                continue
+            except Exception as exc:
+                failures = self.failures.get(sequence, 0) + 1
+                self.failures[sequence] = failures
+                error = f"{type(exc).__name__}: {exc}"
+                # The server's count bounds it across restarts (this process's count starts again at 0).
+                server_deliveries = message.metadata.num_delivered or 0
+                if failures >= self.max_deliveries or server_deliveries >= self.max_deliveries * RESTART_SLACK:
+                    if await self._dead_letter(runtime, message, error):
+                        continue
+                    await self._retry_later(messages[position:], failures=failures)
+                    return
+                delay = redelivery_delay_s(failures, base_s=self.backoff_s, max_s=self.backoff_max_s)
+                extra = {"durable": self.durable, "sequence": sequence, "failures": failures, "retry_in_s": delay}
+                if failures == 1:
+                    runtime.log.exception("event handler failed; the event is redelivered", extra=extra)
+                else:
+                    runtime.log.warning(
+                        "event handler failed again; the event is redelivered", extra=extra | {"error": error[:300]}
+                    )
+                self.redelivered += 1
+                await self._retry_later(messages[position:], failures=failures)
                 return
+            self.failures.pop(sequence, None)
+            with contextlib.suppress(Exception):  # NATS away: redelivered after the ack wait, the inbox skips it
+                await message.ack()
+
+    async def _retry_later(self, messages: list[Msg], *, failures: int) -> None:
+        """Nak ``messages`` (the failing one first, the rest of its batch in order) and wait the delay out."""
+        delay = redelivery_delay_s(failures, base_s=self.backoff_s, max_s=self.backoff_max_s)
+        for message in messages:
+            with contextlib.suppress(Exception):  # NATS away: the ack wait redelivers them anyway
+                await message.nak(delay=delay)
+        await asyncio.sleep(delay)
+
+    async def _dead_letter(self, runtime: Runtime, message: Msg, error: str) -> bool:
+        """Park ``message`` in DEADLETTER and ack it; False (nothing acked) when it could not be published."""
+        sequence = message.metadata.sequence.stream
+        deliveries = message.metadata.num_delivered or 1
+        try:
+            await dead_letter(
+                runtime.jetstream,
+                subject=self.deadletter_subject,
+                message=message,
+                consumer=self.durable,
+                error=error,
+                deliveries=deliveries,
+            )
             await message.ack()
+        except Exception as exc:
+            runtime.log.warning(
+                "could not dead-letter an event; it is redelivered",
+                extra={"durable": self.durable, "sequence": sequence, "error": f"{type(exc).__name__}: {exc}"[:300]},
+            )
+            return False
+        self.failures.pop(sequence, None)
+        self.dead_lettered += 1
+        runtime.log.error(
+            DEAD_LETTERED_MESSAGE,
+            extra={
+                "durable": self.durable,
+                "subject": message.subject,
+                "sequence": sequence,
+                "deliveries": deliveries,
+                "error": error[:300],
+            },
+        )
+        return True
 
 
 def _event_loop(runtime: Runtime, *, subject: str, context: Context, durable: str, apply: Any) -> _EventLoop:
+    settings = runtime.settings
     return _EventLoop(
         subject=subject,
-        stream=stream_name(context, stream_prefix=runtime.settings.stream_prefix),
+        stream=stream_name(context, stream_prefix=settings.stream_prefix),
         durable=durable,
         apply=apply,
+        deadletter_subject=runtime.subjects.deadletter(context, durable),
+        max_deliveries=settings.event_max_deliveries,
+        backoff_s=settings.event_redelivery_backoff_ms / 1000,
+        backoff_max_s=settings.event_redelivery_backoff_max_ms / 1000,
     )
 
 
@@ -289,7 +410,7 @@ def build_app(
     tracer_provider, meter_provider = configure_telemetry(service=definition.name, exporter=settings.otel_exporter)
     nats_url = settings.nats_url or DEFAULT_NATS_URL
     broker = NatsBroker(
-        nats_url,
+        nats_servers(nats_url),  # a cluster's URL lists every node
         max_reconnect_attempts=-1,  # ride out a NATS restart instead of exiting
         reconnect_time_wait=1,
         logger=log,
@@ -318,6 +439,7 @@ def build_app(
             subjects=subjects,
             clock=clock,
             wake=lambda: holder[0].wake_relay(),
+            max_event_bytes=settings.event_max_bytes,
         ),
         rpc=rpc or RpcClient(lambda: holder[0].nats, subjects, timeout_s=settings.rpc_timeout_ms / 1000),
         clock=clock,
@@ -326,15 +448,20 @@ def build_app(
     holder.append(runtime)
     ctx: Any = definition.wire(runtime)
     queue = f"{settings.subject_prefix}.{definition.schema}"
-    requests = RequestServer()
+    requests = RequestServer(
+        max_request_bytes=settings.request_max_bytes, default_deadline_ms=settings.request_deadline_ms
+    )
     extra_checks = (lambda: definition.checks(ctx)) if definition.checks is not None else None  # type: ignore[misc]
     requests.add(
-        Endpoint(runtime.subjects.rpc(definition.health), queue, HealthRequest, _health(runtime, extra_checks), 4)
+        Endpoint(
+            runtime.subjects.rpc(definition.health), queue, HealthRequest, _health(runtime, extra_checks, requests), 4
+        )
     )
     for route in definition.routes:
         handler = route.factory(ctx) if route.factory else _not_implemented(definition.name, route.rpc)
         requests.add(Endpoint(runtime.subjects.rpc(route.rpc), queue, route.model, handler, settings.request_workers))
     event_loops = [_subscribe_consumer(runtime, consumer, ctx) for consumer in definition.consumers]
+    runtime.consumers = event_loops
     if definition.extra is not None:
         definition.extra(broker, ctx)
 
@@ -345,7 +472,7 @@ def build_app(
         # Our own connection for JetStream management, the relay and calls to other services, so
         # publishing does not depend on FastStream internals.
         runtime.nc = await nats.connect(
-            nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name=definition.name
+            nats_servers(nats_url), max_reconnect_attempts=-1, reconnect_time_wait=0.5, name=definition.name
         )
         runtime.js = runtime.nc.jetstream()
         await ensure_streams(
@@ -355,6 +482,7 @@ def build_app(
                 stream_prefix=settings.stream_prefix,
                 duplicate_window_s=settings.stream_duplicate_window_s,
                 telemetry_max_age_s=settings.telemetry_max_age_s,
+                replicas=settings.stream_replicas,
             ),
         )
         if database:

@@ -52,6 +52,12 @@ class Settings(BaseSettings):
     log_level: str = Field(default="INFO", description="Python logging level.")
     log_format: str = Field(default="json", pattern=r"^(json|text)$", description="`json` or `text`.")
     request_timeout_ms: int = Field(default=5000, gt=0, description="Timeout of CLI requests over NATS.")
+    dependency_slow_ms: int = Field(
+        default=1000,
+        gt=0,
+        description="Health says `degraded` when Postgres answers `SELECT 1`, or another service's median answer "
+        "over the last 50 calls, slower than this (or when a recent call got no answer).",
+    )
     rpc_timeout_ms: int = Field(
         default=10_000, gt=0, description="Timeout of a service's requests to another service (e.g. ledger.commit)."
     )
@@ -144,6 +150,72 @@ class Settings(BaseSettings):
     drift_consecutive: int = Field(
         default=2, gt=0, description="Samples in a row over the threshold before a drift event."
     )
+    # -- supervision / cluster (issue 10) ------------------------------------------------------------
+    stream_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=5,
+        description="Replicas of every JetStream stream: 3 on a 3-node cluster (R3), 1 on a single server.",
+    )
+    # -- events: outbox size check, quarantine, redelivery and dead letters (issue 10) ---------------
+    event_max_bytes: int = Field(
+        default=900_000,
+        gt=0,
+        description="Largest event (UTF-8 JSON bytes) a transaction may emit; below NATS `max_payload` (1 MiB by "
+        "default). A larger one fails the transaction with `invalid_request`.",
+    )
+    event_max_deliveries: int = Field(
+        default=5,
+        gt=0,
+        description="Deliveries of an event whose handler keeps failing before the consumer dead-letters it.",
+    )
+    event_redelivery_backoff_ms: int = Field(
+        default=500, gt=0, description="Delay before a failed event is redelivered; doubles on each redelivery."
+    )
+    event_redelivery_backoff_max_ms: int = Field(
+        default=10_000, gt=0, description="Longest delay between two deliveries of a failing event."
+    )
+
+    # -- request path: limits and deadlines (issue 10) ---------------------------------------------
+    request_max_bytes: int = Field(
+        default=512 * 1024,
+        gt=0,
+        description="Largest request body a service reads (bytes); a larger one is `invalid_request`. Keep it "
+        "under NATS `max_payload` (1 MiB by default).",
+    )
+    request_deadline_ms: int = Field(
+        default=10_000,
+        gt=0,
+        description="Deadline of a request that carries no `Hetsched-Deadline` header, from its arrival.",
+    )
+    request_saturated_ms: int = Field(
+        default=2_000,
+        gt=0,
+        description="Health turns `degraded` when every worker of a subject has been busy for longer than this.",
+    )
+
+    # -- placement ownership: intents, the reconciler, fault injection (issue 10) -------------------
+    placement_reconcile_period_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How often placement's reconciler releases ledger allocations no placement decision owns.",
+    )
+    placement_intent_grace_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="A placement intent still `committing` this long is abandoned (its allocation, if any, is "
+        "released by the reconciler); a retry with the same id inside it recovers the allocation.",
+    )
+    placement_fault_after_commit: str = Field(
+        default="",
+        pattern=r"^(|exit)$",
+        description="Tests only: `exit` makes placement exit right after a ledger commit, before its decision row.",
+    )
+
+
+def nats_servers(url: str) -> list[str]:
+    """The servers of a NATS URL that may list several, comma-separated (one per cluster node)."""
+    return [part.strip() for part in url.split(",") if part.strip()]
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -17,7 +17,10 @@ from shared.infra.db import SCHEMAS
 
 @cache
 def outbox_table(schema: str) -> Table:
-    """``<schema>.outbox``: events waiting for the relay; ``sent_at`` is set once JetStream acked."""
+    """``<schema>.outbox``: events waiting for the relay; ``sent_at`` is set once JetStream acked.
+
+    ``quarantined_at``/``error``: the relay could not publish the row (too large, refused by
+    JetStream) and moved on; setting ``quarantined_at`` back to NULL queues it again."""
     return Table(
         "outbox",
         SQLModel.metadata,
@@ -28,7 +31,13 @@ def outbox_table(schema: str) -> Table:
         Column("payload", JSONB, nullable=False),
         Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
         Column("sent_at", DateTime(timezone=True), nullable=True),
-        Index(f"ix_{schema}_outbox_unsent", "seq", postgresql_where=text("sent_at IS NULL")),
+        Column("quarantined_at", DateTime(timezone=True), nullable=True),
+        Column("error", Text, nullable=True),
+        Index(
+            f"ix_{schema}_outbox_unsent",
+            "seq",
+            postgresql_where=text("sent_at IS NULL AND quarantined_at IS NULL"),
+        ),
         schema=schema,
     )
 

@@ -29,7 +29,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.subjects import Context, Subjects
 from shared.infra.clock import Clock, system_clock
-from shared.infra.outbox import enqueue_many
+from shared.infra.outbox import DEFAULT_EVENT_MAX_BYTES, check_event_size, enqueue_many
+from shared.infra.outbox import EventTooLarge as EventTooLarge  # handlers catch it from here
 
 T = TypeVar("T")
 
@@ -52,6 +53,7 @@ class UnitOfWork:
     subjects: Subjects
     source: str
     events: list[tuple[str, EventEnvelope]] = field(default_factory=list)
+    max_event_bytes: int = DEFAULT_EVENT_MAX_BYTES
 
     def emit(
         self,
@@ -63,7 +65,11 @@ class UnitOfWork:
         correlation_id: str | None = None,
         causation_id: str | uuid.UUID | None = None,
     ) -> EventEnvelope:
-        """Queue an event; it is written to the outbox in this transaction, after the work."""
+        """Queue an event; it is written to the outbox in this transaction, after the work.
+
+        Raises ``EventTooLarge`` (code ``invalid_request``) when its published body would exceed the
+        limit: the transaction fails here instead of leaving an event no relay can send.
+        """
         event = new_event(
             type=f"{context.value}.{name}",
             source=self.source,
@@ -73,6 +79,7 @@ class UnitOfWork:
             correlation_id=correlation_id,
             causation_id=str(causation_id) if causation_id is not None else None,
         )
+        check_event_size(event, limit=self.max_event_bytes)
         self.events.append((self.subjects.event(context, str(name)), event))
         return event
 
@@ -90,6 +97,7 @@ class UnitOfWorkFactory:
         clock: Clock = system_clock,
         wake: Callable[[], None] | None = None,
         attempts: int = 5,
+        max_event_bytes: int = DEFAULT_EVENT_MAX_BYTES,
     ) -> None:
         self.sessions = sessions
         self.schema = schema
@@ -98,6 +106,7 @@ class UnitOfWorkFactory:
         self.clock = clock
         self._wake = wake
         self._attempts = attempts
+        self.max_event_bytes = max_event_bytes
 
     async def run(self, work: Callable[[UnitOfWork], Awaitable[T]], *, session: AsyncSession | None = None) -> T:
         """Run ``work`` in one transaction with its events; retried from scratch when Postgres asks.
@@ -106,14 +115,14 @@ class UnitOfWorkFactory:
         inbox claim): no retry and no commit here, the caller's transaction decides.
         """
         if session is not None:
-            uow = UnitOfWork(session=session, now=self.clock(), subjects=self.subjects, source=self.source)
+            uow = self._open(session)
             result = await work(uow)
             await enqueue_many(session=session, schema=self.schema, events=uow.events)
             return result
         for attempt in range(self._attempts):
             try:
                 async with self.sessions() as new_session, new_session.begin():
-                    uow = UnitOfWork(session=new_session, now=self.clock(), subjects=self.subjects, source=self.source)
+                    uow = self._open(new_session)
                     result = await work(uow)
                     await enqueue_many(session=new_session, schema=self.schema, events=uow.events)
                 if uow.events:
@@ -124,6 +133,15 @@ class UnitOfWorkFactory:
                     raise
                 await asyncio.sleep(0.002 * (attempt + 1))
         raise AssertionError("unreachable")
+
+    def _open(self, session: AsyncSession) -> UnitOfWork:
+        return UnitOfWork(
+            session=session,
+            now=self.clock(),
+            subjects=self.subjects,
+            source=self.source,
+            max_event_bytes=self.max_event_bytes,
+        )
 
     async def read(self, work: Callable[[AsyncSession], Awaitable[T]]) -> T:
         """Run a read-only query on a fresh session."""

@@ -1,6 +1,7 @@
 """A service's `Consumer` on real JetStream: durable, explicit ack, typed payloads, redelivery on error,
 each event applied once; what cannot be applied (not an envelope, a payload off its contract) is
-dropped, and events of names the consumer does not handle are skipped, all of them acknowledged."""
+dead-lettered (tests/integration/test_event_faults.py looks at the dead letters), and events of names
+the consumer does not handle are skipped, all of them acknowledged."""
 
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def ledger_event(name: LedgerEvent, payload: dict[str, Any]) -> EventEnvelope:
     )
 
 
-async def test_consumer_applies_each_event_once_redelivers_on_error_and_drops_what_it_cannot_apply(
+async def test_consumer_applies_each_event_once_redelivers_on_error_and_parks_what_it_cannot_apply(
     settings: Settings,
 ) -> None:
     await create_probe_table(settings)
@@ -165,7 +166,7 @@ async def test_consumer_applies_each_event_once_redelivers_on_error_and_drops_wh
     assert probe.failures_left[flaky.event_id] == 0
     assert probe.calls.count((flaky.event_id, "DriftEvent")) == 2, "the handler failed once: redelivered"
     assert seen[flagged.event_id] == (1, "AllocationsFlaggedEvent"), "each name reaches its handler, typed"
-    assert off_contract.event_id not in seen, "a payload off its contract is dropped"
+    assert off_contract.event_id not in seen, "a payload off its contract is never applied (dead-lettered)"
     assert not_handled.event_id not in seen, "an event of a name not in `on` is skipped"
     called = {event_id for event_id, _ in probe.calls}
     assert called == {plain.event_id, flaky.event_id, flagged.event_id}

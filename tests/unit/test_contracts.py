@@ -55,10 +55,20 @@ def test_subjects_follow_api_md() -> None:
 
 def test_one_stream_per_context_with_dedup_and_short_telemetry() -> None:
     specs = {s.name: s for s in stream_specs(subjects=Subjects(), telemetry_max_age_s=600)}
-    assert set(specs) == {"TOPOLOGY", "LEDGER", "PLACEMENT", "RESERVATION", "ROUTING", "REBALANCE", "TELEMETRY"}
+    assert set(specs) == {
+        "TOPOLOGY",
+        "LEDGER",
+        "PLACEMENT",
+        "RESERVATION",
+        "ROUTING",
+        "REBALANCE",
+        "TELEMETRY",
+        "DEADLETTER",
+    }
     assert all(s.duplicate_window_s > 0 and s.file_storage for s in specs.values())
     assert specs["TELEMETRY"].max_age_s == 600 and specs["LEDGER"].max_age_s is None
     assert specs["LEDGER"].subjects == ("hetsched.events.ledger.>",)
+    assert specs["DEADLETTER"].subjects == ("hetsched.deadletter.>",) and specs["DEADLETTER"].max_age_s
 
 
 def test_frozen_models_reject_mutation() -> None:

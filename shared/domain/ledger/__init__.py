@@ -7,6 +7,7 @@ rebuild totals from the event stream.
 """
 
 from shared.domain.ledger.commits import (
+    MAX_LEASE_S,
     Accepted,
     AllocationKind,
     CommitIntent,
@@ -19,6 +20,7 @@ from shared.domain.ledger.commits import (
     check_request,
     is_stale,
     lease_end,
+    lease_too_long,
     plan_commits,
     refusal_code,
     same_shares,
@@ -49,6 +51,7 @@ __all__ = [
     "ALLOCATION_EVENTS",
     "COMMITTED",
     "EXPIRED",
+    "MAX_LEASE_S",
     "RELEASED",
     "Accepted",
     "Access",
@@ -77,6 +80,7 @@ __all__ = [
     "check_request",
     "is_stale",
     "lease_end",
+    "lease_too_long",
     "may_change",
     "plan_commits",
     "refusal_code",

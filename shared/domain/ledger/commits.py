@@ -3,10 +3,11 @@ commit, which are refused and why. The store reads the inputs and writes the acc
 rule in between is here.
 
 A commit whose (tenant, request_id) exists returns that allocation (a duplicate) and reserves
-nothing; the same key with other shares is ``invalid_request``. A replica that does not fit is
-refused with the fresh view: ``conflict`` when the caller's ``expected`` view differs from the
-current one (it decided on stale data), else ``no_capacity``. A request lives inside its replica's
-KV pool: it is checked against the pool, not against the accelerators.
+nothing; the same key with other shares is ``invalid_request``, and a key whose allocation has ended
+(released or expired) is ``conflict`` (a retry never learns of a reservation that holds nothing).
+A replica that does not fit is refused with the fresh view: ``conflict`` when the caller's
+``expected`` view differs from the current one (it decided on stale data), else ``no_capacity``. A
+request lives inside its replica's KV pool: it is checked against the pool, not against the accelerators.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class ExistingAllocation:
     id: str
     lease_expires_at: datetime
     shares: tuple[tuple[str, MemoryShare], ...]
+    state: str = "active"  # or `released` / `expired`: an ended allocation is never answered as committed
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +162,14 @@ def check_request(intent: CommitIntent, parent: ReplicaPool | None) -> Refused |
     return None
 
 
+MAX_LEASE_S = 30 * 86400  # the longest lease a commit or renewal may ask for (as `lease_s`'s bound)
+
+
+def lease_too_long(end: datetime, *, now: datetime) -> bool:
+    """Whether a lease ending at ``end`` is longer than ``MAX_LEASE_S`` from ``now``."""
+    return end > now + timedelta(seconds=MAX_LEASE_S)
+
+
 def lease_end(intent: CommitIntent, *, now: datetime, default_lease_s: int) -> datetime:
     """The lease a commit gets: its absolute end, else ``lease_s`` (or the default) from now."""
     return intent.lease_expires_at or now + timedelta(seconds=intent.lease_s or default_lease_s)
@@ -186,6 +196,9 @@ def plan_commits(
             continue
         if intent.lease_expires_at is not None and intent.lease_expires_at <= now:
             outcomes.append(Refused(ErrorCode.INVALID_REQUEST, "lease_expires_at is in the past"))
+            continue
+        if intent.lease_expires_at is not None and lease_too_long(intent.lease_expires_at, now=now):
+            outcomes.append(Refused(ErrorCode.INVALID_REQUEST, "lease_expires_at is more than 30 days away"))
             continue
         unknown = sorted({a for a in ids if a not in view})
         if unknown:
@@ -223,4 +236,8 @@ def _duplicate(
         return Refused(ErrorCode.INVALID_REQUEST, "request_id appears twice in this batch")
     if not same_shares(row.shares, intent.shares):
         return Refused(ErrorCode.INVALID_REQUEST, "request_id was already used for different shares")
+    if row.state != "active":  # a retry must not learn of a reservation that no longer holds anything
+        return Refused(
+            ErrorCode.CONFLICT, f"request_id was committed as {row.id}, which was {row.state}; use a new request_id"
+        )
     return Duplicate(row.id, row.lease_expires_at, view_of(view, ids))

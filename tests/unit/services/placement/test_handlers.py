@@ -13,8 +13,8 @@ import pytest
 from opentelemetry import metrics
 from pydantic import BaseModel
 
-from services.placement.handlers import PlacementHandlers, PlacementMetrics
-from services.placement.store import DecisionStore
+from services.placement.handlers import Ownership, PlacementHandlers, PlacementMetrics
+from services.placement.store import DecisionStore, SeenAllocation, StoredIntent
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import (
@@ -31,6 +31,7 @@ from shared.contracts.placement_events import PlacementEvent
 from shared.contracts.subjects import Rpc, Subjects
 from shared.domain.fleet import AcceleratorId, tpu_chip_ids
 from shared.domain.memory import usable_hbm
+from shared.domain.placement.ownership import DecisionStatus, Intent
 from shared.domain.placement.view import FleetView, LedgerAccelerator, LedgerMirror
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork
@@ -82,11 +83,12 @@ class FakeRpc(RpcClient):
 class FakeUnitOfWork:
     """Runs the work on a ``UnitOfWork`` with no session; keeps the events of work that completed."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], datetime] = lambda: NOW) -> None:
         self.events: list[EventEnvelope] = []
+        self.clock = clock
 
     async def run(self, work: Callable[[UnitOfWork], Awaitable[T]]) -> T:
-        uow = UnitOfWork(session=None, now=NOW, subjects=Subjects("t"), source="placement")  # type: ignore[arg-type]
+        uow = UnitOfWork(session=None, now=self.clock(), subjects=Subjects("t"), source="placement")  # type: ignore[arg-type]
         result = await work(uow)  # an exception discards the events, as a rollback does
         self.events.extend(event for _subject, event in uow.events)
         return result
@@ -99,18 +101,163 @@ class FakeUnitOfWork:
 
 
 class FakeStore(DecisionStore):
+    """The decision store in memory, with the SQL's compare-and-set semantics (attempt, status)."""
+
     def __init__(self) -> None:
-        self.replies: dict[tuple[str, str], PlaceReply] = {}
+        self.rows: dict[tuple[str, str], dict[str, Any]] = {}
+        self.allocations: dict[str, dict[str, Any]] = {}
         self.released: list[str] = []
 
-    async def find(self, *, session: Any, tenant: str, request_id: str) -> PlaceReply | None:
-        return self.replies.get((tenant, request_id))
+    @property
+    def replies(self) -> dict[tuple[str, str], PlaceReply]:
+        return {k: r["reply"] for k, r in self.rows.items() if r["status"] == "placed"}
 
-    async def record_placed(self, *, session: Any, tenant: str, reply: PlaceReply) -> None:
-        self.replies.setdefault((tenant, reply.request_id), reply)
+    def _intent(self, row: dict[str, Any]) -> Intent:
+        return Intent(
+            tenant=row["tenant"],
+            request_id=row["request_id"],
+            body_hash=row["body_hash"],
+            status=DecisionStatus(row["status"]),
+            attempt=row["attempt"],
+            claimed_until=row["claimed_until"],
+            updated_at=row["updated_at"],
+            allocation_id=row["allocation_id"],
+        )
+
+    async def lock(self, *, session: Any, tenant: str, request_id: str) -> StoredIntent | None:
+        row = self.rows.get((tenant, request_id))
+        if row is None:
+            return None
+        return StoredIntent(intent=self._intent(row), commit=row["commit"], reply=row["reply"])
+
+    async def insert(
+        self, *, session: Any, tenant: str, request_id: str, body_hash: str, claimed_until: datetime, now: datetime
+    ) -> bool:
+        if (tenant, request_id) in self.rows:
+            return False
+        self.rows[(tenant, request_id)] = {
+            "tenant": tenant,
+            "request_id": request_id,
+            "body_hash": body_hash,
+            "status": "committing",
+            "attempt": 1,
+            "claimed_until": claimed_until,
+            "updated_at": now,
+            "allocation_id": None,
+            "commit": None,
+            "reply": None,
+        }
+        return True
+
+    async def take(
+        self, *, session: Any, tenant: str, request_id: str, claimed_until: datetime, now: datetime, keep_commit: bool
+    ) -> int:
+        row = self.rows[(tenant, request_id)]
+        row.update(status="committing", attempt=row["attempt"] + 1, claimed_until=claimed_until, updated_at=now)
+        if not keep_commit:
+            row.update(commit=None, reply=None, allocation_id=None)
+        return int(row["attempt"])
+
+    def _mine(self, tenant: str, request_id: str, attempt: int) -> dict[str, Any] | None:
+        row = self.rows.get((tenant, request_id))
+        return row if row is not None and row["attempt"] == attempt and row["status"] == "committing" else None
+
+    async def save_commit(
+        self,
+        *,
+        session: Any,
+        tenant: str,
+        request_id: str,
+        attempt: int,
+        commit: CommitRequest,
+        pending: PlaceReply,
+        claimed_until: datetime,
+        now: datetime,
+    ) -> bool:
+        row = self._mine(tenant, request_id, attempt)
+        if row is None:
+            return False
+        row.update(commit=commit, reply=pending, claimed_until=claimed_until, updated_at=now)
+        return True
+
+    async def finish(
+        self,
+        *,
+        session: Any,
+        tenant: str,
+        request_id: str,
+        attempt: int,
+        status: DecisionStatus,
+        reply: PlaceReply | None,
+        allocation_id: str | None,
+        now: datetime,
+    ) -> bool:
+        row = self._mine(tenant, request_id, attempt)
+        if row is None:
+            return False
+        row.update(status=status.value, reply=reply, allocation_id=allocation_id, claimed_until=None, updated_at=now)
+        return True
+
+    async def unclaim(self, *, session: Any, tenant: str, request_id: str, attempt: int, now: datetime) -> None:
+        row = self.rows.get((tenant, request_id))
+        if row is not None and row["attempt"] == attempt:
+            row.update(claimed_until=now, updated_at=now)
 
     async def mark_released(self, *, session: Any, allocation_id: str) -> None:
         self.released.append(allocation_id)
+        for row in self.rows.values():
+            if row["allocation_id"] == allocation_id:
+                row["status"] = "released"
+
+    async def mark_ended(self, *, session: Any, allocation_id: str, status: DecisionStatus, now: datetime) -> None:
+        for row in self.rows.values():
+            if row["allocation_id"] == allocation_id and row["status"] == "placed":
+                row.update(status=status.value, updated_at=now)
+        seen = self.allocations.get(allocation_id)
+        if seen is not None and seen["state"] == "active":
+            seen.update(state=status.value)
+
+    async def allocation_seen(
+        self, *, session: Any, allocation_id: str, tenant: str, request_id: str, now: datetime
+    ) -> None:
+        self.allocations.setdefault(
+            allocation_id, {"tenant": tenant, "request_id": request_id, "state": "active", "seen_at": now}
+        )
+
+    async def committing(self, *, session: Any, touched_before: datetime, limit: int) -> list[Intent]:
+        return [
+            self._intent(r)
+            for r in self.rows.values()
+            if r["status"] == "committing" and r["updated_at"] < touched_before
+        ][:limit]
+
+    async def abandon(self, *, session: Any, tenant: str, request_id: str, attempt: int, now: datetime) -> bool:
+        row = self._mine(tenant, request_id, attempt)
+        if row is None:
+            return False
+        row.update(status="abandoned", claimed_until=None, updated_at=now)
+        return True
+
+    async def active_allocations(self, *, session: Any, seen_before: datetime, limit: int) -> list[SeenAllocation]:
+        out = []
+        for allocation_id, a in self.allocations.items():
+            if a["state"] != "active" or a["seen_at"] >= seen_before:
+                continue
+            row = self.rows.get((a["tenant"], a["request_id"]))
+            out.append(
+                SeenAllocation(
+                    allocation_id=allocation_id,
+                    tenant=a["tenant"],
+                    request_id=a["request_id"],
+                    seen_at=a["seen_at"],
+                    intent=self._intent(row) if row is not None else None,
+                )
+            )
+        return out[:limit]
+
+
+class Interrupted(BaseException):
+    """Stands for placement killed mid-request (not an Exception: nothing catches it)."""
 
 
 class FakeTimer:
@@ -148,8 +295,10 @@ class Rig:
     def __init__(self, rpc: FakeRpc, view: FleetView | None = None) -> None:
         self.rpc = rpc
         self.view = view or fleet_view()
-        self.uow = FakeUnitOfWork()
+        self.now = NOW
+        self.uow = FakeUnitOfWork(lambda: self.now)
         self.store = FakeStore()
+        self.interrupt = False
         self.handlers = PlacementHandlers(
             view=self.view,
             store=self.store,
@@ -158,10 +307,18 @@ class Rig:
             timer=FakeTimer(),
             default_lease_s=3600,
             metrics=PlacementMetrics.create(metrics.get_meter("test.placement")),
+            ownership=Ownership(claim_s=5, grace_s=60),
+            clock=lambda: self.now,
+            after_commit=self.after_commit,
         )
 
     def reserved(self) -> dict[str, int]:
         return {a: c.reserved for a, c in self.view.snapshot.capacity.items() if c.reserved}
+
+    def after_commit(self) -> None:
+        if self.interrupt:  # the process dies between the ledger's commit and the decision row
+            self.interrupt = False
+            raise Interrupted
 
 
 def place(rid: str = "r-1", **extra: Any) -> PlaceRequest:
