@@ -22,6 +22,10 @@ LEDGER_UNIT = "tests/unit/services/capacity_ledger"
 LEDGER_DOMAIN = "tests/unit/domain/ledger"
 PLACEMENT_UNIT = "tests/unit/services/placement"
 PLACEMENT_IT = "tests/integration/test_placement.py"
+_CROSS_SCHEMA_READ = '        await session.execute(__import__("sqlalchemy").text("SELECT 1 FROM ledger.shares"))\n'
+_LOCK_DOC = (
+    '        """The intent of this (tenant, request id), locked for this transaction; None if there is none."""\n'
+)
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -84,8 +88,9 @@ MUTANTS: tuple[Mutant, ...] = (
         name="commit_batch_reordered",
         what="commit_batch answers its results in another order",
         file="services/capacity_ledger/handlers.py",
-        find="return CommitBatchReply(results=await self.apply_commits(request.commits))",
-        replace="return CommitBatchReply(results=list(reversed(await self.apply_commits(request.commits))))",
+        find="return CommitBatchReply(results=await self.apply_commits(request.commits, deadlines=until))",
+        replace="return CommitBatchReply(results=list(reversed(await self.apply_commits(request.commits, "
+        "deadlines=until))))",
         tests=(LEDGER_UNIT, LEDGER_IT),
     ),
     Mutant(
@@ -117,9 +122,9 @@ MUTANTS: tuple[Mutant, ...] = (
         name="cross_schema_read",
         what="placement reads the ledger's table instead of learning from its events",
         file="services/placement/store.py",
-        find='        """The reply a placed request got, if this (tenant, request id) was placed before."""\n',
-        replace='        """The reply a placed request got, if this (tenant, request id) was placed before."""\n'
-        '        await session.execute(__import__("sqlalchemy").text("SELECT count(*) FROM ledger.allocations"))\n',
+        find=_LOCK_DOC,
+        replace=_LOCK_DOC
+        + '        await session.execute(__import__("sqlalchemy").text("SELECT count(*) FROM ledger.allocations"))\n',
         tests=("tests/unit/test_schema_ownership.py", PLACEMENT_IT),
     ),
 )
