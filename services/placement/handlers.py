@@ -467,9 +467,17 @@ class PlacementHandlers:
                 return _caller_gone()
             commit = to_commit(request, decision, snapshot, lease_s=request.lease_s or self._default_lease_s)
             pending = to_reply(decision)
-            if not await self._save(request, claim, commit, pending):
+            # Assumed before anything awaits, so decisions made meanwhile see these bytes as taken.
+            token = self._view.assume(ledger_key(request), held_bytes(snapshot, decision))
+            try:
+                saved = await self._save(request, claim, commit, pending)
+            except BaseException:
+                self._view.forget(token)
+                raise
+            if not saved:
+                self._view.forget(token)
                 return LOST
-            committed = await self._reserve(commit, held_bytes(snapshot, decision), key=ledger_key(request))
+            committed = await self._reserve(commit, token)
             if isinstance(committed, RpcError):
                 await self._unclaim(request, claim)
                 return _ledger_silent(committed)
@@ -502,7 +510,7 @@ class PlacementHandlers:
     ) -> BaseModel | _Lost | None:
         """An earlier attempt sent ``commit`` and was interrupted: ask the ledger again (a repeat answers
         with the same allocation). None: it never landed, decide afresh."""
-        committed = await self._reserve(commit, commit_held(commit), key=ledger_key(request))
+        committed = await self._reserve(commit, self._view.assume(ledger_key(request), commit_held(commit)))
         if isinstance(committed, RpcError):
             await self._unclaim(request, claim)
             return _ledger_silent(committed)
@@ -520,12 +528,10 @@ class PlacementHandlers:
         self._metrics.decision_ms.record(elapsed_ms)
         return decision, elapsed_ms
 
-    async def _reserve(
-        self, commit: CommitRequest, held: Mapping[str, int], *, key: AssumeKey
-    ) -> CommitReply | Rejected | RpcError:
-        """Reserve (commit to the ledger) with the decision assumed in the view meanwhile; unreserve
-        (forget the assumption) on any outcome but a new allocation, the ledger's silence included."""
-        token = self._view.assume(key, held)
+    async def _reserve(self, commit: CommitRequest, token: int) -> CommitReply | Rejected | RpcError:
+        """Reserve (commit to the ledger) with the decision assumed in the view meanwhile (``token``);
+        unreserve (forget the assumption) on any outcome but a new allocation, the ledger's silence
+        included."""
         kept = False
         try:
             reply = await self._rpc.ask(Rpc.LEDGER_COMMIT, commit, CommitReply)

@@ -45,6 +45,8 @@ async def run(h: LedgerHarness, *, rate: float, seconds: float) -> str:
         reply = await h.call(Rpc.PLACEMENT_PLACE, body, timeout=30)
         latencies.append((time.perf_counter() - started) * 1000)
         status = reply.get("status", "?")
+        if status == "rejected":
+            status = f"rejected:{(reply.get('error') or {}).get('code')}"
         outcomes[status] = outcomes.get(status, 0) + 1
 
     # Warm up (connections, caches) before timing.
