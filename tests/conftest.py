@@ -86,6 +86,23 @@ class ServiceProcesses:
         self.procs[name] = proc
         return proc
 
+    async def start_demo_ledger(self, *, prefix: str, sweep_ms: int) -> None:
+        """The demo fleet's topology service and a ledger (as ``<prefix>topology`` and ``<prefix>ledger``),
+        waited on until both answer health ok."""
+        from hetsched.stack import wait_healthy
+        from shared.contracts.subjects import Subjects
+        from shared.infra.catalog import demo_fleet_path
+
+        self.start("topology_discovery", name=f"{prefix}topology", HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path()))
+        self.start("capacity_ledger", name=f"{prefix}ledger", HETSCHED_LEDGER_SWEEP_MS=str(sweep_ms))
+        health = await wait_healthy(
+            nats_url=self.settings.nats_url or "",
+            subjects=Subjects(self.settings.subject_prefix),
+            deadline_s=60,
+            only={"topology_discovery", "capacity_ledger"},
+        )
+        assert all(h["status"] == "ok" for h in health.values()), health
+
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 

@@ -16,7 +16,6 @@ from typing import Any
 from shared.domain.topology import (
     DomainKind,
     FabricGpu,
-    FabricState,
     GpuFabricInfo,
     GpuRef,
     LinkMatrix,
@@ -218,7 +217,7 @@ def fleet_domains(nodes: Iterable[NodeProfile]) -> tuple[Domain, ...]:
     return tuple(domains)
 
 
-# -- (de)serialisation: profiles travel in events and are stored as JSON ----------------------
+# -- the profile as plain data: what its fingerprint digests (the wire mapping is shared/infra/profiles.py) --
 
 
 def _fabric_to_dict(fabric: GpuFabricInfo | None) -> dict[str, Any] | None:
@@ -230,17 +229,6 @@ def _fabric_to_dict(fabric: GpuFabricInfo | None) -> dict[str, Any] | None:
         "state": fabric.state.value,
         "status_ok": fabric.status_ok,
     }
-
-
-def _fabric_from_dict(data: Mapping[str, Any] | None) -> GpuFabricInfo | None:
-    if not data:
-        return None
-    return GpuFabricInfo(
-        cluster_uuid=str(data["cluster_uuid"]),
-        clique_id=int(data["clique_id"]),
-        state=FabricState(data.get("state", FabricState.COMPLETED.value)),
-        status_ok=bool(data.get("status_ok", True)),
-    )
 
 
 def profile_to_dict(node: NodeProfile) -> dict[str, Any]:
@@ -270,36 +258,6 @@ def profile_to_dict(node: NodeProfile) -> dict[str, Any]:
             for a in node.accelerators
         ],
     }
-
-
-def profile_from_dict(data: Mapping[str, Any]) -> NodeProfile:
-    accelerators = tuple(
-        Accelerator(
-            index=int(a["index"]),
-            sku=str(a["sku"]),
-            hbm_bytes=int(a["hbm_bytes"]),
-            uuid=a.get("uuid"),
-            pci_bus_id=a.get("pci_bus_id"),
-            numa_node=a.get("numa_node"),
-            cpu_affinity=a.get("cpu_affinity"),
-            power_limit_w=a.get("power_limit_w"),
-            pcie_gen_max=a.get("pcie_gen_max"),
-            pcie_width_max=a.get("pcie_width_max"),
-            fabric=_fabric_from_dict(a.get("fabric")),
-        )
-        for a in data["accelerators"]
-    )
-    numa: Sequence[int | None] = data.get("numa") or ()
-    return NodeProfile(
-        name=str(data["name"]),
-        region=str(data["region"]),
-        cluster=str(data["cluster"]),
-        rack=str(data["rack"]),
-        sku=str(data["sku"]),
-        accelerators=accelerators,
-        links=LinkMatrix.from_codes(data["links"], numa=list(numa) or None),
-        source=str(data.get("source", "inventory")),
-    )
 
 
 @dataclass(frozen=True, slots=True)

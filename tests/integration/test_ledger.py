@@ -20,13 +20,11 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
-from hetsched.stack import wait_healthy
 from shared.contracts.base import Rejected
 from shared.contracts.envelope import new_event
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
 from shared.domain.ledger import replay_reserved
-from shared.infra.catalog import demo_fleet_path
 from shared.infra.db import plain_url
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings
@@ -43,17 +41,7 @@ DEMO_ACCELERATORS = 76 + 256 + 512  # the demo's GPUs and its TPU chips (v5e 16x
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def ledger(service_processes: ServiceProcesses, settings: Settings) -> AsyncIterator[Client]:
-    service_processes.start(
-        "topology_discovery", name="ledger_topology", HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path())
-    )
-    service_processes.start("capacity_ledger", name="ledger", HETSCHED_LEDGER_SWEEP_MS="100")
-    health = await wait_healthy(
-        nats_url=settings.nats_url or "",
-        subjects=Subjects(settings.subject_prefix),
-        deadline_s=60,
-        only={"topology_discovery", "capacity_ledger"},
-    )
-    assert all(h["status"] == "ok" for h in health.values()), health
+    await service_processes.start_demo_ledger(prefix="ledger_", sweep_ms=100)
     client = await nats.connect(settings.nats_url or "")
 
     async def learnt() -> bool:
@@ -64,7 +52,7 @@ async def ledger(service_processes: ServiceProcesses, settings: Settings) -> Asy
     await wait_for(learnt, 60, interval_s=0.2, what="the ledger learnt the demo fleet's accelerators")
     yield client
     await client.close()
-    for name in ("ledger", "ledger_topology"):
+    for name in ("ledger_ledger", "ledger_topology"):
         service_processes.stop(name)
 
 

@@ -17,10 +17,8 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 
-from hetsched.stack import wait_healthy
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
-from shared.infra.catalog import demo_fleet_path
 from shared.infra.settings import Settings
 from tests.conftest import ServiceProcesses
 from tests.jetstream import read_all
@@ -94,17 +92,7 @@ class Stack:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(service_processes: ServiceProcesses, settings: Settings) -> AsyncIterator[Stack]:
-    service_processes.start(
-        "topology_discovery", name="po_topology", HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path())
-    )
-    service_processes.start("capacity_ledger", name="po_ledger", HETSCHED_LEDGER_SWEEP_MS="200")
-    health = await wait_healthy(
-        nats_url=settings.nats_url or "",
-        subjects=Subjects(settings.subject_prefix),
-        deadline_s=60,
-        only={"topology_discovery", "capacity_ledger"},
-    )
-    assert all(h["status"] == "ok" for h in health.values()), health
+    await service_processes.start_demo_ledger(prefix="po_", sweep_ms=200)
     nc = await nats.connect(settings.nats_url or "")
     yield Stack(nc, settings, service_processes)
     await nc.close()

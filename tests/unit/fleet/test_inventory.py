@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from shared.domain.fleet import fleet_domains, profile_from_dict, profile_to_dict
+from shared.domain.fleet import fleet_domains, profile_to_dict
 from shared.domain.inventory import InventoryError, parse_inventory, referenced_topo_files
 from shared.domain.synthetic import synthetic_inventory
 from shared.domain.topology import NodeKind
 from shared.infra.catalog import demo_fleet_path, load_inventory, load_skus
+from shared.infra.profiles import profile_from_payload, profile_to_payload
 
 SKUS = load_skus()
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "topo"
@@ -124,8 +125,10 @@ def test_demo_fleet_has_every_kind_the_brief_names() -> None:
 def test_profiles_round_trip_and_fingerprints_track_content() -> None:
     fleet, _ = load_inventory(demo_fleet_path())
     for node in fleet.nodes:
-        again = profile_from_dict(profile_to_dict(node))
+        payload = profile_to_payload(node)
+        again = profile_from_payload(payload)
         assert again == node and again.fingerprint() == node.fingerprint()
+        assert payload.model_dump(mode="json") == profile_to_dict(node)  # the wire shape is what is digested
     a, b = fleet.nodes[0], fleet.nodes[1]
     assert a.fingerprint() != b.fingerprint()  # names differ
 
