@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 import asyncpg
 import nats
 
-from hetsched.embedded import EmbeddedNats, EmbeddedPostgres, free_port, nats_server_binary, stop_process
+from hetsched.embedded import EmbeddedNats, EmbeddedPostgres, nats_server_binary, stop_process
 from shared.infra.db import plain_url
 from shared.infra.settings import nats_servers
 
@@ -127,6 +128,36 @@ CLUSTER_SYNC_INTERVAL = "10s"
 """As infra/nats/jetstream-cluster.conf (why: see there): R3 carries durability between fsyncs."""
 
 
+def _unused_ports(count: int) -> list[int]:
+    """Distinct loopback ports below the kernel's ephemeral range: a node's outgoing route
+    connections take ephemeral source ports, so a port chosen by binding port 0 could be taken by
+    a sibling's connection attempt before that node listens on it (seen on CI: "n2 did not start")."""
+    low, _ = _ephemeral_range()
+    ceiling = min(low, 32768) - 1
+    floor = max(1024, ceiling - 12000)
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = rng.randint(floor, ceiling)
+        if port in ports:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def _cluster_config(*, name: str, port: int, cluster_port: int, routes: list[int], store: Path) -> str:
     route_lines = "\n".join(f"    nats-route://127.0.0.1:{p}" for p in routes)
     return f"""server_name: {name}
@@ -182,14 +213,23 @@ class NatsCluster:
                 [nats_server_binary(), "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT
             )
 
-    def start(self) -> NatsCluster:
+    def start(self, attempts: int = 3) -> NatsCluster:
+        """Start every node; on a port lost to another process between choosing and binding it,
+        stop what started and try again with other ports."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.ports = [free_port() for _ in range(self.size)]
-        self.cluster_ports = [free_port() for _ in range(self.size)]
-        self.procs = [None] * self.size
-        for i in range(self.size):
-            self._start_node(i)
-        self._wait_listening(range(self.size))
+        for attempt in range(attempts):
+            chosen = _unused_ports(2 * self.size)
+            self.ports, self.cluster_ports = chosen[: self.size], chosen[self.size :]
+            self.procs = [None] * self.size
+            for i in range(self.size):
+                self._start_node(i)
+            try:
+                self._wait_listening(range(self.size))
+                return self
+            except RuntimeError:
+                self.stop()
+                if attempt == attempts - 1:
+                    raise
         return self
 
     def _wait_listening(self, nodes: range | list[int], deadline_s: float = 30) -> None:
