@@ -151,24 +151,34 @@ class Stack:
         """Migrate as the configured (or embedded super-) user; the services then connect as their roles."""
         upgrade(self.database_url, role_password=self.settings.database_role_password)
 
-    def _child_env(self) -> dict[str, str]:
+    def _child_env(self, package: str) -> dict[str, str]:
         env = dict(os.environ)
+        env.update(self._database_env(package))
+        env.update(self._nats_env(package))
         env["HETSCHED_NATS_URL"] = self.nats_url
-        env["HETSCHED_DATABASE_URL"] = self.database_url
         env["HETSCHED_DATA_DIR"] = str(self.settings.data_dir)
         env["HETSCHED_SUBJECT_PREFIX"] = self.settings.subject_prefix
         env["HETSCHED_STREAM_PREFIX"] = self.settings.stream_prefix
-        if self.settings.database_role_password is not None:  # the roles' password, wherever settings came from
-            env["HETSCHED_DATABASE_ROLE_PASSWORD"] = self.settings.database_role_password.get_secret_value()
         fleet = self.fleet_file or self.settings.topology_inventory or demo_fleet_path()
         env["HETSCHED_TOPOLOGY_INVENTORY"] = str(Path(fleet).resolve())
         return env
+
+    def _database_env(self, package: str) -> dict[str, str]:
+        """What one service needs to reach Postgres: the server and database, and its role's password."""
+        env = {"HETSCHED_DATABASE_URL": self.database_url}
+        if self.settings.database_role_password is not None:  # the roles' password, wherever settings came from
+            env["HETSCHED_DATABASE_ROLE_PASSWORD"] = self.settings.database_role_password.get_secret_value()
+        return env
+
+    def _nats_env(self, package: str) -> dict[str, str]:
+        """What one service needs to reach NATS as its own identity."""
+        return {}
 
     def _spawn(self, package: str) -> subprocess.Popen[bytes]:
         with open(self.settings.data_dir / "logs" / f"{package}.log", "ab") as log:  # the child keeps its copy
             return subprocess.Popen(
                 [sys.executable, "-m", module_of(package)],
-                env=self._child_env(),
+                env=self._child_env(package),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 preexec_fn=child_preexec,

@@ -51,6 +51,25 @@ class Settings(BaseSettings):
     region: str = Field(default="local", description="Region this service instance serves.")
     log_level: str = Field(default="INFO", description="Python logging level.")
     log_format: str = Field(default="json", pattern=r"^(json|text)$", description="`json` or `text`.")
+    nats_nkey_seed_file: Path | None = Field(
+        default=None,
+        description="NKey seed file this process connects to NATS with (a service: its own; the CLI: the "
+        "operator's, `<data-dir>/nats/admin.nk` when unset and that file exists). Unset: no NATS authentication.",
+    )
+    nats_inbox_prefix: str = Field(
+        default="_INBOX",
+        pattern=r"^[A-Za-z0-9_$-]+$",
+        description="Prefix of this process's reply subjects; an identity's permissions let it receive replies "
+        "only under its own (`_INBOX_<identity>`, written into each credential's README line by `hetsched "
+        "credentials issue`).",
+    )
+    nats_tls_ca_file: Path | None = Field(
+        default=None, description="CA certificate that signed the NATS server's certificate: connect with TLS."
+    )
+    nats_tls_cert_file: Path | None = Field(
+        default=None, description="Client certificate for NATS servers that verify clients (mutual TLS)."
+    )
+    nats_tls_key_file: Path | None = Field(default=None, description="Key of `HETSCHED_NATS_TLS_CERT_FILE`.")
     request_timeout_ms: int = Field(default=5000, gt=0, description="Timeout of CLI requests over NATS.")
     dependency_slow_ms: int = Field(
         default=1000,
@@ -211,6 +230,9 @@ class Settings(BaseSettings):
         pattern=r"^(|exit)$",
         description="Tests only: `exit` makes placement exit right after a ledger commit, before its decision row.",
     )
+
+    # -- Postgres security (issue 11) --------------------------------------------------------------
+    # (the Postgres least-privilege work adds its settings here)
 
 
 def nats_servers(url: str) -> list[str]:
