@@ -7,6 +7,7 @@ COPY shared ./shared
 COPY services ./services
 COPY hetsched ./hetsched
 COPY migrations ./migrations
-RUN pip install --no-cache-dir . && useradd --system hetsched
+# /creds: where `hetsched credentials init` writes NKeys (a volume takes this directory's owner).
+RUN pip install --no-cache-dir . && useradd --system hetsched && mkdir -p /creds && chown hetsched /creds && chmod 700 /creds
 USER hetsched
 CMD ["python", "-m", "services.placement"]

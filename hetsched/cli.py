@@ -15,8 +15,9 @@ from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.table import Table
 
+from hetsched.credentials_cli import app as credentials_app
 from hetsched.deadletter_cli import app as deadletter_app
-from hetsched.stack import ServerDied, Stack, read_state, server_liveness, wait_healthy
+from hetsched.stack import ServerDied, Stack, operator_options, read_state, server_liveness, wait_healthy
 from services.registry import SERVICES
 from shared.contracts.base import Rejected
 from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseReply, ReleaseRequest
@@ -32,6 +33,7 @@ app = typer.Typer(help="hetsched: places LLM inference on heterogeneous GPU/TPU 
 console = Console()
 err = Console(stderr=True)
 app.add_typer(deadletter_app, name="deadletter")
+app.add_typer(credentials_app, name="credentials")
 
 
 def _settings(data_dir: Path | None = None) -> Settings:
@@ -58,7 +60,11 @@ def _with_rpc(data_dir: Path | None, what: str, work: Callable[[RpcClient], Awai
 
     async def session() -> ReplyT:
         rpc = await RpcClient.connect(
-            nats_url, Subjects(prefix), timeout_s=settings.request_timeout_ms / 1000, name="hetsched-cli"
+            nats_url,
+            Subjects(prefix),
+            timeout_s=settings.request_timeout_ms / 1000,
+            name="hetsched-cli",
+            **operator_options(settings),
         )
         try:
             return await work(rpc)
@@ -96,15 +102,21 @@ def up(
         if stop_requested:
             return
         console.print(f"NATS      {stack.nats_url}{'  (embedded)' if stack.nats else ''}")
-        console.print(f"Postgres  {stack.database_url}{'  (embedded)' if stack.postgres else ''}")
+        console.print(f"Postgres  {stack.database_url}{'  (embedded)' if stack.postgres else ''}", soft_wrap=True)
         stack.migrate()
         console.print("migrations at head")
         console.print(f"fleet     {fleet or settings.topology_inventory or 'built-in demo fleet'}")
+        stack.create_streams()
         stack.start_services()
         stack.write_state()
+        if stack.operator_seed is not None:
+            console.print(f"operator  NKey seed {stack.operator_seed} (NATS requires authentication)")
         health = asyncio.run(
             wait_healthy(
-                nats_url=stack.nats_url, subjects=Subjects(settings.subject_prefix), deadline_s=health_timeout_s
+                nats_url=stack.nats_url,
+                subjects=Subjects(settings.subject_prefix),
+                deadline_s=health_timeout_s,
+                **stack.nats_options(),
             )
         )
         for package, reply in health.items():
@@ -138,20 +150,23 @@ def status(
     settings = _settings(data_dir)
     nats_url, database_url, prefix = _endpoints(settings)
     try:
-        health = asyncio.run(wait_healthy(nats_url=nats_url, subjects=Subjects(prefix), deadline_s=0))
+        health = asyncio.run(
+            wait_healthy(nats_url=nats_url, subjects=Subjects(prefix), deadline_s=0, **operator_options(settings))
+        )
     except Exception as exc:
         health = {p: {"status": "down", "error": f"NATS unreachable: {type(exc).__name__}"} for p in SERVICES}
     services = {SERVICES[p].name: r for p, r in health.items()}
     report: dict[str, Any] = {
         "nats_url": nats_url,
         "database_url": database_url,
+        "nats_nkey_seed_file": (read_state(settings) or {}).get("nats_nkey_seed_file"),
         "servers": server_liveness(read_state(settings) or {}),
         "services": services,
     }
     if as_json:
         print(json.dumps(report, indent=2))
     else:
-        console.print(f"NATS      {nats_url}\nPostgres  {database_url}")
+        console.print(f"NATS      {nats_url}\nPostgres  {database_url}", soft_wrap=True)  # a URL is not folded
         for server, live in report["servers"].items():
             console.print(f"embedded {server}: pid {live['pid']} {'running' if live['running'] else 'NOT RUNNING'}")
         table = Table("service", "status", "version", "checks")
@@ -297,7 +312,10 @@ def sim(
         nats_url, _db, prefix = _endpoints(settings)
         try:
             live_policy = LivePolicy(
-                nats_url=nats_url, subjects=Subjects(prefix), timeout_s=settings.request_timeout_ms / 1000
+                nats_url=nats_url,
+                subjects=Subjects(prefix),
+                timeout_s=settings.request_timeout_ms / 1000,
+                options=operator_options(settings),
             )
         except Exception as exc:
             err.print(f"[red]--live: no stack at {nats_url}: {type(exc).__name__} {exc}[/red]")

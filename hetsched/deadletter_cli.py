@@ -14,10 +14,10 @@ from nats.js import JetStreamContext
 from rich.console import Console
 from rich.table import Table
 
-from hetsched.stack import read_state
+from hetsched.stack import operator_options, read_state
 from shared.contracts.streams import deadletter_stream_name
 from shared.infra import deadletter
-from shared.infra.settings import load_settings
+from shared.infra.settings import load_settings, nats_servers
 
 app = typer.Typer(help="Events consumers gave up on (the DEADLETTER stream): list them, replay one.")
 console = Console()
@@ -33,7 +33,9 @@ def _run(data_dir: Path | None, work: Callable[[JetStreamContext, str], Awaitabl
     stream = deadletter_stream_name(stream_prefix=settings.stream_prefix)
 
     async def session() -> T:
-        nc = await nats.connect(nats_url, name="hetsched-cli", max_reconnect_attempts=0)
+        nc = await nats.connect(
+            nats_servers(nats_url), name="hetsched-cli", max_reconnect_attempts=0, **operator_options(settings)
+        )
         try:
             return await work(nc.jetstream(), stream)
         finally:

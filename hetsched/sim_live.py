@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 from shared.contracts.base import Rejected
 from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseReply, ReleaseRequest
@@ -72,12 +73,20 @@ class LivePolicy:
 
     name = "hetsched-live"
 
-    def __init__(self, *, nats_url: str, subjects: Subjects, timeout_s: float, tenant: str = "sim") -> None:
+    def __init__(
+        self,
+        *,
+        nats_url: str,
+        subjects: Subjects,
+        timeout_s: float,
+        tenant: str = "sim",
+        options: dict[str, Any] | None = None,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._tenant = tenant
         self._run = uuid.uuid4().hex[:8]
         self._rpc = self._loop.run_until_complete(
-            RpcClient.connect(nats_url, subjects, timeout_s=timeout_s, name="hetsched-sim-live")
+            RpcClient.connect(nats_url, subjects, timeout_s=timeout_s, name="hetsched-sim-live", **(options or {}))
         )
         self._allocations: dict[str, str] = {}
         self.refused_by_mismatch = 0

@@ -14,16 +14,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetsched.embedded import EmbeddedNats, EmbeddedPostgres, child_preexec, stop_process
+import nats
+from pydantic import SecretStr
+
+from hetsched.embedded import (
+    EmbeddedNats,
+    EmbeddedPostgres,
+    child_preexec,
+    read_or_create_secret,
+    role_password_file,
+    stop_process,
+)
 from services.registry import SERVICES, module_of
 from shared.contracts.base import Rejected
 from shared.contracts.health import HealthReply, HealthRequest
+from shared.contracts.permissions import Permissions, inbox_prefix, service_identity, service_permissions
+from shared.contracts.streams import stream_specs
 from shared.contracts.subjects import Subjects
+from shared.infra.bus import ensure_streams
 from shared.infra.catalog import demo_fleet_path
-from shared.infra.db import plain_url
+from shared.infra.db import SCHEMAS, database_tls, plain_url, role_of, without_password
+from shared.infra.identity import (
+    Registry,
+    connect_options,
+    ensure_operator,
+    ensure_seeded,
+    nats_dir,
+    write_auth_conf,
+)
 from shared.infra.migrate import upgrade
 from shared.infra.rpc import RpcClient, RpcError
-from shared.infra.settings import Settings
+from shared.infra.service import grant_of
+from shared.infra.settings import Settings, nats_servers
 
 STATE_FILE = "stack.json"
 DATABASE_NAME = "hetsched"
@@ -99,11 +121,14 @@ async def probe_health(rpc: RpcClient, package: str) -> dict[str, Any]:
 
 
 async def wait_healthy(
-    *, nats_url: str, subjects: Subjects, deadline_s: float, only: set[str] | None = None
+    *, nats_url: str, subjects: Subjects, deadline_s: float, only: set[str] | None = None, **options: Any
 ) -> dict[str, dict[str, Any]]:
     """Poll every service's (or ``only`` these packages') health subject until all answer `ok` or the
-    deadline passes; each reply as its JSON, or ``{"status": "down", "error": ...}``."""
-    rpc = await RpcClient.connect(nats_url, subjects, timeout_s=HEALTH_PROBE_TIMEOUT_S, name="hetsched-health")
+    deadline passes; each reply as its JSON, or ``{"status": "down", "error": ...}``. ``options``: how
+    to connect (``shared.infra.identity.connect_options``)."""
+    rpc = await RpcClient.connect(
+        nats_url, subjects, timeout_s=HEALTH_PROBE_TIMEOUT_S, name="hetsched-health", **options
+    )
     try:
         deadline = time.monotonic() + deadline_s
         replies: dict[str, dict[str, Any]] = {}
@@ -119,6 +144,55 @@ async def wait_healthy(
         await rpc.close()
 
 
+def operator_options(settings: Settings) -> dict[str, Any]:
+    """How the CLI connects to NATS: the configured seed, else the one a running `hetsched up` names in
+    its state file, else ``<data-dir>/nats/admin.nk`` when present (the operator's); no seed at all on
+    a server without authentication."""
+    state = read_state(settings) or {}
+    seed = settings.nats_nkey_seed_file or state.get("nats_nkey_seed_file")
+    if seed:
+        settings = settings.model_copy(update={"nats_nkey_seed_file": Path(seed)})
+    return connect_options(settings, operator_fallback=True)
+
+
+@dataclass(frozen=True)
+class Identities:
+    auth_conf: Path
+    operator_seed: Path
+    service_seeds: dict[str, Path]  # by service package
+
+
+def write_identities(settings: Settings) -> Identities:
+    """Seeds for the operator and each service (made once, kept under ``<data-dir>/nats``), the registry,
+    and the server's ``auth.conf`` with every identity's permissions (gateways and agents issued
+    before keep theirs). What `hetsched up` and `hetsched credentials init` do."""
+    directory = nats_dir(settings.data_dir)
+    registry = Registry.load(directory)
+    registry.subject_prefix = settings.subject_prefix
+    registry.stream_prefix = settings.stream_prefix
+    operator_seed = ensure_operator(directory, registry)
+    seeds = {
+        package: ensure_seeded(
+            directory, registry, id=service_identity(definition.schema), kind="service", name=definition.name
+        )
+        for package, definition in SERVICES.items()
+    }
+    registry.save(directory)
+    auth_conf = write_auth_conf(directory, registry, service_permission_map(settings))
+    return Identities(auth_conf=auth_conf, operator_seed=operator_seed, service_seeds=seeds)
+
+
+def service_permission_map(settings: Settings) -> dict[str, Permissions]:
+    """Each service's NATS permissions under ``settings``, by service name (what auth.conf grants)."""
+    subjects = Subjects(settings.subject_prefix)
+    return {
+        definition.name: service_permissions(
+            grant_of(definition, settings), subjects, stream_prefix=settings.stream_prefix
+        )
+        for definition in SERVICES.values()
+    }
+
+
 class Stack:
     """Embedded servers (unless URLs are configured), migrations, the six services as children."""
 
@@ -131,6 +205,8 @@ class Stack:
         self.children: dict[str, Child] = {}
         self.nats_url = settings.nats_url or ""
         self.database_url = settings.database_url or ""
+        self.operator_seed: Path | None = None  # set when `up` runs NATS with authentication
+        self.service_seeds: dict[str, Path] = {}
         self._stopping = False
 
     # -- start -------------------------------------------------------------------------------
@@ -140,7 +216,9 @@ class Stack:
         logs = data / "logs"
         logs.mkdir(exist_ok=True)
         if not self.nats_url:
-            self.nats = EmbeddedNats(store_dir=data / "nats").start(log_file=logs / "nats.log")
+            # Authenticated from the first start: an NKey per service, the operator's in admin.nk.
+            self.nats = EmbeddedNats(store_dir=data / "nats", auth_conf=self.write_identities())
+            self.nats.start(log_file=logs / "nats.log")
             self.nats_url = self.nats.url
         if not self.database_url:
             self.postgres = EmbeddedPostgres(pgdata=data / "pg").start(log_file=logs / "postgres.log")
@@ -148,8 +226,21 @@ class Stack:
             self.database_url = self.postgres.url(DATABASE_NAME)
 
     def migrate(self) -> None:
-        """Migrate as the configured (or embedded super-) user; the services then connect as their roles."""
-        upgrade(self.database_url, role_password=self.settings.database_role_password)
+        """Migrate as the configured (or embedded super-) user, then give each service role its password;
+        the services connect as their roles. Embedded Postgres: one generated password per role, kept in
+        ``<data-dir>/pg-roles/<role>.password`` (0600, the same across restarts), unless
+        ``HETSCHED_DATABASE_ROLE_PASSWORD`` sets one for all. A configured server: that setting (unset:
+        the roles' passwords are left as they are, e.g. trust or peer auth)."""
+        role_passwords: dict[str, SecretStr] | None = None
+        if self.postgres is not None and self.settings.database_role_password is None:
+            files = {role_of(schema): role_password_file(self.settings.data_dir, role_of(schema)) for schema in SCHEMAS}
+            role_passwords = {role: SecretStr(read_or_create_secret(path)) for role, path in files.items()}
+        upgrade(
+            self.database_url,
+            role_password=self.settings.database_role_password,
+            role_passwords=role_passwords,
+            tls=database_tls(self.settings) if self.postgres is None else None,  # the embedded one is loopback only
+        )
 
     def _child_env(self, package: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -164,15 +255,65 @@ class Stack:
         return env
 
     def _database_env(self, package: str) -> dict[str, str]:
-        """What one service needs to reach Postgres: the server and database, and its role's password."""
-        env = {"HETSCHED_DATABASE_URL": self.database_url}
-        if self.settings.database_role_password is not None:  # the roles' password, wherever settings came from
+        """What one service needs to reach Postgres: the server and database (without the migrating user's
+        password) and its own role's password, no other. Read at each spawn: a service restarted after
+        its password file changed connects with the new one (docs/SECURITY.md, rotation)."""
+        if not self.settings.database_roles:  # it connects as the URL's user: it needs that user's password
+            return {"HETSCHED_DATABASE_URL": self.database_url}
+        env = {"HETSCHED_DATABASE_URL": without_password(self.database_url)}
+        own = role_password_file(self.settings.data_dir, role_of(SERVICES[package].schema))
+        if self.settings.database_role_password is not None:  # one for every role, wherever settings came from
             env["HETSCHED_DATABASE_ROLE_PASSWORD"] = self.settings.database_role_password.get_secret_value()
+        elif self.postgres is not None and own.exists():
+            env["HETSCHED_DATABASE_ROLE_PASSWORD"] = own.read_text().strip()
         return env
 
+    def write_identities(self) -> Path:
+        """The identities `up` runs with (``write_identities``); the path of the server's auth.conf."""
+        written = write_identities(self.settings)
+        self.operator_seed = written.operator_seed
+        self.service_seeds = written.service_seeds
+        return written.auth_conf
+
+    def nats_options(self) -> dict[str, Any]:
+        """How `up` itself (health probes, stream creation) connects: as the operator when it runs NATS."""
+        if self.operator_seed is None:
+            return connect_options(self.settings, operator_fallback=True)
+        return connect_options(self.settings.model_copy(update={"nats_nkey_seed_file": self.operator_seed}))
+
     def _nats_env(self, package: str) -> dict[str, str]:
-        """What one service needs to reach NATS as its own identity."""
-        return {}
+        """What one service needs to reach NATS as its own identity: its seed and its inbox prefix."""
+        seed = self.service_seeds.get(package)
+        if seed is None:
+            return {}
+        return {
+            "HETSCHED_NATS_NKEY_SEED_FILE": str(seed),
+            "HETSCHED_NATS_INBOX_PREFIX": inbox_prefix(service_identity(SERVICES[package].schema)),
+        }
+
+    def create_streams(self) -> None:
+        """Every stream, as the operator, before the services start: each service may then create or
+        update only its own, and its consumers find the others."""
+        if self.operator_seed is None:
+            return
+
+        async def create() -> None:
+            nc = await nats.connect(nats_servers(self.nats_url), name="hetsched-up", **self.nats_options())
+            try:
+                await ensure_streams(
+                    nc.jetstream(),
+                    stream_specs(
+                        subjects=Subjects(self.settings.subject_prefix),
+                        stream_prefix=self.settings.stream_prefix,
+                        duplicate_window_s=self.settings.stream_duplicate_window_s,
+                        telemetry_max_age_s=self.settings.telemetry_max_age_s,
+                        replicas=self.settings.stream_replicas,
+                    ),
+                )
+            finally:
+                await nc.drain()
+
+        asyncio.run(create())
 
     def _spawn(self, package: str) -> subprocess.Popen[bytes]:
         with open(self.settings.data_dir / "logs" / f"{package}.log", "ab") as log:  # the child keeps its copy
@@ -195,6 +336,7 @@ class Stack:
             "nats_url": self.nats_url,
             "database_url": plain_url(self.database_url),
             "subject_prefix": self.settings.subject_prefix,
+            "nats_nkey_seed_file": str(self.operator_seed) if self.operator_seed else None,
             "embedded": {"nats": self.nats is not None, "postgres": self.postgres is not None},
             "servers": {
                 "nats_pid": self.nats.proc.pid if self.nats and self.nats.proc else None,
@@ -204,6 +346,8 @@ class Stack:
         }
         path = state_path(self.settings)
         tmp = path.with_suffix(".tmp")
+        tmp.unlink(missing_ok=True)
+        tmp.touch(mode=0o600)  # it holds the Postgres URL with the migrating user's password
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(path)
 

@@ -13,7 +13,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
 from migrations.metadata import register_all_tables
-from shared.infra.db import SCHEMAS, async_url
+from shared.infra.db import SCHEMAS, async_url, connect_args, database_tls
+from shared.infra.settings import load_settings
 
 register_all_tables()
 config = context.config
@@ -55,8 +56,16 @@ def _run_sync(connection: Connection) -> None:
         context.run_migrations()
 
 
+def _connect_args() -> dict[str, Any]:
+    # From shared.infra.migrate; the alembic CLI reads HETSCHED_DATABASE_TLS_CA_FILE (verify-full) itself.
+    given: dict[str, Any] | None = config.attributes.get("connect_args")
+    if given is not None:
+        return given
+    return connect_args(application_name="hetsched-migrate", tls=database_tls(load_settings()))
+
+
 async def _run_async() -> None:
-    engine = create_async_engine(_url())
+    engine = create_async_engine(_url(), connect_args=_connect_args())
     async with engine.connect() as connection:
         await connection.run_sync(_run_sync)
     await engine.dispose()

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from pydantic import SecretStr
 
 from shared.infra.migrate import upgrade
 from shared.infra.settings import Settings
-from tests.servers import RealServers, find_servers
+from tests.servers import ROLE_PASSWORD, RealServers, find_servers
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -35,7 +36,7 @@ async def database_url(servers: RealServers) -> AsyncIterator[str]:
     """A fresh database for this run, migrated to head."""
     name = f"hetsched_test_{servers.run_id}"
     url = await servers.create_database(name)
-    await asyncio.to_thread(upgrade, url)
+    await asyncio.to_thread(upgrade, url, role_password=SecretStr(ROLE_PASSWORD))
     yield url
     await servers.drop_database(name)
 
@@ -45,6 +46,7 @@ def settings(servers: RealServers, database_url: str, tmp_path_factory: pytest.T
     return Settings(
         nats_url=servers.nats_url,
         database_url=database_url,
+        database_role_password=SecretStr(ROLE_PASSWORD),
         subject_prefix=servers.subject_prefix,
         stream_prefix=servers.stream_prefix,
         data_dir=tmp_path_factory.mktemp("data"),
@@ -57,6 +59,7 @@ def service_env(settings: Settings) -> dict[str, str]:
     env.update(
         HETSCHED_NATS_URL=settings.nats_url or "",
         HETSCHED_DATABASE_URL=settings.database_url or "",
+        HETSCHED_DATABASE_ROLE_PASSWORD=ROLE_PASSWORD,
         HETSCHED_SUBJECT_PREFIX=settings.subject_prefix,
         HETSCHED_STREAM_PREFIX=settings.stream_prefix,
         HETSCHED_DATA_DIR=str(settings.data_dir),

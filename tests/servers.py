@@ -22,6 +22,11 @@ from hetsched.embedded import EmbeddedNats, EmbeddedPostgres, nats_server_binary
 from shared.infra.db import plain_url
 from shared.infra.settings import nats_servers
 
+ROLE_PASSWORD = "hetsched-test-roles"
+"""The per-service roles' password in test runs: every migration sets it (``upgrade(..., role_password=)``)
+and every service gets it, so the roles log in on a server with password auth (the embedded Postgres is
+SCRAM) as on one with trust auth."""
+
 
 def _listening(host: str, port: int) -> bool:
     try:

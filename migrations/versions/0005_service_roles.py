@@ -4,7 +4,10 @@ A service connects as ``hetsched_<schema>`` (``shared.infra.db.service_database_
 and write its own tables, outbox and inbox, and nothing else, so code or SQL that reaches into
 another service's schema fails with ``permission denied`` instead of coupling silently. Roles are
 cluster-wide in Postgres; grants are per database, so several databases (test runs, deployments)
-share the roles safely. ``HETSCHED_DATABASE_ROLE_PASSWORD`` sets their password (none with trust auth).
+share the roles safely. ``HETSCHED_DATABASE_ROLE_PASSWORD`` sets their password (none with trust auth);
+``config.attributes["role_passwords"]`` (``{role: password}``) gives a role its own. ``shared.infra.migrate.upgrade``
+sets the passwords after every migration run instead (``hetsched up``: one generated password per role).
+Migration 0009 narrows these rights (owner roles, no TRUNCATE, an append-only journal).
 
 Revision ID: 0005_service_roles
 Revises: 0004_placement
@@ -15,6 +18,8 @@ import os
 from collections.abc import Sequence
 
 from alembic import context, op
+
+from shared.infra.db import password_sql
 
 revision: str = "0005_service_roles"
 down_revision: str | None = "0004_placement"
@@ -29,8 +34,9 @@ def _role(schema: str) -> str:
 
 
 def upgrade() -> None:
-    # From the launcher's settings (shared.infra.migrate.upgrade), else the environment (alembic CLI).
+    # From a caller's Alembic config, else the environment (alembic CLI); shared.infra.migrate sets them after.
     password = context.config.attributes.get("role_password") or os.environ.get("HETSCHED_DATABASE_ROLE_PASSWORD")
+    per_role: dict[str, str] = context.config.attributes.get("role_passwords") or {}
     for schema in SCHEMAS:
         role = _role(schema)
         # Concurrent migrations of two databases may both try to create the role: either wins.
@@ -42,9 +48,9 @@ def upgrade() -> None:
             END $$;
             """
         )
-        if password:
-            quoted = password.replace("'", "''")
-            op.execute(f"ALTER ROLE {role} PASSWORD '{quoted}'")
+        if own := per_role.get(role) or password:
+            # The SCRAM verifier, not the password, goes to the server (statement logs, pg_stat_activity).
+            op.execute(f"ALTER ROLE {role} PASSWORD {password_sql(own)}")
         op.execute(f"GRANT USAGE ON SCHEMA {schema} TO {role}")
         op.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {role}")
         op.execute(f"GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA {schema} TO {role}")

@@ -424,8 +424,9 @@ async def upsert_capacity(
     if accelerators:
         await session.execute(
             text(
-                "INSERT INTO ledger.accelerators (id, node, sku, hbm_total, ceiling, hbm_usable, reserved, available) "
-                "VALUES (:id, :node, :sku, :total, :ceiling, :usable, 0, true) "
+                # No `reserved`: only the shares trigger writes it (migration 0009), a new row starts at 0.
+                "INSERT INTO ledger.accelerators (id, node, sku, hbm_total, ceiling, hbm_usable, available) "
+                "VALUES (:id, :node, :sku, :total, :ceiling, :usable, true) "
                 "ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node, sku = EXCLUDED.sku, "
                 "hbm_total = EXCLUDED.hbm_total, ceiling = EXCLUDED.ceiling, hbm_usable = EXCLUDED.hbm_usable, "
                 "updated_at = now()"

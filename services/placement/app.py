@@ -103,6 +103,16 @@ SERVICE = ServiceDefinition(
         Loop("placement-reconciler", lambda ctx: ctx.handlers.reconcile),
     ),
     checks=lambda ctx: ctx.readmodel.health(),
+    calls=(
+        Rpc.LEDGER_COMMIT,
+        Rpc.LEDGER_COMMIT_BATCH,
+        Rpc.LEDGER_RELEASE,
+        Rpc.LEDGER_RENEW,
+        Rpc.LEDGER_SNAPSHOT,
+        Rpc.FLEET_GET,
+        Rpc.FLEET_DESCRIBE,
+    ),
+    reads=(Context.TOPOLOGY, Context.LEDGER),
 )
 
 

@@ -99,7 +99,8 @@ class Agent:
 
     async def _report(self, request: TopologyReportRequest) -> TopologyReportReply | Rejected | None:
         try:
-            return await self._rpc.ask(Rpc.TOPOLOGY_REPORT, request, TopologyReportReply)
+            # On its node's subject: an agent's credential reaches only that one (docs/SECURITY.md).
+            return await self._rpc.ask(Rpc.TOPOLOGY_REPORT, request, TopologyReportReply, scope=self.node)
         except RpcError as exc:
             self._log.warning("fleet did not take the report; retrying next scan", extra={"error": str(exc)})
             return None
@@ -134,7 +135,7 @@ class Agent:
         while True:
             if self.reported is not None:  # beat only once the fleet knows the node
                 beat = Heartbeat(node=self.node, fingerprint=self.reported)
-                await self._nats().publish(self._subjects.heartbeat(), beat.model_dump_json().encode())
+                await self._nats().publish(self._subjects.heartbeat(self.node), beat.model_dump_json().encode())
             await asyncio.sleep(self._intervals.heartbeat_s)
 
     async def publish_telemetry(self) -> bool:
@@ -153,7 +154,7 @@ class Agent:
             occurred_at=self._clock(),
         )
         await self._jetstream().publish(
-            self._subjects.event(Context.TELEMETRY, TelemetryEvent.GPU),
+            self._subjects.event(Context.TELEMETRY, TelemetryEvent.GPU, node=self.node),
             event.model_dump_json().encode(),
             headers=msg_id_headers(str(event.event_id)),
         )

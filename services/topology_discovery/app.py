@@ -15,7 +15,7 @@ from services.topology_discovery.providers import TopologyProvider
 from services.topology_discovery.tables import SCHEMA
 from shared.contracts.fleet import FleetDescribeRequest, FleetGetRequest
 from shared.contracts.ledger import LedgerEvent
-from shared.contracts.subjects import Context, Rpc
+from shared.contracts.subjects import Context, Rpc, token
 from shared.contracts.topology import Heartbeat, TopologyReportRequest
 from shared.domain.liveness import LivenessTracker
 from shared.infra.catalog import load_skus
@@ -46,16 +46,19 @@ def wire(runtime: Runtime, *, clock_ms: MonotonicMs = monotonic_ms) -> Ctx:
         max_payload=lambda: runtime.nats.max_payload,
         liveness_period_s=max(settings.topology_heartbeat_s / 4, 0.05),
     )
-    return Ctx(handlers=handlers, heartbeat_subject=runtime.subjects.heartbeat())
+    return Ctx(handlers=handlers, heartbeat_subject=runtime.subjects.heartbeats())
 
 
 def subscribe_heartbeats(broker: NatsBroker, ctx: Ctx) -> None:
-    """Heartbeats are core NATS (fire and forget): a garbled one is dropped."""
+    """Heartbeats are core NATS (fire and forget): a garbled one, or one naming another node than its
+    subject (the one its agent's credential may publish on), is dropped."""
 
     async def on_heartbeat(msg: NatsMessage) -> None:
         try:
             beat = Heartbeat.model_validate_json(msg.body)
         except ValidationError:
+            return
+        if not msg.raw_message.subject.endswith("." + token(beat.node)):
             return
         await ctx.handlers.heartbeat(beat)
 
@@ -86,6 +89,7 @@ SERVICE = ServiceDefinition(
     loops=(Loop("liveness", lambda ctx: ctx.handlers.liveness_loop),),
     on_start=(lambda ctx: ctx.handlers.load_inventory(), lambda ctx: ctx.handlers.watch_agents()),
     extra=subscribe_heartbeats,
+    listens=lambda subjects: (subjects.heartbeats(),),
 )
 
 # -- agent mode --------------------------------------------------------------------------------

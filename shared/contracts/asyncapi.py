@@ -7,8 +7,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from shared.contracts.envelope import EventEnvelope
+from shared.contracts.permissions import NODE_SCOPED_EVENTS
 from shared.contracts.registry import EVENTS, RPCS
-from shared.contracts.subjects import Subjects
+from shared.contracts.subjects import NODE_SCOPED, TENANT_SCOPED, Subjects
 
 
 def _schema(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, str]:
@@ -48,6 +49,14 @@ def asyncapi_document(*, version: str, subjects: Subjects | None = None) -> dict
                 "messages": [{"$ref": f"#/channels/{key}/messages/reply"}],
             },
         }
+        scope = "tenant" if rpc in TENANT_SCOPED else "node" if rpc in NODE_SCOPED else None
+        if scope is not None:  # the form a gateway's (tenant) or an agent's (node) credential may use
+            channels[f"{key}_by_{scope}"] = {
+                "address": f"{subjects.rpc(rpc)}.{{{scope}}}",
+                "description": f"As {subjects.rpc(rpc)}, for one {scope}: a body naming another is `forbidden`.",
+                "parameters": {scope: {"description": f"the {scope} as a subject token (API.md)"}},
+                "messages": dict(channels[key]["messages"]),
+            }
     for (context, event), model in sorted(EVENTS.items(), key=lambda item: (item[0][0].value, item[0][1])):
         key = f"events_{context.value}_{event}"
         payload = _schema(model, schemas)
@@ -64,6 +73,9 @@ def asyncapi_document(*, version: str, subjects: Subjects | None = None) -> dict
             "address": subjects.event(context, event),
             "messages": {"event": {"$ref": f"#/components/messages/{key}"}},
         }
+        if event in NODE_SCOPED_EVENTS.get(context, ()):  # published per node (an agent's own subject)
+            channels[key]["address"] = f"{subjects.event(context, event)}.{{node}}"
+            channels[key]["parameters"] = {"node": {"description": "the node the payload names, as a subject token"}}
         operations[key] = {"action": "send", "channel": {"$ref": f"#/channels/{key}"}}
     return {
         "asyncapi": "3.0.0",

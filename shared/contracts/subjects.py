@@ -6,6 +6,8 @@ test run) isolates itself with another. Code refers to the names below, never to
 
 from __future__ import annotations
 
+import base64
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -43,6 +45,51 @@ class Rpc(StrEnum):
     REBALANCE_STATUS = "rebalance.status"
 
 
+TENANT_SCOPED: frozenset[Rpc] = frozenset(
+    {
+        Rpc.PLACEMENT_PLACE,
+        Rpc.PLACEMENT_EXPLAIN,
+        Rpc.PLACEMENT_RELEASE,
+        Rpc.PLACEMENT_RENEW,
+        Rpc.PLACEMENT_ADMIT,
+        Rpc.RESERVATION_CREATE,
+        Rpc.RESERVATION_CANCEL,
+        Rpc.RESERVATION_STATUS,
+        Rpc.ROUTE_SELECT,
+    }
+)
+"""Public subjects that act for a tenant named in the body. Each is also served as
+``<subject>.<tenant token>``: a gateway's credential may publish only on its own tenants' subjects, and
+the service refuses (``forbidden``) a body naming another tenant than its subject (docs/SECURITY.md)."""
+
+NODE_SCOPED: frozenset[Rpc] = frozenset({Rpc.TOPOLOGY_REPORT})
+"""Agent subjects served as ``<subject>.<node token>``: an agent's credential reaches only its own node's."""
+
+PUBLIC: frozenset[Rpc] = TENANT_SCOPED | {Rpc.FLEET_GET}
+"""What a gateway credential may call (API.md "Operations")."""
+
+_TOKEN_SAFE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def token(name: str) -> str:
+    """``name`` as one subject token: itself when it is plain (letters, digits, ``_``, ``-``), else ``=``
+    and its UTF-8 in lower-case base32 without padding. Reversible and collision-free (a plain name
+    never starts with ``=``), so a permission on ``...<token>`` binds exactly one tenant or node."""
+    if _TOKEN_SAFE.match(name):
+        return name
+    return "=" + base64.b32encode(name.encode()).decode().rstrip("=").lower()
+
+
+def untoken(value: str) -> str:
+    """The name a ``token`` stands for (``ValueError`` when it is not one)."""
+    if not value.startswith("="):
+        if not _TOKEN_SAFE.match(value):
+            raise ValueError(f"not a subject token: {value[:64]!r}")
+        return value
+    body = value[1:].upper()
+    return base64.b32decode(body + "=" * (-len(body) % 8)).decode()
+
+
 class Context(StrEnum):
     """Bounded contexts; each has one event stream named after it in upper case."""
 
@@ -64,13 +111,25 @@ class Subjects:
     def rpc(self, name: Rpc) -> str:
         return f"{self.prefix}.{name.value}"
 
-    def heartbeat(self) -> str:
-        """Core-NATS subject of node heartbeats (not persisted: only their absence matters)."""
-        return f"{self.prefix}.topology.heartbeat"
+    def scoped(self, name: Rpc, scope: str) -> str:
+        """``<prefix>.<name>.<token(scope)>``: a tenant's (``TENANT_SCOPED``) or a node's (``NODE_SCOPED``)
+        form of a request subject, the one a gateway's or an agent's permissions allow."""
+        return f"{self.rpc(name)}.{token(scope)}"
 
-    def event(self, context: Context, event: str) -> str:
-        """``<prefix>.events.<context>.<event>``, the subject an event of that type is published on."""
-        return f"{self.prefix}.events.{context.value}.{event}"
+    def heartbeat(self, node: str) -> str:
+        """Core-NATS subject of one node's heartbeats (not persisted: only their absence matters)."""
+        return f"{self.prefix}.topology.heartbeat.{token(node)}"
+
+    def heartbeats(self) -> str:
+        """Every node's heartbeats (what the fleet-mode topology service subscribes to)."""
+        return f"{self.prefix}.topology.heartbeat.*"
+
+    def event(self, context: Context, event: str, *, node: str | None = None) -> str:
+        """``<prefix>.events.<context>.<event>``, the subject an event of that type is published on; a
+        node-scoped event (GPU telemetry, engine status) adds ``.<token(node)>`` so permissions can bind an
+        agent to its own node."""
+        subject = f"{self.prefix}.events.{context.value}.{event}"
+        return f"{subject}.{token(node)}" if node is not None else subject
 
     def events_of(self, context: Context) -> str:
         """Wildcard covering every event of one context (a stream's subject filter)."""

@@ -24,9 +24,10 @@ from shared.contracts.base import (
     rejected,
 )
 from shared.contracts.envelope import EventEnvelope
+from shared.contracts.permissions import EVENT_PUBLISHERS, NODE_SCOPED_EVENTS
 from shared.contracts.registry import EVENTS
 from shared.contracts.streams import StreamSpec
-from shared.contracts.subjects import Context
+from shared.contracts.subjects import Context, token
 from shared.infra.deadletter import UnappliableEvent
 from shared.infra.inbox import claim
 from shared.infra.uow import EventTooLarge, UnitOfWork, UnitOfWorkFactory
@@ -52,8 +53,8 @@ def _stream_config(spec: StreamSpec) -> StreamConfig:
     )
 
 
-async def ensure_streams(js: JetStreamContext, specs: tuple[StreamSpec, ...]) -> None:
-    """Create or update every stream; safe to run from several services at once."""
+async def ensure_streams(js: JetStreamContext, specs: tuple[StreamSpec, ...], *, update: bool = True) -> None:
+    """Create or (``update``) update every stream; safe to run from several services at once."""
     for spec in specs:
         config = _stream_config(spec)
         for _attempt in range(3):
@@ -66,7 +67,8 @@ async def ensure_streams(js: JetStreamContext, specs: tuple[StreamSpec, ...]) ->
                 except BadRequestError:
                     continue  # another service created it between our two calls: update it instead
             else:
-                await js.update_stream(config)
+                if update:
+                    await js.update_stream(config)
                 break
 
 
@@ -133,6 +135,8 @@ async def dispatch(
     *,
     max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_reply_bytes: int | None = None,
+    scope: str | None = None,
+    scope_of: Callable[[Any], str | None] | None = None,
 ) -> bytes:
     """Turn raw request bytes into a reply, never raising.
 
@@ -142,7 +146,9 @@ async def dispatch(
     unknown major version gives ``unsupported_version``; an unexpected exception in the handler gives
     ``internal`` (logged with its stack, not sent to the caller). Messages repeat the caller's input
     cut short (``echo``). A reply longer than ``max_reply_bytes`` (what NATS can carry) becomes a short
-    ``internal`` saying the answer was too large.
+    ``internal`` saying the answer was too large. A request that came on a scoped subject (``scope``: the
+    tenant or node its subject names, see ``shared.contracts.subjects.TENANT_SCOPED``) whose body names
+    another (``scope_of``) is ``forbidden`` and reaches no handler.
     """
     if len(raw) > max_bytes:
         return _refuse(f"body is {len(raw)} bytes; the limit is {max_bytes}")
@@ -175,6 +181,12 @@ async def dispatch(
         return _encode(invalid_request(exc, request_id=data.get("request_id")))
     except (ValueError, RecursionError) as exc:  # a validator that failed outside pydantic's own errors
         return _refuse(f"body does not validate: {type(exc).__name__}", request_id=data.get("request_id"))
+    if scope is not None and scope_of is not None and scope_of(request) != scope:
+        return _refuse(
+            f"this subject acts for {echo(scope)} only; the request names {echo(scope_of(request))}",
+            code=ErrorCode.FORBIDDEN,
+            request_id=data.get("request_id"),
+        )
     try:
         reply = _encode(await handler(request))
     except EventTooLarge as exc:  # the request would announce more than one event can carry
@@ -201,21 +213,31 @@ def consume(
     consumer: str,
     context: Context,
     handlers: dict[str, TypedEventHandler],
-) -> Callable[[bytes], Awaitable[None]]:
+    publisher: str | None = None,
+) -> Callable[..., Awaitable[None]]:
     """Apply one context's events by name, each event id once, with its effects and their events in
     one transaction; the payload reaches the handler as its contract model (``EVENTS``).
 
-    A message that is not an envelope, or whose payload does not match its contract, raises
-    ``UnappliableEvent`` (redelivering it cannot help: the caller dead-letters it); an exception from
-    a handler propagates so the caller redelivers the event with backoff, then dead-letters it.
+    Nothing on the bus is trusted: a message that is not an envelope, whose ``type`` is not of this
+    context, whose ``source`` is not the context's publisher (``publisher``, by default
+    ``EVENT_PUBLISHERS``), whose payload does not match its contract, or (a node-scoped event, given the
+    ``subject`` it came on) whose payload names another node than its subject, raises
+    ``UnappliableEvent`` (redelivering it cannot help: the caller dead-letters it); an exception from a
+    handler propagates so the caller redelivers the event with backoff, then dead-letters it.
     """
+    expected_source = publisher or EVENT_PUBLISHERS[context]
+    scoped = set(NODE_SCOPED_EVENTS.get(context, ()))
 
-    async def on_message(raw: bytes) -> None:
+    async def on_message(raw: bytes, subject: str | None = None) -> None:
         try:
             event = EventEnvelope.model_validate_json(raw)
         except ValidationError as exc:
             raise UnappliableEvent(f"not an event envelope: {_summarise(exc)}") from None
-        name = event.type.rsplit(".", 1)[-1]
+        kind, _, name = event.type.rpartition(".")
+        if kind != context.value:
+            raise UnappliableEvent(f"a {echo(event.type)} event does not belong to the {context.value} stream")
+        if event.source != expected_source:
+            raise UnappliableEvent(f"{context.value} events come from {expected_source}, not from {echo(event.source)}")
         handler = handlers.get(name)
         if handler is None:
             return
@@ -224,6 +246,10 @@ def consume(
             payload = model.model_validate(event.payload) if model is not None else event.payload
         except ValidationError as exc:
             raise UnappliableEvent(f"{event.type} payload does not match its contract: {_summarise(exc)}") from None
+        if name in scoped and subject is not None:
+            node = getattr(payload, "node", None)
+            if not isinstance(node, str) or not subject.endswith("." + token(node)):
+                raise UnappliableEvent(f"{event.type} names node {echo(node)} but came on {echo(subject)}")
         emitted = False
         async with uow.sessions() as session, session.begin():
             if await claim(session=session, schema=schema, consumer=consumer, event_id=event.event_id):

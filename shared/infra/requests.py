@@ -24,11 +24,30 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from shared.contracts.base import Request
+from shared.contracts.base import ErrorCode, Request, echo, rejected
+from shared.contracts.subjects import untoken
 from shared.infra import deadline
 from shared.infra.bus import DEFAULT_MAX_REQUEST_BYTES, REPLY_MARGIN_BYTES, dispatch
 
 log = logging.getLogger("hetsched.requests")
+
+_UNREADABLE = "\x00unreadable"
+
+
+def _scope(subject: str, base: str) -> str | None:
+    """The tenant or node a scoped subject names (``base.<token>``), None on the base subject."""
+    if subject == base:
+        return None
+    try:
+        return untoken(subject[len(base) + 1 :])
+    except ValueError:  # binascii.Error and UnicodeDecodeError are ValueErrors
+        return _UNREADABLE
+
+
+def _refuse_scope(subject: str) -> bytes:
+    return (
+        rejected(ErrorCode.INVALID_REQUEST, f"unreadable scope in subject {echo(subject)}").model_dump_json().encode()
+    )
 
 
 @dataclass(frozen=True)
@@ -38,6 +57,9 @@ class Endpoint:
     model: type[Request]
     handler: Any
     workers: int
+    # A scoped endpoint is also served on ``<subject>.<token>`` (a tenant's or a node's form): the body
+    # must then name that tenant or node (``scope_of``), else the reply is ``forbidden``.
+    scope_of: Callable[[Any], str | None] | None = None
 
 
 @dataclass
@@ -79,9 +101,12 @@ class RequestServer:
 
     async def start(self, nc: Client) -> None:
         for endpoint in self.endpoints:
-            self._subscriptions.append(
-                await nc.subscribe(endpoint.subject, queue=endpoint.queue, cb=self._callback(endpoint, nc))
-            )
+            callback = self._callback(endpoint, nc)
+            self._subscriptions.append(await nc.subscribe(endpoint.subject, queue=endpoint.queue, cb=callback))
+            if endpoint.scope_of is not None:
+                self._subscriptions.append(
+                    await nc.subscribe(f"{endpoint.subject}.*", queue=endpoint.queue, cb=callback)
+                )
 
     def saturated(self, *, after_s: float) -> dict[str, float]:
         """Subjects whose every worker has been busy for longer than ``after_s``, with for how long."""
@@ -112,13 +137,19 @@ class RequestServer:
                     log.warning("dropped a request whose deadline had passed", extra={"subject": endpoint.subject})
                     return
                 deadline.set_deadline(until_ms)  # this task's context only
-                reply = await dispatch(
-                    msg.data,
-                    endpoint.model,
-                    endpoint.handler,
-                    max_bytes=self.max_request_bytes,
-                    max_reply_bytes=max(1024, nc.max_payload - REPLY_MARGIN_BYTES),
-                )
+                scope = _scope(msg.subject, endpoint.subject)
+                if scope is _UNREADABLE:
+                    reply = _refuse_scope(msg.subject)
+                else:
+                    reply = await dispatch(
+                        msg.data,
+                        endpoint.model,
+                        endpoint.handler,
+                        max_bytes=self.max_request_bytes,
+                        max_reply_bytes=max(1024, nc.max_payload - REPLY_MARGIN_BYTES),
+                        scope=scope,
+                        scope_of=endpoint.scope_of,
+                    )
                 load.served += 1
                 if msg.reply:
                     await msg.respond(reply)

@@ -26,7 +26,7 @@ from shared.contracts.base import Rejected
 from shared.contracts.fleet import FleetGetReply, FleetGetRequest
 from shared.contracts.ledger import SnapshotReply, SnapshotRequest
 from shared.contracts.registry import RPCS
-from shared.contracts.subjects import Rpc, Subjects
+from shared.contracts.subjects import TENANT_SCOPED, Rpc, Subjects
 from shared.infra import deadline
 from shared.infra.settings import nats_servers
 
@@ -104,21 +104,37 @@ class RpcClient:
         subjects: Subjects,
         *,
         timeout_s: float = 5.0,
+        scope_by_tenant: bool = False,
     ) -> None:
         self._connection = connection
         self.subjects = subjects
         self.timeout_s = timeout_s
+        # A gateway's client: public calls go on the subject of the request's tenant (docs/SECURITY.md).
+        self.scope_by_tenant = scope_by_tenant
         self.stats = CallStats()
 
     @classmethod
     async def connect(
-        cls, url: str, subjects: Subjects, *, timeout_s: float = 5.0, name: str = "hetsched"
+        cls,
+        url: str,
+        subjects: Subjects,
+        *,
+        timeout_s: float = 5.0,
+        name: str = "hetsched",
+        scope_by_tenant: bool = False,
+        **options: Any,
     ) -> RpcClient:
-        """A client on a connection of its own (the command line, tests); close it with ``close``."""
+        """A client on a connection of its own (the command line, tests, gateways); close it with
+        ``close``. ``options`` go to ``nats.connect`` (``shared.infra.identity.connect_options``: the
+        NKey seed, the inbox prefix, TLS)."""
         nc = await nats.connect(
-            nats_servers(url), name=name, connect_timeout=max(1, int(timeout_s)), max_reconnect_attempts=2
+            nats_servers(url),
+            name=name,
+            connect_timeout=max(1, int(timeout_s)),
+            max_reconnect_attempts=2,
+            **options,
         )
-        return cls(nc, subjects, timeout_s=timeout_s)
+        return cls(nc, subjects, timeout_s=timeout_s, scope_by_tenant=scope_by_tenant)
 
     @property
     def nc(self) -> NatsClient:
@@ -130,9 +146,17 @@ class RpcClient:
             await self._connection.drain()
 
     async def call(
-        self, rpc: Rpc, request: BaseModel, *, timeout_s: float | None = None, rejection_as_reply: bool = False
+        self,
+        rpc: Rpc,
+        request: BaseModel,
+        *,
+        timeout_s: float | None = None,
+        rejection_as_reply: bool = False,
+        scope: str | None = None,
     ) -> BaseModel:
-        """Send ``request`` on ``rpc``; the reply model, or ``Rejected`` (see ``parse_reply``).
+        """Send ``request`` on ``rpc``; the reply model, or ``Rejected`` (see ``parse_reply``). With
+        ``scope`` (a tenant or a node) it goes on the scoped subject, the one a gateway's or an agent's
+        permissions allow (``Subjects.scoped``); else ``scope_by_tenant`` picks the request's tenant.
 
         The request carries its deadline (``Hetsched-Deadline``): now + the timeout, or, when this
         call is made on behalf of a request whose deadline is nearer, a little before that one, so an
@@ -144,7 +168,7 @@ class RpcClient:
         headers = {deadline.HEADER: str(int(deadline.now_ms() + timeout * 1000))}
         started = time.monotonic()
         try:
-            msg = await self.nc.request(self.subjects.rpc(rpc), body, timeout=timeout, headers=headers)
+            msg = await self.nc.request(self._subject(rpc, request, scope), body, timeout=timeout, headers=headers)
         except NoRespondersError as exc:
             self.stats.record(rpc, seconds=time.monotonic() - started, ok=False)
             raise RpcError(rpc, "no service answers this subject") from exc
@@ -163,6 +187,11 @@ class RpcClient:
             return timeout_s
         return max(0.0, min(timeout_s, left - min(left / 10, INNER_MARGIN_S)))
 
+    def _subject(self, rpc: Rpc, request: BaseModel, scope: str | None) -> str:
+        if scope is None and self.scope_by_tenant and rpc in TENANT_SCOPED:
+            scope = getattr(request, "tenant", None)
+        return self.subjects.scoped(rpc, scope) if scope is not None else self.subjects.rpc(rpc)
+
     async def ask(
         self,
         rpc: Rpc,
@@ -171,9 +200,10 @@ class RpcClient:
         *,
         timeout_s: float | None = None,
         rejection_as_reply: bool = False,
+        scope: str | None = None,
     ) -> ReplyT | Rejected:
         """``call`` with the reply type spelled out for the type checker."""
-        answer = await self.call(rpc, request, timeout_s=timeout_s, rejection_as_reply=rejection_as_reply)
+        answer = await self.call(rpc, request, timeout_s=timeout_s, rejection_as_reply=rejection_as_reply, scope=scope)
         if isinstance(answer, Rejected):
             return answer
         if not isinstance(answer, reply):

@@ -25,24 +25,28 @@ import nats
 from faststream import FastStream
 from faststream.nats import NatsBroker
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
+from faststream.nats.security import NatsSecurity
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import ServiceUnavailableError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 from pydantic import BaseModel
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from shared.contracts.base import ErrorCode, Request, rejected
 from shared.contracts.health import HealthReply, HealthRequest
-from shared.contracts.streams import stream_name, stream_specs
-from shared.contracts.subjects import Context, Rpc, Subjects
+from shared.contracts.permissions import NODE_SCOPED_EVENTS, ServiceGrant, owned_streams, service_identity
+from shared.contracts.streams import deadletter_stream_name, stream_name, stream_specs
+from shared.contracts.subjects import NODE_SCOPED, TENANT_SCOPED, Context, Rpc, Subjects
 from shared.infra.bus import TypedEventHandler, consume, ensure_streams
 from shared.infra.clock import Clock, system_clock
-from shared.infra.db import make_engine, make_sessions, service_database_url
+from shared.infra.db import application_name, database_tls, make_engine, make_sessions, service_database_url
 from shared.infra.deadletter import UnappliableEvent, dead_letter, redelivery_delay_s
+from shared.infra.identity import connect_options
 from shared.infra.outbox import OutboxRelay
 from shared.infra.requests import Endpoint, RequestServer
 from shared.infra.rpc import RpcClient
@@ -131,6 +135,16 @@ class Route:
     model: type[Request]
     factory: RouteFactory | None = None
 
+    @property
+    def scope_of(self) -> Callable[[Any], str | None] | None:
+        """What the body must name on this route's scoped subject: its tenant (public routes) or its
+        node (agent routes); None for a route served on its base subject only."""
+        if self.rpc in TENANT_SCOPED:
+            return lambda request: getattr(request, "tenant", None)
+        if self.rpc in NODE_SCOPED:
+            return lambda request: getattr(request, "node", None)
+        return None
+
 
 @dataclass(frozen=True)
 class Consumer:
@@ -171,6 +185,29 @@ class ServiceDefinition:
     extra: Callable[[NatsBroker, Any], None] | None = None
     # Extra health checks (name -> "ok" or why not), e.g. how stale a read model is.
     checks: Callable[[Any], Mapping[str, str]] | None = None
+    # What its NATS identity may do beyond serving its routes and consuming its consumers' events
+    # (shared.contracts.permissions): the contexts whose events it publishes (it owns their streams),
+    # the other services' subjects it calls, and other core-NATS subjects it subscribes to.
+    calls: tuple[Rpc, ...] = ()
+    reads: tuple[Context, ...] = ()  # contexts it follows with ordered (ephemeral) consumers
+    listens: Callable[[Subjects], tuple[str, ...]] = lambda subjects: ()
+
+
+def grant_of(definition: ServiceDefinition, settings: Settings) -> ServiceGrant:
+    """What ``definition`` does on the bus under ``settings``: the input of its NATS permissions."""
+    subjects = Subjects(settings.subject_prefix)
+    return ServiceGrant(
+        name=definition.name,
+        identity=service_identity(definition.schema),
+        serves=(definition.health, *(route.rpc for route in definition.routes)),
+        consumes=tuple(
+            (consumer.context, durable_name(settings, definition.schema, consumer.durable))
+            for consumer in definition.consumers
+        ),
+        reads=definition.reads,
+        calls=definition.calls,
+        listens=definition.listens(subjects),
+    )
 
 
 def _not_implemented(service: str, rpc: Rpc) -> Callable[[Any], Awaitable[BaseModel]]:
@@ -227,8 +264,13 @@ def _describe_slow(slow: Mapping[str, str]) -> str:
     return "slow: " + "; ".join(f"{context}: {why}" for context, why in sorted(slow.items()))
 
 
+def durable_name(settings: Settings, schema: str, name: str) -> str:
+    """A consumer's durable name on the server: unique per deployment (subject prefix) and service."""
+    return f"{settings.subject_prefix}-{schema}-{name}"
+
+
 def _durable(runtime: Runtime, name: str) -> str:
-    return f"{runtime.settings.subject_prefix}-{runtime.schema}-{name}"
+    return durable_name(runtime.settings, runtime.schema, name)
 
 
 @dataclass
@@ -246,7 +288,7 @@ class _EventLoop:
     subject: str
     stream: str
     durable: str
-    apply: Callable[[bytes], Awaitable[None]]
+    apply: Callable[[bytes, str], Awaitable[None]]
     deadletter_subject: str = ""
     max_deliveries: int = 5
     backoff_s: float = 0.5
@@ -259,12 +301,7 @@ class _EventLoop:
     dead_lettered: int = 0
 
     async def run(self, runtime: Runtime) -> None:
-        subscription = await runtime.jetstream.pull_subscribe(
-            self.subject,
-            durable=self.durable,
-            stream=self.stream,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL),
-        )
+        subscription = await self._subscribe(runtime)
         try:
             while True:
                 try:
@@ -281,11 +318,32 @@ class _EventLoop:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
 
+    async def _subscribe(self, runtime: Runtime) -> Any:
+        """The durable pull subscription, once its stream exists (its owner or the operator creates it:
+        a service started before them waits, saying so once)."""
+        said = False
+        while True:
+            try:
+                return await runtime.jetstream.pull_subscribe(
+                    self.subject,
+                    durable=self.durable,
+                    stream=self.stream,
+                    config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL),
+                )
+            except (NotFoundError, NatsTimeoutError, ServiceUnavailableError, NoRespondersError) as exc:
+                if not said:
+                    runtime.log.warning(
+                        "waiting for a stream to consume",
+                        extra={"stream": self.stream, "durable": self.durable, "error": type(exc).__name__},
+                    )
+                    said = True
+                await asyncio.sleep(EVENT_FETCH_TIMEOUT_S)
+
     async def apply_in_order(self, runtime: Runtime, messages: list[Msg]) -> None:
         for position, message in enumerate(messages):
             sequence = message.metadata.sequence.stream
             try:
-                await self.apply(message.data)
+                await self.apply(message.data, message.subject)
             except UnappliableEvent as exc:
                 if not await self._dead_letter(runtime, message, str(exc)):
                     await self._retry_later(messages[position:], failures=self.failures.get(sequence, 1))
@@ -376,11 +434,12 @@ def _event_loop(runtime: Runtime, *, subject: str, context: Context, durable: st
 
 def _subscribe_consumer(runtime: Runtime, consumer: Consumer, ctx: Any) -> _EventLoop:
     handlers = {name: factory(ctx) for name, factory in consumer.on.items()}
-    subject = (
-        runtime.subjects.event(consumer.context, next(iter(handlers)))
-        if len(handlers) == 1
-        else runtime.subjects.events_of(consumer.context)
-    )
+    subject = runtime.subjects.events_of(consumer.context)
+    if len(handlers) == 1:
+        name = next(iter(handlers))
+        subject = runtime.subjects.event(consumer.context, name)
+        if name in NODE_SCOPED_EVENTS.get(consumer.context, ()):
+            subject += ".*"  # one subject per node
     apply = consume(
         uow=runtime.uow, schema=runtime.schema, consumer=consumer.durable, context=consumer.context, handlers=handlers
     )
@@ -409,8 +468,13 @@ def build_app(
     log = logging.getLogger(f"hetsched.{definition.name}")
     tracer_provider, meter_provider = configure_telemetry(service=definition.name, exporter=settings.otel_exporter)
     nats_url = settings.nats_url or DEFAULT_NATS_URL
+    nats_options = connect_options(settings)  # its own NKey, inbox and TLS (docs/SECURITY.md)
+    broker_options = {k: v for k, v in nats_options.items() if k != "tls"}
+    if "tls" in nats_options:  # FastStream takes the TLS context as its security object
+        broker_options["security"] = NatsSecurity(ssl_context=nats_options["tls"])
     broker = NatsBroker(
         nats_servers(nats_url),  # a cluster's URL lists every node
+        **broker_options,
         max_reconnect_attempts=-1,  # ride out a NATS restart instead of exiting
         reconnect_time_wait=1,
         logger=log,
@@ -420,7 +484,12 @@ def build_app(
         if settings.otel_exporter != "none"
         else [],
     )
-    engine = make_engine(service_database_url(settings, definition.schema), pool_size=settings.db_pool_size)
+    engine = make_engine(
+        service_database_url(settings, definition.schema),
+        pool_size=settings.db_pool_size,
+        application_name=application_name(definition.schema),  # hetsched-ledger in pg_stat_activity
+        tls=database_tls(settings),
+    )
     sessions = make_sessions(engine)
     subjects = Subjects(settings.subject_prefix)
     holder: list[Runtime] = []
@@ -459,7 +528,16 @@ def build_app(
     )
     for route in definition.routes:
         handler = route.factory(ctx) if route.factory else _not_implemented(definition.name, route.rpc)
-        requests.add(Endpoint(runtime.subjects.rpc(route.rpc), queue, route.model, handler, settings.request_workers))
+        requests.add(
+            Endpoint(
+                runtime.subjects.rpc(route.rpc),
+                queue,
+                route.model,
+                handler,
+                settings.request_workers,
+                scope_of=route.scope_of,
+            )
+        )
     event_loops = [_subscribe_consumer(runtime, consumer, ctx) for consumer in definition.consumers]
     runtime.consumers = event_loops
     if definition.extra is not None:
@@ -472,19 +550,31 @@ def build_app(
         # Our own connection for JetStream management, the relay and calls to other services, so
         # publishing does not depend on FastStream internals.
         runtime.nc = await nats.connect(
-            nats_servers(nats_url), max_reconnect_attempts=-1, reconnect_time_wait=0.5, name=definition.name
+            nats_servers(nats_url),
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            name=definition.name,
+            **nats_options,
         )
         runtime.js = runtime.nc.jetstream()
-        await ensure_streams(
-            runtime.js,
-            stream_specs(
-                subjects=runtime.subjects,
-                stream_prefix=settings.stream_prefix,
-                duplicate_window_s=settings.stream_duplicate_window_s,
-                telemetry_max_age_s=settings.telemetry_max_age_s,
-                replicas=settings.stream_replicas,
-            ),
+        specs = stream_specs(
+            subjects=runtime.subjects,
+            stream_prefix=settings.stream_prefix,
+            duplicate_window_s=settings.stream_duplicate_window_s,
+            telemetry_max_age_s=settings.telemetry_max_age_s,
+            replicas=settings.stream_replicas,
         )
+        if settings.nats_nkey_seed_file is not None:
+            # An identity of its own: it manages only its own streams (and may create DEADLETTER); the
+            # operator (`hetsched up`) or the owners create the rest, which its consumers wait for.
+            owned = {stream_name(c, stream_prefix=settings.stream_prefix) for c in owned_streams(definition.name)}
+            creatable = (
+                {deadletter_stream_name(stream_prefix=settings.stream_prefix)} if definition.consumers else set()
+            )
+            await ensure_streams(runtime.js, tuple(s for s in specs if s.name in owned))
+            await ensure_streams(runtime.js, tuple(s for s in specs if s.name in creatable), update=False)
+        else:
+            await ensure_streams(runtime.js, specs)
         if database:
             runtime.relay = OutboxRelay(
                 sessions=runtime.sessions,

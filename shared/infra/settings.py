@@ -232,7 +232,12 @@ class Settings(BaseSettings):
     )
 
     # -- Postgres security (issue 11) --------------------------------------------------------------
-    # (the Postgres least-privilege work adds its settings here)
+    database_tls_ca_file: Path | None = Field(
+        default=None,
+        description="CA certificate that signed the Postgres server's certificate: services, migrations and "
+        "`hetsched up` connect with TLS, verify the chain and the URL's host name (libpq's `verify-full`). "
+        "Unset: TLS only if the server offers it, unverified.",
+    )
 
 
 def nats_servers(url: str) -> list[str]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import nats
 import yaml
+from pydantic import SecretStr
 
 from shared.contracts.base import Rejected
 from shared.contracts.fleet import FleetGetReply, FleetGetRequest
@@ -29,7 +30,7 @@ from shared.contracts.subjects import Rpc, Subjects
 from shared.domain.synthetic import synthetic_inventory
 from shared.infra.migrate import upgrade
 from shared.infra.rpc import RpcClient
-from tests.servers import RealServers, find_servers
+from tests.servers import ROLE_PASSWORD, RealServers, find_servers
 
 
 @dataclass
@@ -61,6 +62,7 @@ def _env(servers: RealServers, database_url: str, inventory: Path | None, data_d
     env.update(
         HETSCHED_NATS_URL=servers.nats_url,
         HETSCHED_DATABASE_URL=database_url,
+        HETSCHED_DATABASE_ROLE_PASSWORD=ROLE_PASSWORD,
         HETSCHED_SUBJECT_PREFIX=servers.subject_prefix,
         HETSCHED_STREAM_PREFIX=servers.stream_prefix,
         HETSCHED_DATA_DIR=str(data_dir),
@@ -151,7 +153,7 @@ async def _main(nodes: int, calls: int) -> None:
         name = f"hetsched_bench_{servers.run_id}"
         url = await servers.create_database(name)
         try:
-            await asyncio.to_thread(upgrade, url)
+            await asyncio.to_thread(upgrade, url, role_password=SecretStr(ROLE_PASSWORD))
             figures = await measure(servers, url, nodes=nodes, calls=calls, workdir=Path(tmp))
             print(figures.report())
         finally:

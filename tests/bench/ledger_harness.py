@@ -17,11 +17,12 @@ from typing import Any
 import asyncpg
 import nats
 import yaml
+from pydantic import SecretStr
 
 from shared.contracts.subjects import Rpc, Subjects
 from shared.infra.db import plain_url
 from shared.infra.migrate import upgrade
-from tests.servers import RealServers
+from tests.servers import ROLE_PASSWORD, RealServers
 
 INVARIANT_SQL = """
 SELECT count(*) FROM ledger.accelerators a
@@ -84,6 +85,7 @@ class LedgerHarness:
         env.update(
             HETSCHED_NATS_URL=self.servers.nats_url,
             HETSCHED_DATABASE_URL=self.database_url,
+            HETSCHED_DATABASE_ROLE_PASSWORD=ROLE_PASSWORD,
             HETSCHED_SUBJECT_PREFIX=self.servers.subject_prefix,
             HETSCHED_STREAM_PREFIX=self.servers.stream_prefix,
             HETSCHED_DATA_DIR=str(self.workdir),
@@ -131,7 +133,7 @@ class LedgerHarness:
 
     async def _start(self) -> LedgerHarness:
         self.database_url = await self.servers.create_database(self.database)
-        await asyncio.to_thread(upgrade, self.database_url)
+        await asyncio.to_thread(upgrade, self.database_url, role_password=SecretStr(ROLE_PASSWORD))
         fleet = self.workdir / "stress-fleet.yaml"
         fleet.write_text(yaml.safe_dump(self.fleet or inventory(self.nodes)))
         self.start("topology_discovery", HETSCHED_TOPOLOGY_INVENTORY=str(fleet))

@@ -31,6 +31,7 @@ import asyncpg
 import nats
 import yaml
 from nats.aio.client import Client
+from pydantic import SecretStr
 
 from services.placement.mapping import LEDGER_REQUEST_PREFIX
 from shared.contracts.streams import stream_name, stream_specs
@@ -44,7 +45,7 @@ from shared.infra.settings import nats_servers
 from tests.bench.ledger_harness import INVARIANT_SQL, inventory
 from tests.bench.ledger_stress import allocation_events
 from tests.jetstream import read_all
-from tests.servers import RealServers
+from tests.servers import ROLE_PASSWORD, RealServers
 from tests.waiting import wait_for
 
 SERVICES = ("topology_discovery", "capacity_ledger", "placement")
@@ -93,6 +94,7 @@ class FaultStack:
         env.update(
             HETSCHED_NATS_URL=self.servers.nats_url,
             HETSCHED_DATABASE_URL=self.database_url,
+            HETSCHED_DATABASE_ROLE_PASSWORD=ROLE_PASSWORD,
             HETSCHED_SUBJECT_PREFIX=self.servers.subject_prefix,
             HETSCHED_STREAM_PREFIX=self.servers.stream_prefix,
             HETSCHED_DATA_DIR=str(self.workdir),
@@ -132,7 +134,7 @@ class FaultStack:
 
     async def _start(self) -> FaultStack:
         self.database_url = await self.servers.create_database(self.database)
-        await asyncio.to_thread(upgrade, self.database_url)
+        await asyncio.to_thread(upgrade, self.database_url, role_password=SecretStr(ROLE_PASSWORD))
         (self.workdir / "fleet.yaml").write_text(yaml.safe_dump(inventory(self.nodes)))
         self.nc = await nats.connect(
             nats_servers(self.servers.nats_url), max_reconnect_attempts=-1, reconnect_time_wait=0.2

@@ -55,7 +55,7 @@ async def test_agent_publishes_gpu_telemetry(settings: Settings) -> None:
         found = await read_all(
             nc.jetstream(),
             stream=stream_name(Context.TELEMETRY, stream_prefix=settings.stream_prefix),
-            subject=Subjects(settings.subject_prefix).event(Context.TELEMETRY, GPU_TELEMETRY),
+            subject=Subjects(settings.subject_prefix).event(Context.TELEMETRY, GPU_TELEMETRY, node="tele-01"),
         )
     finally:
         await nc.close()

@@ -24,6 +24,7 @@ from shared.contracts.ledger import (
     DriftEvent,
     LedgerEvent,
 )
+from shared.contracts.permissions import EVENT_PUBLISHERS
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
 from shared.infra.db import async_url, role_of
@@ -100,7 +101,10 @@ async def create_probe_table(settings: Settings) -> None:
 
 def ledger_event(name: LedgerEvent, payload: dict[str, Any]) -> EventEnvelope:
     return new_event(
-        type=f"{Context.LEDGER.value}.{name}", source="test", payload=payload, occurred_at=datetime.now(UTC)
+        type=f"{Context.LEDGER.value}.{name}",
+        source=EVENT_PUBLISHERS[Context.LEDGER],
+        payload=payload,
+        occurred_at=datetime.now(UTC),
     )
 
 

@@ -34,6 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.contracts.base import ErrorCode
 from shared.contracts.envelope import EventEnvelope, new_event
+from shared.contracts.permissions import EVENT_PUBLISHERS
 from shared.contracts.streams import deadletter_stream_name, stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
 from shared.contracts.topology import NodeStateEvent, TopologyEvent
@@ -91,7 +92,7 @@ def node_event(node: str, *, name: TopologyEvent = TopologyEvent.NODE_LOST) -> E
     payload = NodeStateEvent(node=node, region="r1", accelerators=[f"{node[:20]}/gpu0"])
     return new_event(
         type=f"{Context.TOPOLOGY.value}.{name}",
-        source="test",
+        source=EVENT_PUBLISHERS[Context.TOPOLOGY],
         payload=payload.model_dump(mode="json"),
         occurred_at=datetime.now(UTC),
     )

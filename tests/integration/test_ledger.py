@@ -22,6 +22,7 @@ from nats.aio.client import Client
 
 from shared.contracts.base import Rejected
 from shared.contracts.envelope import new_event
+from shared.contracts.permissions import EVENT_PUBLISHERS, NODE_SCOPED_EVENTS
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
 from shared.domain.ledger import replay_reserved
@@ -91,9 +92,15 @@ async def ledger_events(nc: Client, settings: Settings, event: str = ">") -> lis
 
 async def publish(nc: Client, settings: Settings, context: Context, event: str, payload: dict[str, Any]) -> None:
     """An event as its producer (topology, an agent) would publish it."""
-    env = new_event(type=f"{context.value}.{event}", source="test", occurred_at=datetime.now(UTC), payload=payload)
+    env = new_event(
+        type=f"{context.value}.{event}",
+        source=EVENT_PUBLISHERS[context],
+        occurred_at=datetime.now(UTC),
+        payload=payload,
+    )
+    node = payload.get("node") if event in NODE_SCOPED_EVENTS.get(context, ()) else None
     await nc.jetstream().publish(
-        Subjects(settings.subject_prefix).event(context, event),
+        Subjects(settings.subject_prefix).event(context, event, node=node),
         env.model_dump_json().encode(),
         headers={"Nats-Msg-Id": str(env.event_id)},
     )

@@ -15,6 +15,7 @@ from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from shared.contracts.envelope import EventEnvelope, new_event
+from shared.contracts.permissions import EVENT_PUBLISHERS
 from shared.contracts.streams import stream_name, stream_specs
 from shared.contracts.subjects import Context, Subjects
 from shared.infra.bus import consume, ensure_streams
@@ -58,7 +59,9 @@ async def js(settings: Settings) -> AsyncIterator[JetStreamContext]:
 
 
 def _event(kind: str = "probe") -> EventEnvelope:
-    return new_event(type=f"ledger.{kind}", source="test", payload={"k": 1}, occurred_at=datetime.now(UTC))
+    return new_event(
+        type=f"ledger.{kind}", source=EVENT_PUBLISHERS[Context.LEDGER], payload={"k": 1}, occurred_at=datetime.now(UTC)
+    )
 
 
 async def _count_in_stream(js: JetStreamContext, stream: str, subject: str, event_id: uuid.UUID) -> int:

@@ -279,7 +279,7 @@ async def test_the_view_converges_to_the_ledger_while_placements_churn_and_nodes
     async def heartbeats() -> None:
         while True:
             for name in sorted(beating):
-                await stack.publish(subjects.heartbeat(), Heartbeat(node=name).model_dump_json().encode())
+                await stack.publish(subjects.heartbeat(name), Heartbeat(node=name).model_dump_json().encode())
             await asyncio.sleep(HEARTBEAT_S / 2)
 
     async def worker(w: int) -> None:

@@ -6,14 +6,12 @@ is the same rule read off the code.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-
 import asyncpg
 import pytest
-import pytest_asyncio
 
-from shared.infra.db import SCHEMAS, plain_url, role_of, service_database_url
+from shared.infra.db import SCHEMAS, role_of
 from shared.infra.settings import Settings
+from tests.integration.conftest import Connect
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -25,24 +23,6 @@ COUPLINGS = [
     ("placement", "ledger.accelerators"),
     ("topology", "ledger.accelerators"),
 ]
-
-
-Connect = Callable[[str], Awaitable[asyncpg.Connection]]
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def connect(settings: Settings) -> AsyncIterator[Connect]:
-    """Connects as a service does: the configured server, as the role of the schema given."""
-    opened: list[asyncpg.Connection] = []
-
-    async def open_as(schema: str) -> asyncpg.Connection:
-        conn = await asyncpg.connect(plain_url(service_database_url(settings, schema)))
-        opened.append(conn)
-        return conn
-
-    yield open_as
-    for conn in opened:
-        await conn.close()
 
 
 @pytest.mark.parametrize("schema", SCHEMAS)

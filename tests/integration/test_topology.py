@@ -21,6 +21,7 @@ from hetsched.stack import wait_healthy
 from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.fleet import FleetGetReply
 from shared.contracts.ledger import AllocationEvent, LedgerEvent, ShareOut
+from shared.contracts.permissions import EVENT_PUBLISHERS
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
 from shared.contracts.topology import AcceleratorProfile, NodeProfilePayload, TopologyReportReply, TopologyReportRequest
@@ -298,7 +299,7 @@ async def test_reserved_bytes_follow_ledger_events_once_each(
     ) -> EventEnvelope:
         env = again or new_event(
             type=f"ledger.{name.value}",
-            source="test",
+            source=EVENT_PUBLISHERS[Context.LEDGER],
             occurred_at=datetime.now(UTC),
             payload=payload.model_dump(mode="json"),
         )

@@ -44,7 +44,7 @@ def test_every_hetsched_variable_is_a_real_setting() -> None:
 
 def test_services_wait_for_healthy_servers_and_a_completed_migration() -> None:
     services = _compose()["services"]
-    assert services["nats"]["healthcheck"] and "-js" in services["nats"]["command"]
+    assert services["nats"]["healthcheck"] and services["nats"]["command"] == ["-c", "/creds/nats/server.conf"]
     assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
     assert services["migrate"]["command"] == ["alembic", "upgrade", "head"]
     for name, spec in services.items():
@@ -82,3 +82,42 @@ def test_kubernetes_manifests_run_real_modules_with_real_settings() -> None:
         container = doc["spec"]["template"]["spec"]["containers"][0]
         refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", []) if "valueFrom" in e}
         assert refs.get(ROLE_PASSWORD) == {"name": "hetsched-db", "key": ROLE_PASSWORD}, doc["metadata"]["name"]
+
+
+def test_nats_admits_only_nkeys_and_each_service_connects_with_its_own() -> None:
+    """The server's configuration comes from `hetsched credentials init` (auth.conf included); only its
+    client port is published (monitoring stays inside); each service gets its own seed and inbox, and
+    sees the services' seeds only, never the operator's."""
+    services = _compose()["services"]
+    init = services["nats-credentials"]["command"]
+    assert init[:3] == ["hetsched", "credentials", "init"] and "--server-config" in init
+    assert services["nats"]["depends_on"]["nats-credentials"]["condition"] == "service_completed_successfully"
+    assert services["nats"]["ports"] == ["4222:4222"]
+    for definition in SERVICES.values():
+        name = definition.name
+        env = services[name]["environment"]
+        assert env["HETSCHED_NATS_NKEY_SEED_FILE"] == f"/creds/nats/identities/svc_{definition.schema}.nk", name
+        assert env["HETSCHED_NATS_INBOX_PREFIX"] == f"_INBOX_svc_{definition.schema}", name
+        (mount,) = services[name]["volumes"]
+        assert mount["volume"]["subpath"] == "nats/identities" and mount["read_only"], name
+
+
+def test_no_server_port_is_published_without_authentication() -> None:
+    for name, spec in _compose()["services"].items():
+        for port in spec.get("ports") or []:
+            assert str(port).split(":")[-1] in {"4222"}, f"{name} publishes {port}"
+
+
+def test_each_kubernetes_service_connects_with_its_own_nats_identity() -> None:
+    docs = [d for d in yaml.safe_load_all((REPO / "infra" / "k8s" / "hetsched.yaml").read_text()) if d]
+    schemas = {f"services.{p}": d.schema for p, d in SERVICES.items()}
+    for deployment in (d for d in docs if d["kind"] == "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        schema = schemas[container["command"][2]]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["HETSCHED_NATS_INBOX_PREFIX"] == f"_INBOX_svc_{schema}"
+        (mount,) = container["volumeMounts"]
+        assert env["HETSCHED_NATS_NKEY_SEED_FILE"].startswith(mount["mountPath"]) and mount["readOnly"]
+        (volume,) = pod["volumes"]
+        assert volume["secret"]["secretName"] == f"hetsched-nats-{schema}"

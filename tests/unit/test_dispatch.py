@@ -17,7 +17,7 @@ from shared.contracts.health import HealthRequest
 from shared.contracts.ledger import CommitRequest, LedgerRenewRequest
 from shared.contracts.placement import PlaceRequest
 from shared.contracts.registry import RPCS
-from shared.contracts.subjects import Rpc, Subjects
+from shared.contracts.subjects import Rpc, Subjects, token, untoken
 from shared.domain.ledger import MAX_LEASE_S as DOMAIN_MAX_LEASE_S
 from shared.infra import deadline
 from shared.infra.bus import MAX_DEPTH, dispatch
@@ -203,6 +203,7 @@ class FakeMsg:
     data: bytes
     headers: dict[str, str] | None = None
     reply: str = "inbox"
+    subject: str = "s.thing"
     answers: list[bytes] = field(default_factory=list)
 
     async def respond(self, data: bytes) -> None:
@@ -366,3 +367,37 @@ async def test_no_call_is_sent_for_a_request_whose_deadline_passed() -> None:
 
     await asyncio.create_task(inner())
     assert nc.sent == []
+
+
+async def test_a_scoped_subject_serves_only_bodies_naming_its_tenant_or_node() -> None:
+    """``<subject>.<token>`` is what a gateway's (or agent's) credential may publish on: a body naming
+    another tenant is ``forbidden`` and reaches no handler; the base subject is not checked."""
+    ran: list[str] = []
+
+    async def handler(request: Thing) -> BaseModel:
+        ran.append(request.name)
+        return Ok()
+
+    server = RequestServer()
+    endpoint = Endpoint("s.thing", "q", Thing, handler, 2, scope_of=lambda request: request.name)
+    server.add(endpoint)
+    on_message = server._callback(endpoint, FakeNats())
+    own = FakeMsg(b'{"name": "acme"}', subject="s.thing.acme")
+    other = FakeMsg(b'{"name": "globex"}', subject="s.thing.acme")
+    odd = FakeMsg(b'{"name": "a.b c"}', subject=f"s.thing.{token('a.b c')}")
+    base = FakeMsg(b'{"name": "globex"}', subject="s.thing")
+    garbled = FakeMsg(b'{"name": "acme"}', subject="s.thing.=!!")
+    for msg in (own, other, odd, base, garbled):
+        await on_message(msg)
+    await settle(server)
+    assert sorted(ran) == ["a.b c", "acme", "globex"]
+    assert json.loads(other.answers[0])["error"]["code"] == "forbidden"
+    assert json.loads(garbled.answers[0])["error"]["code"] == "invalid_request"
+    assert "error" not in json.loads(own.answers[0]) or json.loads(own.answers[0])["error"] is None
+
+
+def test_subject_tokens_round_trip_and_never_collide_with_plain_names() -> None:
+    for name in ("acme", "team-1_a", "a.b", "*", ">", "with space", "ünïcode", "=x", "x" * 200):
+        assert untoken(token(name)) == name
+        assert all(ch not in token(name) for ch in ".*> ")
+    assert token("a.b") != token("a_b") and token("=x").startswith("=")

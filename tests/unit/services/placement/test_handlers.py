@@ -62,7 +62,13 @@ class FakeRpc(RpcClient):
         self.during_commit: Callable[[CommitRequest], None] | None = None
 
     async def call(
-        self, rpc: Rpc, request: BaseModel, *, timeout_s: float | None = None, rejection_as_reply: bool = False
+        self,
+        rpc: Rpc,
+        request: BaseModel,
+        *,
+        timeout_s: float | None = None,
+        rejection_as_reply: bool = False,
+        scope: str | None = None,
     ) -> BaseModel:
         self.sent.append((rpc, request))
         if rpc is Rpc.LEDGER_COMMIT and self.during_commit is not None:

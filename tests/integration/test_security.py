@@ -1,0 +1,472 @@
+"""Issue 11 on the real bus: every forgery the hostile probe tried, now refused.
+
+An authenticated NATS server runs here from the same ``auth.conf`` `hetsched up` writes (identities
+and permissions from ``shared.contracts.permissions``); topology (demo fleet), ledger and placement
+run as processes with their own NKeys and a database of their own. Each attempt is made as the
+identities an attacker could hold (a gateway of another tenant, a node's agent, another service) and
+must be refused (a permission violation, ``forbidden``, or ignored and dead-lettered) with nothing
+changed in the ledger or in topology.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+from pydantic import SecretStr
+
+from hetsched.embedded import EmbeddedNats
+from hetsched.stack import service_permission_map, wait_healthy
+from services.registry import SERVICES
+from shared.contracts.envelope import new_event
+from shared.contracts.permissions import (
+    EVENT_PUBLISHERS,
+    agent_identity,
+    gateway_identity,
+    inbox_prefix,
+    service_identity,
+)
+from shared.contracts.streams import deadletter_stream_name, stream_name, stream_specs
+from shared.contracts.subjects import Context, Rpc, Subjects
+from shared.contracts.topology import GpuSample, GpuTelemetryEvent, NodeStateEvent
+from shared.infra import deadletter
+from shared.infra.bus import ensure_streams
+from shared.infra.catalog import demo_fleet_path
+from shared.infra.identity import (
+    Registry,
+    ensure_operator,
+    ensure_seeded,
+    issue,
+    new_seed,
+    write_auth_conf,
+    write_secret,
+)
+from shared.infra.migrate import upgrade
+from shared.infra.settings import Settings
+from tests.conftest import REPO, ServiceProcesses
+from tests.integration.test_placement import agent_profile
+from tests.jetstream import read_all
+from tests.servers import ROLE_PASSWORD, RealServers
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+AGENT_NODE = "sec-agent-01"
+RUNNING_AGENT = "sec-agent-02"  # a real agent process with its own credential
+GHOST_NODE = "ghost-01"
+VICTIM_NODE = "dgx-h100-01"  # a demo-fleet node an attacker would like to lose or inflate
+TOPO_FIXTURES = REPO / "tests" / "fixtures" / "topo"
+SERVICES_RUN = ("topology_discovery", "capacity_ledger", "placement")
+
+
+@dataclass
+class Caller:
+    """One identity's connection; the server's refusals arrive through ``errors``."""
+
+    nc: Client
+    errors: list[str] = field(default_factory=list)
+
+    async def refused(self, subject: str, *, verb: str = "publish") -> None:
+        await wait_for(
+            # nats-py lower-cases the server's message
+            lambda: any(f"violation for {verb}" in e.lower() and subject.lower() in e.lower() for e in self.errors),
+            10,
+            what=f"a permissions violation for {verb} to {subject} (errors: {self.errors[-5:]})",
+        )
+
+    async def publish(self, subject: str, body: bytes = b"{}") -> None:
+        await self.nc.publish(subject, body)
+        await self.nc.flush()
+
+    async def request(self, subject: str, body: dict[str, Any]) -> dict[str, Any]:
+        reply = await self.nc.request(subject, json.dumps(body).encode(), timeout=10)
+        data: dict[str, Any] = json.loads(reply.data)
+        return data
+
+
+@dataclass
+class SecureBus:
+    url: str
+    settings: Settings
+    directory: Path
+    seeds: dict[str, Path]
+    subjects: Subjects
+    callers: list[Caller] = field(default_factory=list)
+    procs: ServiceProcesses | None = None
+
+    async def connect(self, who: str) -> Caller:
+        caller = Caller(nc=None)  # type: ignore[arg-type]
+
+        async def on_error(exc: Exception) -> None:
+            caller.errors.append(str(exc))
+
+        options: dict[str, Any] = {"nkeys_seed": str(self.seeds[who]), "error_cb": on_error}
+        if who != "operator":
+            options["inbox_prefix"] = inbox_prefix(who)
+        caller.nc = await nats.connect(self.url, name=f"test-{who}", max_reconnect_attempts=0, **options)
+        self.callers.append(caller)
+        return caller
+
+    def stream(self, context: Context) -> str:
+        return stream_name(context, stream_prefix=self.settings.stream_prefix)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def bus(
+    servers: RealServers, settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[SecureBus]:
+    tmp = tmp_path_factory.mktemp("secure")
+    directory = tmp / "identities"
+    run = uuid.uuid4().hex[:8]
+    # Prefixes of its own, so the machine's NATS and this server never share a durable name.
+    secure = settings.model_copy(update={"subject_prefix": f"s{run}", "stream_prefix": f"S{run.upper()}_"})
+    registry = Registry(subject_prefix=secure.subject_prefix, stream_prefix=secure.stream_prefix)
+    seeds = {"operator": ensure_operator(directory, registry)}
+    for definition in SERVICES.values():
+        identity = service_identity(definition.schema)
+        seeds[identity] = ensure_seeded(directory, registry, id=identity, kind="service", name=definition.name)
+    for name, tenants in (("acme-gw", ["acme"]), ("globex-gw", ["globex"])):
+        identity = issue(registry, kind="gateway", name=name, out=directory / f"{name}.nk", tenants=tenants)
+        seeds[identity.id] = directory / f"{name}.nk"
+    for node in (AGENT_NODE, RUNNING_AGENT):
+        identity = issue(registry, kind="agent", name=node, out=directory / f"{node}.nk")
+        seeds[identity.id] = directory / f"{node}.nk"
+    registry.save(directory)
+    server = EmbeddedNats(
+        store_dir=tmp / "js", auth_conf=write_auth_conf(directory, registry, service_permission_map(secure))
+    )
+    await asyncio.to_thread(server.start, log_file=tmp / "nats.log")
+    database = f"hetsched_sec_{run}"
+    url = await servers.create_database(database)
+    await asyncio.to_thread(upgrade, url, role_password=SecretStr(ROLE_PASSWORD))
+    secure = secure.model_copy(update={"nats_url": server.url, "database_url": url, "data_dir": tmp / "data"})
+    state = SecureBus(
+        url=server.url, settings=secure, directory=directory, seeds=seeds, subjects=Subjects(secure.subject_prefix)
+    )
+    operator = await state.connect("operator")
+    await ensure_streams(
+        operator.nc.jetstream(),
+        stream_specs(subjects=state.subjects, stream_prefix=secure.stream_prefix),
+    )
+    procs = ServiceProcesses(secure, tmp)
+    try:
+        for package in SERVICES_RUN:
+            identity = service_identity(SERVICES[package].schema)
+            procs.start(
+                package,
+                HETSCHED_NATS_NKEY_SEED_FILE=str(seeds[identity]),
+                HETSCHED_NATS_INBOX_PREFIX=inbox_prefix(identity),
+                HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path()),
+                HETSCHED_TOPOLOGY_HEARTBEAT_S="0.5",
+            )
+        health = await wait_healthy(
+            nats_url=server.url,
+            subjects=state.subjects,
+            deadline_s=60,
+            only=set(SERVICES_RUN),
+            nkeys_seed=str(seeds["operator"]),
+        )
+        assert all(h["status"] == "ok" for h in health.values()), (health, procs.log("placement")[-3000:])
+        state.procs = procs
+        yield state
+    finally:
+        for caller in state.callers:
+            with contextlib.suppress(Exception):
+                await caller.nc.close()
+        procs.stop_all()
+        server.stop()
+        await servers.drop_database(database)
+
+
+async def snapshot(bus: SecureBus) -> list[dict[str, Any]]:
+    """The ledger's accelerators as it answers ``ledger.snapshot`` (asked as the operator)."""
+    operator = await bus.connect("operator")
+    reply = await operator.request(bus.subjects.rpc(Rpc.LEDGER_SNAPSHOT), {"limit": 10_000})
+    # The agent test's own node comes and goes (it sends no heartbeats): that is not what is compared.
+    accelerators: list[dict[str, Any]] = [a for a in reply["accelerators"] if a["node"] != AGENT_NODE]
+    return sorted(accelerators, key=lambda a: a["id"])
+
+
+async def fleet_nodes(bus: SecureBus, who: str = "operator") -> set[str]:
+    caller = await bus.connect(who)
+    reply = await caller.request(bus.subjects.rpc(Rpc.FLEET_GET), {"limit": 10_000})
+    return {node["name"] for node in reply["nodes"]}
+
+
+async def last_sequence(bus: SecureBus, context: Context) -> int:
+    operator = await bus.connect("operator")
+    info = await operator.nc.jetstream().stream_info(bus.stream(context))
+    return int(info.state.last_seq)
+
+
+def event(context: Context, name: str, payload: dict[str, Any], *, source: str | None = None) -> bytes:
+    envelope = new_event(
+        type=f"{context.value}.{name}",
+        source=source or EVENT_PUBLISHERS[context],
+        payload=payload,
+        occurred_at=datetime.now(UTC),
+    )
+    return envelope.model_dump_json().encode()
+
+
+ATTACKERS = (gateway_identity("globex-gw"), agent_identity(AGENT_NODE), service_identity("placement"))
+
+
+async def test_an_anonymous_connection_is_refused(bus: SecureBus) -> None:
+    with pytest.raises(Exception, match="Authorization Violation"):
+        await nats.connect(bus.url, max_reconnect_attempts=0, allow_reconnect=False, connect_timeout=5)
+    forged = new_seed()  # an NKey the server never heard of
+    path = bus.directory / "unknown.nk"
+    write_secret(path, forged)
+    with pytest.raises(Exception, match="Authorization Violation"):
+        await nats.connect(bus.url, nkeys_seed=str(path), max_reconnect_attempts=0, allow_reconnect=False)
+
+
+async def test_forged_topology_events_are_refused_and_change_nothing(bus: SecureBus) -> None:
+    """Rows 1-2: a forged ``node_changed`` (a 1 PB L40S) and a forged ``node_lost`` for a healthy node."""
+    before, topology_seq = await snapshot(bus), await last_sequence(bus, Context.TOPOLOGY)
+    lost = NodeStateEvent(node=VICTIM_NODE, region="us-west-1", accelerators=[f"{VICTIM_NODE}/gpu0"])
+    inflated = {"node": "l40s-01", "profile": {"name": "l40s-01", "accelerators": [{"hbm_bytes": 10**15}]}}
+    for who in ATTACKERS:
+        caller = await bus.connect(who)
+        for name, payload in (("node_lost", lost.model_dump(mode="json")), ("node_changed", inflated)):
+            subject = bus.subjects.event(Context.TOPOLOGY, name)
+            await caller.publish(subject, event(Context.TOPOLOGY, name, payload))
+            await caller.refused(subject)
+    assert await last_sequence(bus, Context.TOPOLOGY) == topology_seq, "nothing reached the TOPOLOGY stream"
+    assert await snapshot(bus) == before
+
+
+async def test_an_event_whose_source_is_not_its_publisher_is_dead_lettered(bus: SecureBus) -> None:
+    """Even on a subject the sender may publish (the operator's), a ``node_lost`` that says it comes from
+    someone other than topology is not applied: the ledger dead-letters it with one log line."""
+    before = await snapshot(bus)
+    operator = await bus.connect("operator")
+    js = operator.nc.jetstream()
+    lost = NodeStateEvent(node=VICTIM_NODE, region="us-west-1", accelerators=[f"{VICTIM_NODE}/gpu0"])
+    body = event(Context.TOPOLOGY, "node_lost", lost.model_dump(mode="json"), source="evil")
+    event_id = json.loads(body)["event_id"]
+    await js.publish(bus.subjects.event(Context.TOPOLOGY, "node_lost"), body, headers={"Nats-Msg-Id": event_id})
+    await wait_for_letter(bus, event_id, "from topology-discovery, not from 'evil'")
+    assert await snapshot(bus) == before
+
+
+async def wait_for_letter(bus: SecureBus, event_id: str, reason: str) -> None:
+    operator = await bus.connect("operator")
+    stream = deadletter_stream_name(stream_prefix=bus.settings.stream_prefix)
+
+    async def parked() -> bool:
+        with contextlib.suppress(Exception):
+            for letter in await deadletter.list_dead_letters(operator.nc.jetstream(), stream=stream, limit=10_000):
+                if event_id in letter.body.decode(errors="replace") and reason in letter.error:
+                    return True
+        return False
+
+    await wait_for(parked, 30, what=f"event {event_id} dead-lettered ({reason})")
+
+
+async def test_a_forged_allocation_committed_is_refused_and_placement_still_places(bus: SecureBus) -> None:
+    """Row 3: the forgery never enters the LEDGER stream, so replay agrees with the table."""
+    ledger_seq = await last_sequence(bus, Context.LEDGER)
+    subject = bus.subjects.event(Context.LEDGER, "allocation_committed")
+    for who in ATTACKERS:
+        caller = await bus.connect(who)
+        payload = {"allocation_id": "al-forged", "tenant": "acme", "shares": [{"accelerator": f"{VICTIM_NODE}/gpu0"}]}
+        await caller.publish(subject, event(Context.LEDGER, "allocation_committed", payload))
+        await caller.refused(subject)
+    assert await last_sequence(bus, Context.LEDGER) == ledger_seq
+    gateway = await bus.connect(gateway_identity("acme-gw"))
+    placed = []
+    for i in range(10):
+        reply = await gateway.request(
+            bus.subjects.scoped(Rpc.PLACEMENT_PLACE, "acme"),
+            {
+                "request_id": f"sec-{i}-{uuid.uuid4().hex[:6]}",
+                "tenant": "acme",
+                "model": "llama3-8b",
+                "context_tokens": 4096,
+            },
+        )
+        placed.append(reply["status"])
+    assert placed == ["placed"] * 10
+
+
+async def test_an_agent_speaks_only_for_its_own_node(bus: SecureBus) -> None:
+    """Row 4 (a ghost node reported, with heartbeats) and row 5 (forged telemetry)."""
+    agent = await bus.connect(agent_identity(AGENT_NODE))
+    ghost = agent_profile(GHOST_NODE).model_dump(mode="json")
+    # Its own subject, another node's body: forbidden. Another node's subject: the server refuses it.
+    reply = await agent.request(
+        bus.subjects.scoped(Rpc.TOPOLOGY_REPORT, AGENT_NODE), {"node": GHOST_NODE, "profile": ghost}
+    )
+    assert reply["error"]["code"] == "forbidden"
+    await agent.publish(bus.subjects.scoped(Rpc.TOPOLOGY_REPORT, GHOST_NODE), json.dumps({"node": GHOST_NODE}).encode())
+    await agent.refused(bus.subjects.scoped(Rpc.TOPOLOGY_REPORT, GHOST_NODE))
+    for _ in range(3):
+        await agent.publish(bus.subjects.heartbeat(GHOST_NODE), json.dumps({"node": GHOST_NODE}).encode())
+    await agent.refused(bus.subjects.heartbeat(GHOST_NODE))
+    assert GHOST_NODE not in await fleet_nodes(bus)
+    # Positive control: its own node is accepted.
+    own = agent_profile(AGENT_NODE).model_dump(mode="json")
+    reply = await agent.request(
+        bus.subjects.scoped(Rpc.TOPOLOGY_REPORT, AGENT_NODE), {"node": AGENT_NODE, "profile": own}
+    )
+    assert reply["status"] in ("accepted", "unchanged"), reply
+    await wait_for(lambda: fleet_has(bus, AGENT_NODE), 30, what="the agent's own node in the fleet")
+
+    # Telemetry naming another node: on that node's subject the server refuses it; on its own subject
+    # the ledger dead-letters it (the payload names another node than the subject). No drift follows.
+    drifts = len(await drift_events(bus))
+    sample = GpuTelemetryEvent(
+        node=VICTIM_NODE, gpus=[GpuSample(index=i, memory_used_bytes=70 * 2**30) for i in range(8)]
+    ).model_dump(mode="json")
+    victim_subject = bus.subjects.event(Context.TELEMETRY, "gpu", node=VICTIM_NODE)
+    await agent.publish(victim_subject, event(Context.TELEMETRY, "gpu", sample))
+    await agent.refused(victim_subject)
+    js = agent.nc.jetstream()
+    last = b""
+    for _ in range(4):  # more samples than the drift detector needs in a row
+        last = event(Context.TELEMETRY, "gpu", sample)
+        await js.publish(bus.subjects.event(Context.TELEMETRY, "gpu", node=AGENT_NODE), last)
+    await wait_for_letter(bus, json.loads(last)["event_id"], "names node")
+    assert len(await drift_events(bus)) == drifts
+
+
+async def drift_events(bus: SecureBus) -> list[dict[str, Any]]:
+    operator = await bus.connect("operator")
+    return await read_all(
+        operator.nc.jetstream(),
+        stream=bus.stream(Context.LEDGER),
+        subject=bus.subjects.event(Context.LEDGER, "drift_detected"),
+    )
+
+
+async def fleet_has(bus: SecureBus, node: str) -> bool:
+    return node in await fleet_nodes(bus)
+
+
+async def test_a_gateway_acts_only_for_its_own_tenants(bus: SecureBus) -> None:
+    """Row 6: ``placement.release`` naming another tenant (tenant names are public) is refused."""
+    acme = await bus.connect(gateway_identity("acme-gw"))
+    globex = await bus.connect(gateway_identity("globex-gw"))
+    placed = await acme.request(
+        bus.subjects.scoped(Rpc.PLACEMENT_PLACE, "acme"),
+        {
+            "request_id": f"victim-{uuid.uuid4().hex[:8]}",
+            "tenant": "acme",
+            "model": "llama3-8b",
+            "context_tokens": 4096,
+        },
+    )
+    assert placed["status"] == "placed", placed
+    allocation = placed["allocation_id"]
+    release = {"allocation_id": allocation, "tenant": "acme"}
+    reply = await globex.request(bus.subjects.scoped(Rpc.PLACEMENT_RELEASE, "globex"), release)
+    assert reply["error"]["code"] == "forbidden"
+    for subject in (bus.subjects.scoped(Rpc.PLACEMENT_RELEASE, "acme"), bus.subjects.rpc(Rpc.PLACEMENT_RELEASE)):
+        await globex.publish(subject, json.dumps(release).encode())
+        await globex.refused(subject)
+    held = [a for a in await snapshot(bus) if allocation in a["allocations"]]
+    assert held, "the victim's allocation is still held"
+    # Nor can it listen: events name tenants, and other callers' replies are not its own.
+    for subject in (f"{bus.subjects.prefix}.events.>", "_INBOX.>", f"{bus.subjects.prefix}.placement.place"):
+        await globex.nc.subscribe(subject)
+        await globex.nc.flush()
+        await globex.refused(subject, verb="subscription")
+    # Its own tenant's release works.
+    reply = await acme.request(bus.subjects.scoped(Rpc.PLACEMENT_RELEASE, "acme"), release)
+    assert reply["status"] == "released", reply
+
+
+async def test_only_placement_reaches_the_ledger(bus: SecureBus) -> None:
+    """Row 7: an anonymous ``ledger.commit`` (a whole node for 30 days) — and one from any identity
+    other than placement, the reservation filler or the operator — never reaches the ledger."""
+    before = await snapshot(bus)
+    commit = {
+        "request_id": "grab-node",
+        "tenant": "mallory",
+        "lease_s": 30 * 24 * 3600,
+        "shares": [{"accelerator": f"{VICTIM_NODE}/gpu{i}", "weights_bytes": 70 * 2**30} for i in range(8)],
+    }
+    subject = bus.subjects.rpc(Rpc.LEDGER_COMMIT)
+    for who in (gateway_identity("acme-gw"), agent_identity(AGENT_NODE), service_identity("topology")):
+        caller = await bus.connect(who)
+        await caller.publish(subject, json.dumps(commit).encode())
+        await caller.refused(subject)
+    await asyncio.sleep(0.5)
+    assert await snapshot(bus) == before
+
+
+async def test_only_the_operator_reaches_the_jetstream_api(bus: SecureBus) -> None:
+    """Row 8: ``$JS.API.STREAM.PURGE.TELEMETRY`` (and deleting a stream) from anyone but the operator."""
+    telemetry = bus.stream(Context.TELEMETRY)
+    ledger = bus.stream(Context.LEDGER)
+    operator = await bus.connect("operator")
+    js = operator.nc.jetstream()
+    messages = {s: (await js.stream_info(s)).state.messages for s in (telemetry, ledger)}
+    for who in (*ATTACKERS, service_identity("ledger")):
+        caller = await bus.connect(who)
+        for verb in (f"STREAM.PURGE.{telemetry}", f"STREAM.DELETE.{ledger}", f"STREAM.PURGE.{ledger}"):
+            await caller.publish(f"$JS.API.{verb}")
+            await caller.refused(f"$JS.API.{verb}")
+    assert {s: (await js.stream_info(s)).state.messages for s in (telemetry, ledger)} == messages
+
+
+async def test_an_agent_process_works_with_its_own_credential(bus: SecureBus, tmp_path: Path) -> None:
+    """The agent as deployed (topology in agent mode, nvidia-smi from captured output) connects with
+    its node's credential: its report lands on its node's subject and its heartbeats keep the node up
+    past several missed-heartbeat windows."""
+    assert bus.procs is not None
+    identity = agent_identity(RUNNING_AGENT)
+    bus.procs.start(
+        "topology_discovery",
+        name="running-agent",
+        HETSCHED_TOPOLOGY_MODE="agent",
+        HETSCHED_TOPOLOGY_PROVIDER="nvidia-smi",
+        HETSCHED_TOPOLOGY_SMI_TOPO_FILE=str(TOPO_FIXTURES / "four_plus_four.txt"),
+        HETSCHED_TOPOLOGY_SKU="H100-SXM-80GB",
+        HETSCHED_TOPOLOGY_NODE=RUNNING_AGENT,
+        HETSCHED_REGION="us-west-1",
+        HETSCHED_TOPOLOGY_HEARTBEAT_S="0.5",
+        HETSCHED_TOPOLOGY_SCAN_S="0.5",
+        HETSCHED_NATS_NKEY_SEED_FILE=str(bus.seeds[identity]),
+        HETSCHED_NATS_INBOX_PREFIX=inbox_prefix(identity),
+    )
+    try:
+
+        async def state() -> str | None:
+            operator = await bus.connect("operator")
+            reply = await operator.request(bus.subjects.rpc(Rpc.FLEET_GET), {"limit": 10_000})
+            node = next((n for n in reply["nodes"] if n["name"] == RUNNING_AGENT), None)
+            return node["state"] if node else None
+
+        await wait_for(lambda: _is_up(state), 60, what=f"{RUNNING_AGENT} reported and up")
+        # Its beats arrive on its node's subject; after more of them than three missed-beat windows hold,
+        # the node is still up (a refused beat would have let it be lost).
+        operator = await bus.connect("operator")
+        beats: list[bytes] = []
+
+        async def on_beat(msg: Any) -> None:
+            beats.append(msg.data)
+
+        subscription = await operator.nc.subscribe(bus.subjects.heartbeat(RUNNING_AGENT), cb=on_beat)
+        await wait_for(lambda: len(beats) >= 8, 30, what="eight heartbeats from the agent")
+        await subscription.unsubscribe()
+        assert await state() == "up", bus.procs.log("running-agent")[-3000:]
+    finally:
+        bus.procs.stop("running-agent")
+
+
+async def _is_up(state: Any) -> bool:
+    return bool(await state() == "up")
