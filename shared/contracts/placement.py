@@ -11,6 +11,10 @@ from shared.contracts.base import ID_MAX, MAX_LEASE_S, NAME_MAX, Contract, Error
 
 Dtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4", "fp4"]
 Backend = Literal["gpu", "tpu", "any"]
+Sharing = Literal["exclusive", "shared"]
+Fallback = Literal["kv_quantize", "pipeline", "cross_domain", "queue"]
+DEFAULT_FALLBACKS: tuple[Fallback, ...] = ("kv_quantize", "pipeline", "cross_domain", "queue")
+MAX_QUEUE_TIMEOUT_S = 24 * 3600
 
 
 class Slo(Contract):
@@ -43,12 +47,58 @@ class PlaceRequest(Request):
         default=None, gt=0, le=MAX_LEASE_S, description="Lease length in seconds (at most 30 days).", examples=[300]
     )
 
+    sharing: Sharing = Field(
+        default="exclusive",
+        description="`exclusive`: no other replica shares any of its accelerators, now or later; `shared`: TP=1 "
+        "only, may share one GPU with other `shared` replicas (each then gets a share of its compute).",
+        examples=["exclusive"],
+    )
+    fallbacks: list[Fallback] | None = Field(
+        default=None,
+        max_length=4,
+        description="What may be tried, in order, when the exact request does not fit: `kv_quantize`, "
+        "`pipeline`, `cross_domain`, `queue`. Absent: all four in that order; `[]`: the exact request or a "
+        "rejection.",
+        examples=[["kv_quantize", "pipeline"]],
+    )
+    pp: int | None = Field(
+        default=None,
+        gt=0,
+        le=8,
+        description="Fixed pipeline depth (GPU only); absent: 1 unless a fallback.",
+        examples=[2],
+    )
+    queue_timeout_s: int | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_QUEUE_TIMEOUT_S,
+        description="How long a `queued` request waits for capacity before it is rejected (default from settings).",
+        examples=[600],
+    )
+
     @field_validator("tp")
     @classmethod
     def _tp_power_of_two(cls, tp: int | None) -> int | None:
         if tp is not None and tp & (tp - 1) != 0:
             raise ValueError("tp must be a power of two")
         return tp
+
+    @field_validator("fallbacks")
+    @classmethod
+    def _fallbacks_once(cls, fallbacks: list[str] | None) -> list[str] | None:
+        if fallbacks is not None and len(set(fallbacks)) != len(fallbacks):
+            raise ValueError("a fallback is listed twice")
+        return fallbacks
+
+    @model_validator(mode="after")
+    def _sharing_and_pipelines(self) -> PlaceRequest:
+        if self.sharing == "shared" and (self.tp or 1) > 1:
+            raise ValueError("sharing `shared` is for TP=1 replicas only")
+        if self.sharing == "shared" and (self.pp or 1) > 1:
+            raise ValueError("sharing `shared` is for single-GPU replicas: no pipeline stages")
+        if self.pp is not None and self.pp > 1 and self.backend == "tpu":
+            raise ValueError("pipeline stages (pp > 1) are for GPUs; a TPU replica takes one whole slice")
+        return self
 
 
 SHARE_BYTE_NAMES = (
@@ -97,8 +147,39 @@ class TpuSlice(Contract):
     shape: list[int] = Field(description="Chips per axis.", examples=[[4, 4]])
 
 
+class NodeBinding(Contract):
+    """What one node's engine process is started with to run its part of the replica."""
+
+    node: str = Field(description="Node name.", examples=["dgx-h100-01"])
+    cuda_visible_devices: str = Field(description="GPU indices for CUDA_VISIBLE_DEVICES.", examples=["0,1,2,3"])
+    tp_rank_order: list[int] = Field(
+        description="GPU indices in TP rank order, along the best NVLink ring.", examples=[[0, 1, 3, 2]]
+    )
+    numa_node: int | None = Field(default=None, description="NUMA node of the GPUs, when one holds all.", examples=[0])
+    cpu_set: str | None = Field(
+        default=None, description="CPUs of that NUMA node (taskset -c).", examples=["0-23,48-71"]
+    )
+
+
+class EngineLaunch(Contract):
+    """The engine arguments that realise the placement (pasteable; see `hetsched place --emit`)."""
+
+    vllm: list[str] = Field(description="`vllm serve` arguments.", examples=[["--tensor-parallel-size", "4"]])
+    sglang: list[str] = Field(description="`python -m sglang.launch_server` arguments.", examples=[["--tp", "4"]])
+    env: dict[str, str] = Field(
+        description="Environment (per the first node).", examples=[{"CUDA_VISIBLE_DEVICES": "0,1"}]
+    )
+
+
+class Estimate(Contract):
+    ttft_ms: float | None = Field(default=None, description="Time to first token (latency model).", examples=[120.0])
+    tpot_ms: float | None = Field(default=None, description="Time per output token.", examples=[18.5])
+    tokens_per_s: float | None = Field(default=None, description="Output tokens per second at full concurrency.")
+    load_time_s: float | None = Field(default=None, description="Cold load of the weights over PCIe.", examples=[9.1])
+
+
 class PlaceReply(Contract):
-    status: Literal["placed", "rejected"] = Field(description="Outcome.", examples=["placed"])
+    status: Literal["placed", "rejected", "queued"] = Field(description="Outcome.", examples=["placed"])
     request_id: str = Field(description="Echo.", examples=["req-42"])
     allocation_id: str | None = Field(default=None, description="Ledger allocation.", examples=["alloc-1"])
     region: str | None = Field(default=None, description="Region.", examples=["us-west-1"])
@@ -112,6 +193,18 @@ class PlaceReply(Contract):
     score: dict[str, float] = Field(default_factory=dict, description="Per-plugin score breakdown.")
     explanation: list[str] = Field(default_factory=list, description="Why this choice; rejected classes.")
     error: ErrorBody | None = Field(default=None, description="Null, or why rejected.")
+    sharing: Sharing | None = Field(default=None, description="How the accelerators are held.", examples=["exclusive"])
+    pp: int = Field(default=1, description="Pipeline stages.", examples=[1])
+    stages: list[list[NodePlacement]] | None = Field(
+        default=None, description="When pp > 1: the placements of each stage, in stage order."
+    )
+    fallback: str | None = Field(
+        default=None, description="Which fallback made it fit (its cost is in the explanation).", examples=[None]
+    )
+    queue_position: int | None = Field(default=None, description="When queued: 1 is next.", examples=[None])
+    binding: list[NodeBinding] | None = Field(default=None, description="Per node: how to start the engine.")
+    launch: EngineLaunch | None = Field(default=None, description="Engine arguments that realise the placement.")
+    estimate: Estimate | None = Field(default=None, description="Latency model estimates for the placement.")
 
 
 class ReleaseRequest(Request):

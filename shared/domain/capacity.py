@@ -18,6 +18,9 @@ class AcceleratorCapacity:
     usable: int
     reserved: int
     available: bool = True
+    # Its reservations belong to `shared` replicas (TP=1 replicas that may share a GPU): another shared
+    # replica may join it; an exclusive TP group may not. False when idle or held exclusively.
+    shared: bool = False
 
     @property
     def free(self) -> int:

@@ -26,6 +26,7 @@ Backend = Literal["gpu", "tpu", "any"]
 DecisionStatus = Literal["placed", "rejected"]
 
 __all__ = [
+    "FALLBACKS",
     "AcceleratorCapacity",
     "Backend",
     "Decision",
@@ -99,6 +100,10 @@ class FleetSnapshot:
     tpu_pods: Mapping[str, TpuPodState]
     skus: Mapping[str, Sku]
     models: Mapping[str, ModelSpec]
+    # PCIe utilisation per node (0..1, from GPU telemetry; absent: unknown, taken as idle) and the TP
+    # traffic already crossing NVLink domains per cluster (bytes/s, from the allocations that do).
+    pcie_util: Mapping[str, float] = field(default_factory=dict)
+    cross_domain_used: Mapping[str, float] = field(default_factory=dict)
     _memo: _Memo = field(default_factory=_Memo, init=False, repr=False, compare=False)
 
     @classmethod
@@ -174,6 +179,8 @@ class FleetSnapshot:
         rack_power_used_w: Mapping[RackKey, float] | None = None,
         tpu_pods: Mapping[str, TpuPodState] | None = None,
         changed: tuple[frozenset[str], frozenset[RackKey], frozenset[str]] | None = None,
+        pcie_util: Mapping[str, float] | None = None,
+        cross_domain_used: Mapping[str, float] | None = None,
     ) -> FleetSnapshot:
         """The same fleet with new dynamic state (what is not given stays). When the accelerators,
         racks and pods are the same ones, the new snapshot remembers what changed, so its placement
@@ -183,7 +190,17 @@ class FleetSnapshot:
         capacity = self.capacity if capacity is None else capacity
         power = self.rack_power_used_w if rack_power_used_w is None else rack_power_used_w
         pods = self.tpu_pods if tpu_pods is None else tpu_pods
-        after = FleetSnapshot(self.nodes, capacity, self.racks, power, pods, self.skus, self.models)
+        after = FleetSnapshot(
+            self.nodes,
+            capacity,
+            self.racks,
+            power,
+            pods,
+            self.skus,
+            self.models,
+            self.pcie_util if pcie_util is None else pcie_util,
+            self.cross_domain_used if cross_domain_used is None else cross_domain_used,
+        )
         if changed is not None:
             _chain(self, after, changed)
         elif capacity.keys() == self.capacity.keys() and pods.keys() == self.tpu_pods.keys():
@@ -244,6 +261,14 @@ class PlacementRequest:
     region: str | None = None
     preemptible: bool = False
     slo: Slo | None = None
+    sharing: str = "exclusive"  # `exclusive` | `shared` (TP=1 only)
+    fallbacks: tuple[str, ...] | None = None  # None: the default ladder (FALLBACKS); (): exact or nothing
+    pp: int | None = None  # a fixed pipeline depth (GPU only)
+
+
+FALLBACKS: tuple[str, ...] = ("kv_quantize", "pipeline", "cross_domain", "queue")
+"""The brief's ladder, in order: quantise the KV cache, pipeline stages across NVLink domains, a TP
+group across domains within the cluster's cross-domain budget, then wait in the queue."""
 
 
 # -- the decision ----------------------------------------------------------------------------
@@ -311,6 +336,14 @@ class Decision:
     score: Mapping[str, float] = field(default_factory=dict)
     explanation: tuple[str, ...] = ()
     rejections: tuple[RejectionClass, ...] = ()
+    sharing: str = "exclusive"
+    pp: int = 1
+    # With pp > 1: each stage's accelerators in TP rank order (``accelerators`` is their concatenation).
+    stages: tuple[tuple[str, ...], ...] = ()
+    fallback: str | None = None  # the ladder step that made it fit
+    cross_domain_bytes_per_s: float = 0.0  # TP traffic this replica sends across NVLink domains
+    queueable: bool = False  # refused for capacity with `queue` allowed: the service may queue it
+    estimate: Mapping[str, float] = field(default_factory=dict)  # ttft_ms, tpot_ms, tokens_per_s, load_time_s
 
     @property
     def placed(self) -> bool:
@@ -355,10 +388,21 @@ def apply(snapshot: FleetSnapshot, decision: Decision) -> FleetSnapshot:
                 power[key] = power.get(key, 0.0) + snapshot.skus[cap.sku].tdp_w
                 touched_racks.add(key)
             capacity[acc_id] = AcceleratorCapacity(
-                cap.id, cap.node, cap.index, cap.sku, cap.usable, cap.reserved + need, cap.available
+                cap.id,
+                cap.node,
+                cap.index,
+                cap.sku,
+                cap.usable,
+                cap.reserved + need,
+                cap.available,
+                shared=decision.sharing == "shared",
             )
         touched = frozenset(decision.accelerators)
         touched_pods = frozenset()
+    cross_domain = snapshot.cross_domain_used
+    if decision.cross_domain_bytes_per_s and decision.cluster is not None:
+        cross_domain = dict(cross_domain)
+        cross_domain[decision.cluster] = cross_domain.get(decision.cluster, 0.0) + decision.cross_domain_bytes_per_s
     after = FleetSnapshot(
         nodes=snapshot.nodes,
         capacity=capacity,
@@ -367,6 +411,8 @@ def apply(snapshot: FleetSnapshot, decision: Decision) -> FleetSnapshot:
         tpu_pods=pods,
         skus=snapshot.skus,
         models=snapshot.models,
+        pcie_util=snapshot.pcie_util,
+        cross_domain_used=cross_domain,
     )
     _chain(snapshot, after, (touched, frozenset(touched_racks), touched_pods))
     return after
