@@ -17,6 +17,7 @@ from rich.table import Table
 
 from hetsched.credentials_cli import app as credentials_app
 from hetsched.deadletter_cli import app as deadletter_app
+from hetsched.emit import EmitKind, NothingToEmit, emit_note, emit_text
 from hetsched.stack import ServerDied, Stack, operator_options, read_state, server_liveness, wait_healthy
 from services.registry import SERVICES
 from shared.contracts.base import Rejected
@@ -210,6 +211,14 @@ def place(
     explain: Annotated[bool, typer.Option(help="Dry run (placement.explain).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     data_dir: DataDirOption = None,
+    emit: Annotated[
+        EmitKind | None,
+        typer.Option(
+            help="Print only what an operator pastes: the `vllm serve` or `sglang.launch_server` line "
+            "(with CUDA_VISIBLE_DEVICES and taskset), or `env` KEY=value lines. No launch: the reply goes to "
+            "stderr and the exit code is 1."
+        ),
+    ] = None,
 ) -> None:
     """One `placement.place` call (or `placement.explain` with --explain)."""
     import uuid
@@ -238,7 +247,25 @@ def place(
         return
     rpc = Rpc.PLACEMENT_EXPLAIN if explain else Rpc.PLACEMENT_PLACE
     reply = _with_rpc(data_dir, rpc.value, lambda client: client.ask(rpc, request, PlaceReply, rejection_as_reply=True))
+    if emit is not None:
+        _emit(reply, emit)
+        return
     _print_reply(reply, as_json)
+
+
+def _emit(reply: PlaceReply | Rejected, kind: EmitKind) -> None:
+    """stdout gets only the pasteable text; anything else (the reply without a launch, a note that the
+    replica spans nodes) goes to stderr, and no launch exits 1."""
+    try:
+        text = emit_text(reply, kind)
+    except NothingToEmit as exc:
+        err.print(str(exc), soft_wrap=True, markup=False, highlight=False)
+        err.print_json(reply.model_dump_json(indent=2))
+        raise typer.Exit(1) from None
+    print(text)
+    note = emit_note(reply)
+    if note:
+        err.print(note, soft_wrap=True, markup=False, highlight=False)
 
 
 @app.command()

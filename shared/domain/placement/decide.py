@@ -42,7 +42,10 @@ from shared.domain.placement.framework import (
     Scoring,
     demand_of,
 )
-from shared.domain.placement.hosts import GpuHost, StaticClass, TpuHost, index_of
+from shared.domain.placement.hosts import GpuHost, SnapshotIndex, StaticClass, TpuHost, index_of
+from shared.domain.placement.ladder import NAME as LADDER
+from shared.domain.placement.ladder import ladder_config, load_time_s, with_fallbacks
+from shared.domain.placement.perf import estimate
 from shared.domain.placement.registry import framework_for
 from shared.domain.placement.types import (
     Decision,
@@ -100,9 +103,25 @@ def decide(
             error_code=ErrorCode(status.code.value),
             message=reason,
             explanation=(reason,),
+            sharing=request.sharing,
         )
     demand = demand_of(state)
     index = index_of(snapshot, grouped=profile.group_classes)
+
+    def exact(asked: PlacementRequest) -> Decision:
+        if asked is request:
+            return _search(framework, state, demand, index)
+        return decide(snapshot, asked, profile, registry=registry)  # e.g. the KV quantised: no ladder
+
+    if request.fallbacks == () and (request.pp or 1) == 1:
+        return exact(request)
+    config = ladder_config(profile.config_for(LADDER))
+    return with_fallbacks(snapshot, request, exact, framework, state, demand, index, config)
+
+
+def _search(framework: Framework, state: CycleState, demand: Demand, index: SnapshotIndex) -> Decision:
+    """The exact request: the smallest accelerator count at which a candidate passes every filter."""
+    request = demand.request
     tally = RejectionTally()
     open_classes: list[tuple[StaticClass, tuple[str, ...]]] = []
     for static in index.statics:
@@ -141,6 +160,7 @@ def decide(
         message=message,
         explanation=(message, *_demand_lines(demand), *demand.notes, *(r.describe() for r in rejections)),
         rejections=rejections,
+        sharing=request.sharing,
     )
 
 
@@ -249,6 +269,7 @@ def _placed(
         share=share,
         score=score,
         rejections=rejections,
+        sharing=demand.request.sharing,
     )
     if isinstance(host, TpuHost):
         block = candidate.binding
@@ -268,6 +289,25 @@ def _placed(
         )
     group = candidate.binding
     assert isinstance(host, GpuHost) and isinstance(group, GpuGroup)
+    perf = estimate(
+        demand.model,
+        demand.dtype,
+        demand.kv_dtype,
+        demand.request.concurrency,
+        demand.input_tokens,
+        demand.output_tokens,
+        host.sku,
+        tp,
+    )
+    base = replace(
+        base,
+        estimate={
+            "ttft_ms": perf.ttft_ms,
+            "tpot_ms": perf.tpot_ms,
+            "tokens_per_s": perf.tokens_per_s,
+            "load_time_s": load_time_s(share, host),
+        },
+    )
     positions = group.positions
     accelerators = tuple(host.members[p] for p in positions)
     nodes = tuple(dict.fromkeys(host.nodes[p] for p in positions))

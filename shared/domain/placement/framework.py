@@ -64,6 +64,7 @@ class Code(StrEnum):
     NO_TPU_SLICE = "no_tpu_slice"
     RACK_POWER_SHORT = "rack_power_short"
     SLO_MISS = "slo_miss"
+    PCIE_BUSY = "pcie_busy"
 
 
 class Scope(StrEnum):
@@ -352,6 +353,7 @@ DEFAULT_PROFILE: Final = Profile(
         "slo",
         "tpu_slice",
         "rack_power",
+        "pcie_load",
     ),
     # Packing weighs double: a fleet that keeps whole NVLink domains free places more replicas later.
     scores=(("sku_fit", 1.0), ("link", 1.0), ("packing", 2.0), ("cost", 1.0), ("energy", 0.5), ("pcie_budget", 0.25)),

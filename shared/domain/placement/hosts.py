@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import lru_cache
+from typing import Final
 
 from shared.domain.fleet import fleet_domains
 from shared.domain.hardware import Sku
@@ -102,8 +103,13 @@ class GpuLoad:
     idle: tuple[bool, ...]
     power_gpus: tuple[int, ...]
     group_cap: tuple[int, ...] = field(repr=False, compare=False)
+    shared: tuple[bool, ...] = ()  # per member: held by `shared` replicas only (empty: none is)
+    pcie_util: float = 0.0  # the host's PCIe utilisation, rounded up to PCIE_STEP (filters/pcie_load.py)
     free_desc: tuple[int, ...] = field(init=False, repr=False, compare=False)
     idle_up: tuple[int, ...] = field(init=False, repr=False, compare=False)  # positions idle and available
+    # What a `shared` (TP=1) replica may use: free bytes of GPUs idle or held by shared replicas only.
+    shared_free: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    shared_desc: tuple[int, ...] = field(init=False, repr=False, compare=False)
     key: tuple[object, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -111,7 +117,24 @@ class GpuLoad:
         object.__setattr__(self, "free_desc", tuple(sorted(up, reverse=True)))
         idle_up = tuple(p for p, (i, a) in enumerate(zip(self.idle, self.available, strict=True)) if i and a)
         object.__setattr__(self, "idle_up", idle_up)
-        object.__setattr__(self, "key", (self.free, self.usable, self.available, self.idle, self.power_gpus))
+        shared = self.shared or (False,) * len(self.free)
+        shared_free = tuple(
+            f if a and (i or s) else 0 for f, a, i, s in zip(self.free, self.available, self.idle, shared, strict=True)
+        )
+        object.__setattr__(self, "shared_free", shared_free)
+        object.__setattr__(self, "shared_desc", tuple(sorted((f for f in shared_free if f > 0), reverse=True)))
+        key = (self.free, self.usable, self.available, self.idle, self.power_gpus, self.shared, self.pcie_util)
+        object.__setattr__(self, "key", key)
+
+    def room(self, sharing: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(free bytes per member, the available ones largest first) as a replica of ``sharing`` sees
+        them. An exclusive TP group takes idle GPUs only (another replica's GPU is never shared with
+        it): their free bytes are their usable bytes. A shared replica may also join a GPU whose holders
+        are all shared replicas."""
+        if sharing == "shared":
+            return self.shared_free, self.shared_desc
+        exclusive = tuple(f if i else 0 for f, i in zip(self.free, self.idle, strict=True))
+        return exclusive, tuple(sorted((self.free[p] for p in self.idle_up), reverse=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,14 +304,31 @@ def _load(snapshot: FleetSnapshot, host: Host) -> Load:
             power.append(max(0, min(in_rack, math.floor(headroom / host.sku.tdp_w))))
     free = tuple(c.free for c in caps)
     available = tuple(c.available for c in caps)
+    idle = tuple(c.idle for c in caps)
+    # The NVLink screen is for exclusive TP groups (shared replicas are TP=1): idle GPUs only.
+    idle_up = tuple(a and i for a, i in zip(available, idle, strict=True))
+    shared = tuple(c.shared and not c.idle for c in caps)
     return GpuLoad(
         free=free,
         usable=tuple(c.usable for c in caps),
         available=available,
-        idle=tuple(c.idle for c in caps),
+        idle=idle,
         power_gpus=tuple(power),
-        group_cap=group_capacity(host.matrix, host.indices, free, available),
+        group_cap=group_capacity(host.matrix, host.indices, free, idle_up),
+        shared=shared if any(shared) else (),
+        pcie_util=pcie_step(max((snapshot.pcie_util.get(n, 0.0) for n in set(host.nodes)), default=0.0)),
     )
+
+
+PCIE_STEP: Final = 0.05
+
+
+def pcie_step(util: float) -> float:
+    """``util`` rounded up to a multiple of ``PCIE_STEP`` (0 stays 0): few load classes, and a
+    threshold that is a multiple of the step is decided exactly (0.72 -> 0.75 > 0.7; 0.70 stays)."""
+    if util <= 0:
+        return 0.0
+    return round(math.ceil(round(util / PCIE_STEP, 6)) * PCIE_STEP, 2)
 
 
 @lru_cache(maxsize=65536)

@@ -117,12 +117,16 @@ class FleetSnapshot:
         unavailable: Iterable[str] = (),
         rack_power_used_w: Mapping[RackKey, float] | None = None,
         ceiling: float = DEFAULT_CEILING,
+        shared: Iterable[str] = (),
     ) -> FleetSnapshot:
         """A snapshot of ``fleet``: usable HBM is each GPU's HBM under ``ceiling``; ``reserved`` bytes
         per accelerator id (default none); rack power defaults to the TDP of every busy GPU. TPU pods
-        start empty with their catalog SKU's HBM per chip (``ValueError`` when the SKU is missing)."""
+        start empty with their catalog SKU's HBM per chip (``ValueError`` when the SKU is missing).
+        ``shared`` names the accelerators whose reservations belong to shared replicas."""
         reserved = reserved or {}
         down = set(unavailable)
+        shared_ids = set(shared)  # accelerators whose reservations are shared replicas'
+
         capacity: dict[str, AcceleratorCapacity] = {}
         for node in fleet.nodes:
             for acc in node.accelerators:
@@ -135,6 +139,7 @@ class FleetSnapshot:
                     usable=usable_hbm(acc.hbm_bytes, ceiling),
                     reserved=reserved.get(acc_id, 0),
                     available=acc_id not in down,
+                    shared=acc_id in shared_ids,
                 )
         racks = {(rack.region, rack.cluster, rack.name): rack for rack in fleet.racks}
         if rack_power_used_w is None:
@@ -190,6 +195,11 @@ class FleetSnapshot:
         capacity = self.capacity if capacity is None else capacity
         power = self.rack_power_used_w if rack_power_used_w is None else rack_power_used_w
         pods = self.tpu_pods if tpu_pods is None else tpu_pods
+        # A node whose PCIe utilisation moved changes its hosts' loads: its accelerators count as touched.
+        pcie_moved: frozenset[str] = frozenset()
+        if pcie_util is not None:
+            nodes = {n for n in pcie_util.keys() | self.pcie_util.keys() if pcie_util.get(n) != self.pcie_util.get(n)}
+            pcie_moved = frozenset(a for a, cap in capacity.items() if cap.node in nodes)
         after = FleetSnapshot(
             self.nodes,
             capacity,
@@ -202,9 +212,9 @@ class FleetSnapshot:
             self.cross_domain_used if cross_domain_used is None else cross_domain_used,
         )
         if changed is not None:
-            _chain(self, after, changed)
+            _chain(self, after, (changed[0] | pcie_moved, changed[1], changed[2]))
         elif capacity.keys() == self.capacity.keys() and pods.keys() == self.tpu_pods.keys():
-            accelerators = frozenset(a for a, cap in capacity.items() if self.capacity[a] != cap)
+            accelerators = frozenset(a for a, cap in capacity.items() if self.capacity[a] != cap) | pcie_moved
             racks = frozenset(
                 k for k in power.keys() | self.rack_power_used_w.keys() if power.get(k) != self.rack_power_used_w.get(k)
             )

@@ -83,6 +83,7 @@ class NodeBuilder:
     fabric_info: GpuFabricInfo | None = None
     reserved: dict[int, int] = field(default_factory=dict)
     down: set[int] = field(default_factory=set)
+    shared: set[int] = field(default_factory=set)
 
     def sku(self, name: str) -> Self:
         self.sku_name = name
@@ -125,8 +126,11 @@ class NodeBuilder:
         self.rack_name = name
         return self
 
-    def reserve(self, index: int, nbytes: int) -> Self:
+    def reserve(self, index: int, nbytes: int, *, shared: bool = False) -> Self:
+        """``nbytes`` held on GPU ``index`` by another replica (an exclusive one unless ``shared``)."""
         self.reserved[index] = nbytes
+        if shared:
+            self.shared.add(index)
         return self
 
     def unavailable(self, index: int) -> Self:
@@ -180,17 +184,23 @@ def snapshot(
     fleet = Fleet(nodes=tuple(profiles), racks=tuple(racks.values()), tpu_pods=tuple(pods))
     reserved = {f"{b.name}/gpu{i}": n for b in nodes for i, n in b.reserved.items()}
     down = [f"{b.name}/gpu{i}" for b in nodes for i in b.down]
-    return FleetSnapshot.from_fleet(fleet, skus=skus(), models=models(), reserved=reserved, unavailable=down)
+    shared = [f"{b.name}/gpu{i}" for b in nodes for i in b.shared]
+    return FleetSnapshot.from_fleet(
+        fleet, skus=skus(), models=models(), reserved=reserved, unavailable=down, shared=shared
+    )
 
 
 def request(model: str = "llama3-8b", **fields: object) -> PlacementRequest:
-    """A request with sensible defaults (4k context, 4 sequences); ``fields`` override any field."""
+    """A request with sensible defaults (4k context, 4 sequences); ``fields`` override any field.
+    Exact by default (``fallbacks=()``): tests of the fallback ladder ask for it (``fallbacks=None`` is
+    the whole ladder, as the API's default)."""
     values: dict[str, object] = {
         "request_id": "req-1",
         "tenant": "acme",
         "model": model,
         "context_tokens": 4096,
         "concurrency": 4,
+        "fallbacks": (),
     }
     values.update(fields)
     return PlacementRequest(**values)  # type: ignore[arg-type]

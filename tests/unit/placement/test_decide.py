@@ -136,6 +136,14 @@ def test_reserved_bytes_and_unavailable_gpus_are_not_capacity() -> None:
         builder.reserve(i, 70 * 10**9)
     decision = decide(snapshot(builder), request("llama3-8b", tp=1))
     assert decision.error_code == "no_capacity"
+    # Held by other replicas (exclusively): not even their free bytes are offered.
+    assert decision.rejections[0].reason == "too_few_accelerators"
+    # Held by shared replicas, a shared replica sees their 9.0 GB free: too little for 16.1 GB of weights.
+    shared = node("a").nvswitch(8).unavailable(7)
+    for i in range(7):
+        shared.reserve(i, 70 * 10**9, shared=True)
+    decision = decide(snapshot(shared), request("llama3-8b", tp=1, sharing="shared"))
+    assert decision.error_code == "no_capacity"
     assert decision.rejections[0].reason == "hbm_short"
 
 
@@ -222,12 +230,18 @@ def test_rack_power_counts_only_gpus_that_turn_busy() -> None:
     (rejection,) = refused.rejections
     assert rejection.reason == "rack_power_short"
     assert rejection.detail == "rack power budget lets 2 more GPUs turn busy, the group turns 4 at TP=4"
-    # GPU 0 and 1 already busy (and already drawing, counted in used power): the next group reuses them.
+    # GPU 0 and 1 already busy (and already drawing, counted in used power). An exclusive group may not
+    # reuse them and no more GPUs may turn busy; a shared replica may join one held by shared replicas,
+    # turning nothing busy.
     busy = snapshot(node("a").nvswitch(8).reserve(0, 10**9).reserve(1, 10**9), power_kw=1.5)
     again = decide(busy, request("mistral-7b-v0.1", context_tokens=2048, concurrency=1, tp=2))
-    assert again.accelerators == ("a/gpu0", "a/gpu1")
-    after = apply(busy, again)
-    assert after.rack_power_used_w == busy.rack_power_used_w == {("us-west-1", "c1", "r1"): 1400.0}
+    assert not again.placed and again.rejections[0].reason == "rack_power_short"
+    shared = snapshot(node("a").nvswitch(8).reserve(0, 10**9, shared=True).reserve(1, 10**9), power_kw=1.5)
+    joined = decide(shared, request("mistral-7b-v0.1", context_tokens=2048, concurrency=1, sharing="shared"))
+    assert joined.accelerators == ("a/gpu0",)
+    after = apply(shared, joined)
+    assert after.rack_power_used_w == shared.rack_power_used_w == {("us-west-1", "c1", "r1"): 1400.0}
+    assert after.capacity["a/gpu0"].shared
 
 
 # -- multi-node NVLink domains --------------------------------------------------------------------------

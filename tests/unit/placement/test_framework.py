@@ -32,7 +32,14 @@ def test_every_registered_plugin_has_a_name_and_the_default_profile_builds() -> 
     names = [framework.prefilter.name, *(f.name for f in framework.host_filters)]
     names += [f.name for f in framework.placement_filters] + [s.name for s, _ in framework.scores]
     assert set(names) <= set(DEFAULT_REGISTRY)
-    assert [f.name for f in framework.placement_filters] == ["hbm", "nvlink_group", "slo", "tpu_slice", "rack_power"]
+    assert [f.name for f in framework.placement_filters] == [
+        "hbm",
+        "nvlink_group",
+        "slo",
+        "tpu_slice",
+        "rack_power",
+        "pcie_load",
+    ]
     assert framework_for(DEFAULT_PROFILE) is framework  # built once per profile
 
 

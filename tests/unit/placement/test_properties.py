@@ -3,7 +3,10 @@
 * HBM is never over-committed after applying decisions, and rack power never crosses a budget;
 * every pair of every TP group is NVLinked (one node's links or one multi-node fabric domain);
 * TPU slices are legal, inside their pod, contiguous and disjoint;
-* a rejected request changes nothing;
+* a rejected request changes nothing, a queued one (``queueable``) reserves nothing either;
+* an exclusive TP group never shares a GPU with another replica; a shared replica joins only idle
+  GPUs or GPUs held by shared replicas; pipeline stages are NVLink cliques, disjoint, and all of them
+  are reserved by one ``apply`` (all or nothing); a cross-domain group stays within its cluster's budget;
 * judging hosts per class decides exactly what judging them one by one decides.
 """
 
@@ -57,32 +60,49 @@ def fleets(draw: st.DrawFn) -> FleetSnapshot:
     if not builders and not pods:
         builders.append(node("only").nvswitch(8))
     power = draw(st.sampled_from([None, 2.0, 6.0, 40.0]))
-    return snapshot(*builders, pods=pods, power_kw=power)
+    snap = snapshot(*builders, pods=pods, power_kw=power)
+    # Sometimes a node's PCIe is busy (no cold loads there), sometimes a cluster's cross-domain budget is used.
+    busy = {b.name: draw(st.sampled_from([0.0, 0.3, 0.8])) for b in builders}
+    used = {"c1": draw(st.sampled_from([0.0, 0.0, 250e9]))}
+    return snap.evolve(pcie_util={n: u for n, u in busy.items() if u}, cross_domain_used=used)
+
+
+@st.composite
+def one_request(draw: st.DrawFn, i: int) -> PlacementRequest:
+    sharing = draw(st.sampled_from(["exclusive", "exclusive", "shared"]))
+    return request(
+        draw(st.sampled_from(MODELS)),
+        request_id=f"r{i}",
+        context_tokens=draw(st.sampled_from([256, 2048, 8192])),
+        concurrency=draw(st.integers(1, 32)),
+        dtype=draw(st.sampled_from([None, None, "fp8", "int4"])),
+        tp=draw(st.sampled_from([None, 1] if sharing == "shared" else [None, None, 1, 2, 4, 8])),
+        backend=draw(st.sampled_from(["any", "gpu"] if sharing == "shared" else ["any", "any", "gpu", "tpu"])),
+        sharing=sharing,
+        fallbacks=draw(st.sampled_from([(), None, ("pipeline",), ("cross_domain", "queue")])),
+    )
 
 
 @st.composite
 def streams(draw: st.DrawFn) -> list[PlacementRequest]:
-    return [
-        request(
-            draw(st.sampled_from(MODELS)),
-            request_id=f"r{i}",
-            context_tokens=draw(st.sampled_from([256, 2048, 8192])),
-            concurrency=draw(st.integers(1, 32)),
-            dtype=draw(st.sampled_from([None, None, "fp8", "int4"])),
-            tp=draw(st.sampled_from([None, None, 1, 2, 4, 8])),
-            backend=draw(st.sampled_from(["any", "any", "gpu", "tpu"])),
-        )
-        for i in range(draw(st.integers(1, 8)))
-    ]
+    return [draw(one_request(i)) for i in range(draw(st.integers(1, 8)))]
 
 
 def _check_step(
     before: FleetSnapshot, decision: Decision, after: FleetSnapshot, slices: dict[str, list[TpuSlice]]
 ) -> None:
     if not decision.placed:
-        assert after is before and after == before
+        assert after is before and after == before  # rejected or queued: nothing reserved
         return
-    assert decision.tp == len(decision.accelerators) == len(set(decision.accelerators))
+    assert decision.tp is not None
+    assert decision.tp * decision.pp == len(decision.accelerators) == len(set(decision.accelerators))
+    for acc in decision.accelerators if decision.tpu is None else ():  # exclusivity, from the state before
+        held = before.capacity[acc]
+        if decision.sharing == "exclusive":
+            assert held.idle, (acc, "an exclusive group took a GPU another replica holds")
+        else:
+            assert held.idle or held.shared, (acc, "a shared replica joined an exclusively held GPU")
+        assert before.pcie_util.get(held.node, 0.0) <= 0.7, (acc, "a cold load on a node over 0.7 PCIe")
     for cap in after.capacity.values():
         assert 0 <= cap.reserved <= cap.usable, cap
     for rack, used in after.rack_power_used_w.items():
@@ -90,7 +110,17 @@ def _check_step(
         if budget is not None and used != before.rack_power_used_w.get(rack, 0.0):
             assert used <= budget * 1000, (rack, used, budget)
     if decision.tpu is None:
-        assert_nvlinked(before, decision)
+        if decision.pp > 1:
+            assert len(decision.stages) == decision.pp
+            assert tuple(a for stage in decision.stages for a in stage) == decision.accelerators
+            for stage in decision.stages:
+                assert_nvlinked(before, dataclasses.replace(decision, accelerators=stage))
+        elif decision.fallback == "cross_domain":
+            cluster = decision.cluster or ""
+            assert decision.cross_domain_bytes_per_s > 0
+            assert after.cross_domain_used[cluster] <= 256e9
+        else:
+            assert_nvlinked(before, decision)
         assert decision.share is not None
         for acc in decision.accelerators:
             assert after.capacity[acc].reserved == before.capacity[acc].reserved + decision.share.total
@@ -145,4 +175,14 @@ def test_the_index_after_apply_equals_a_fresh_one(snap: FleetSnapshot, requests:
         assert incremental.classes == fresh.classes
 
 
-_FIELDS = ("nodes", "capacity", "racks", "rack_power_used_w", "tpu_pods", "skus", "models")
+_FIELDS = (
+    "nodes",
+    "capacity",
+    "racks",
+    "rack_power_used_w",
+    "tpu_pods",
+    "skus",
+    "models",
+    "pcie_util",
+    "cross_domain_used",
+)

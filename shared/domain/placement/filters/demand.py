@@ -31,12 +31,14 @@ from shared.domain.placement.framework import (
     TpuDemand,
     typed_config,
 )
-from shared.domain.placement.types import FleetSnapshot, PlacementRequest
+from shared.domain.placement.types import FALLBACKS, FleetSnapshot, PlacementRequest
 from shared.domain.topology.tpu import TpuType, all_legal_shapes
 
 NAME: Final = "demand"
 TP_DEGREES: Final = (1, 2, 4, 8, 16)
 BACKENDS: Final = ("gpu", "tpu", "any")
+SHARING: Final = ("exclusive", "shared")
+MAX_PP: Final = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,8 @@ class DemandPreFilter:
         dtype = request.dtype or model.dtype
         kv_dtype = request.kv_dtype or model.kv_dtype
         requested = {"gpu", "tpu"} if request.backend == "any" else {request.backend}
+        if request.sharing == "shared" or (request.pp or 1) > 1:
+            requested &= {"gpu"}  # shared replicas and pipeline stages are GPU placements
         backends = frozenset(model.backends & requested)
         if not backends:
             return _invalid(
@@ -94,7 +98,8 @@ class DemandPreFilter:
         notes: list[str] = []
         gpu_shares: dict[int, MemoryShare] = {}
         if "gpu" in backends:
-            for tp in (request.tp,) if request.tp is not None else TP_DEGREES:
+            degrees = (1,) if request.sharing == "shared" else TP_DEGREES
+            for tp in (request.tp,) if request.tp is not None else degrees:
                 reason = tp_fits_heads(model, tp)
                 if reason is None:
                     gpu_shares[tp] = share(tp)
@@ -134,6 +139,20 @@ class DemandPreFilter:
     def _validate(self, snapshot: FleetSnapshot, request: PlacementRequest, model: ModelSpec) -> Status | None:
         if request.backend not in BACKENDS:
             return _invalid(f"backend {request.backend!r} is not one of {', '.join(BACKENDS)}")
+        if request.sharing not in SHARING:
+            return _invalid(f"sharing {request.sharing!r} is not one of {', '.join(SHARING)}")
+        if request.sharing == "shared" and ((request.tp or 1) > 1 or (request.pp or 1) > 1):
+            return _invalid("sharing `shared` is for single-GPU replicas (TP=1, no pipeline stages)")
+        if request.sharing == "shared" and request.backend == "tpu":
+            return _invalid("sharing `shared` is for GPUs: a TPU replica takes a whole slice")
+        unknown = [f for f in request.fallbacks or () if f not in FALLBACKS]
+        if unknown:
+            return _invalid(f"unknown fallback {unknown[0]!r}; known: {', '.join(FALLBACKS)}")
+        if request.pp is not None:
+            if not _is_count(request.pp) or request.pp & (request.pp - 1) or request.pp > MAX_PP:
+                return _invalid(f"pp must be a power of two from 1 to {MAX_PP}, got {request.pp!r}")
+            if request.pp > 1 and request.backend == "tpu":
+                return _invalid("pipeline stages (pp > 1) are for GPUs; a TPU replica takes one whole slice")
         for label, dtype in (("dtype", request.dtype), ("kv_dtype", request.kv_dtype)):
             if dtype is not None and dtype not in DTYPE_BYTES:
                 return _invalid(f"{label} {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")

@@ -1,5 +1,9 @@
 """Filter ``hbm``: the host needs ``tp`` available GPUs whose free HBM (usable - reserved) holds the
-per-GPU share. The reason carries the figure: how many bytes the ``tp``-th roomiest GPU misses by."""
+per-GPU share. The reason carries the figure: how many bytes the ``tp``-th roomiest GPU misses by.
+
+Which GPUs count depends on the request's ``sharing`` (``GpuLoad.room``): an exclusive TP group (the
+default) takes idle GPUs only, so a GPU another replica holds is never shared with it; a ``shared``
+(TP=1) replica may also join a GPU held by shared replicas only."""
 
 from __future__ import annotations
 
@@ -7,15 +11,22 @@ from collections.abc import Mapping, Sequence
 from typing import Final, cast
 
 from shared.domain.memory import MemoryShare
-from shared.domain.placement.framework import SUCCESS, Candidate, Code, CycleState, Scope, Status, no_config
+from shared.domain.placement.framework import DEMAND, SUCCESS, Candidate, Code, CycleState, Scope, Status, no_config
 from shared.domain.placement.hosts import GpuHost, GpuLoad, Host, LoadClass
 
 NAME: Final = "hbm"
 
 
-def with_room(load: GpuLoad, need: int) -> list[int]:
-    """Positions of the available GPUs with at least ``need`` bytes free."""
-    return [p for p, (free, up) in enumerate(zip(load.free, load.available, strict=True)) if up and free >= need]
+def with_room(load: GpuLoad, need: int, sharing: str = "exclusive") -> list[int]:
+    """Positions of the GPUs a replica of ``sharing`` may use with at least ``need`` bytes free."""
+    free, _ = load.room(sharing)
+    return [p for p, (f, up) in enumerate(zip(free, load.available, strict=True)) if up and f >= need]
+
+
+def sharing_of(state: CycleState) -> str:
+    """The request's sharing mode (``exclusive`` unless it asked for ``shared``)."""
+    demand = state.get(DEMAND)
+    return demand.request.sharing if demand is not None else "exclusive"
 
 
 class HbmFilter:
@@ -26,7 +37,8 @@ class HbmFilter:
         load = candidate.load
         if not isinstance(candidate.host, GpuHost) or not isinstance(load, GpuLoad) or candidate.share is None:
             return SUCCESS
-        tp, need, free = candidate.tp, candidate.share.total, load.free_desc
+        tp, need = candidate.tp, candidate.share.total
+        _, free = load.room(sharing_of(state))
         if len(free) < tp:
             return Status(Code.TOO_FEW_ACCELERATORS, plugin=NAME, tp=tp, available=len(free))
         if free[tp - 1] >= need:  # the tp-th roomiest GPU has room, so tp GPUs do
@@ -39,11 +51,12 @@ class HbmFilter:
         if not isinstance(host, GpuHost):
             return list(classes), []
         need = share.total
+        sharing = sharing_of(state)
         keep: list[LoadClass] = []
         # Rejections grouped as the rejection tally groups them (tenths of a GB): one status per group.
         groups: dict[int, list[int]] = {}
         for cls in classes:
-            free = cast(GpuLoad, cls.load).free_desc  # a GPU host's loads are GpuLoads
+            _, free = cast(GpuLoad, cls.load).room(sharing)  # a GPU host's loads are GpuLoads
             if len(free) < tp:
                 key = -1 - len(free)
                 short = len(free)

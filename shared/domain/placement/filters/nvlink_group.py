@@ -1,7 +1,8 @@
 """Filter ``nvlink_group``: the hard TP rule (DESIGN §2). A TP group of ``tp`` GPUs must be a clique
 of the NVLink graph: every pair NVLinked, directly or through one domain's NVSwitch or multi-node
-fabric. On a node the group is ``topology.best_tp_group`` over the GPUs that are available and have
-room for the share (most NV links, same NUMA, keeps the largest group free, lowest indices); in a
+fabric. On a node the group is ``topology.best_tp_group`` over the GPUs that are available, idle (an
+exclusive group never shares a GPU with another replica) and have room for the share (most NV links,
+same NUMA, keeps the largest group free, lowest indices); in a
 multi-node NVLink domain every pair qualifies, and the group takes GPUs from as few nodes as it can.
 The chosen group is the status's binding."""
 
@@ -12,7 +13,7 @@ from functools import lru_cache
 from typing import Final, cast
 
 from shared.domain.memory import MemoryShare
-from shared.domain.placement.filters.hbm import with_room
+from shared.domain.placement.filters.hbm import sharing_of, with_room
 from shared.domain.placement.framework import (
     SUCCESS,
     Candidate,
@@ -64,7 +65,11 @@ class NvlinkGroupFilter:
         if not isinstance(host, GpuHost) or not isinstance(load, GpuLoad) or candidate.share is None:
             return SUCCESS
         tp = candidate.tp
-        positions = with_room(load, candidate.share.total)
+        sharing = sharing_of(state)
+        positions = with_room(load, candidate.share.total, sharing)
+        if sharing == "shared" and positions:  # TP=1: best fit among GPUs already shared, then idle ones
+            free, _ = load.room(sharing)
+            return _bound((min(positions, key=lambda p: (load.idle[p], free[p], p)),))
         if len(positions) < tp:  # the hbm filter explains this one when it runs first
             return Status(Code.NO_NVLINK_GROUP, plugin=NAME, tp=tp, largest_group=_largest(host, positions))
         if host.kind is HostKind.FABRIC:
@@ -84,8 +89,11 @@ class NvlinkGroupFilter:
         need = share.total
         keep: list[LoadClass] = []
         largest: dict[int, int] = {}
+        shared = sharing_of(state) == "shared"
         for cls in classes:
-            caps = cast(GpuLoad, cls.load).group_cap
+            load = cast(GpuLoad, cls.load)
+            # Exclusive groups: cliques of idle GPUs (group_cap); a shared replica is one GPU.
+            caps = load.shared_desc[:1] if shared else load.group_cap
             if tp <= len(caps) and caps[tp - 1] >= need:
                 keep.append(cls)
                 continue

@@ -2,7 +2,8 @@
 
 GPUs, the mean of three fits in [0, 1]:
 
-* bytes: mean over the group of share / free HBM before (best fit: fill partly used GPUs first);
+* bytes: mean over the group of share / free HBM before (best fit: for a shared replica, fill GPUs
+  other shared replicas use first; an exclusive group sees only idle GPUs, so this is SKU fit);
 * domain: 1 - idle GPUs left in the group's NVLink domain / the domain's size (use busy domains);
 * node: 1 - idle GPUs left on the host / its size (use busy nodes; PCIe-only nodes have one-GPU domains).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Final
 
+from shared.domain.placement.filters.hbm import sharing_of
 from shared.domain.placement.framework import Candidate, CycleState, GpuGroup, no_config
 from shared.domain.placement.hosts import GpuHost, GpuLoad, TpuLoad
 from shared.domain.topology.tpu import TpuSlice, allocate, fragmentation
@@ -22,8 +24,9 @@ from shared.domain.topology.tpu import TpuSlice, allocate, fragmentation
 NAME: Final = "packing"
 
 
-def gpu_packing(host: GpuHost, load: GpuLoad, positions: Sequence[int], need: int) -> float:
-    free, domains = load.free, host.domains
+def gpu_packing(host: GpuHost, load: GpuLoad, positions: Sequence[int], need: int, sharing: str = "exclusive") -> float:
+    free, _ = load.room(sharing)
+    domains = host.domains
     byte_fit = sum(need / max(1, free[p]) for p in positions) / len(positions)
     # A TP group is an NVLink clique, so it lies in one domain.
     domain = domains[positions[0]]
@@ -50,7 +53,7 @@ class PackingScore:
             return tpu_packing(load, binding)
         if isinstance(host, GpuHost) and isinstance(load, GpuLoad) and isinstance(binding, GpuGroup):
             need = candidate.share.total if candidate.share is not None else 0
-            return gpu_packing(host, load, binding.positions, need)
+            return gpu_packing(host, load, binding.positions, need, sharing_of(state))
         return 0.0
 
     def bound(self, state: CycleState, candidate: Candidate) -> float:
@@ -60,7 +63,7 @@ class PackingScore:
         if not isinstance(host, GpuHost) or not isinstance(load, GpuLoad) or candidate.share is None:
             return 1.0
         need, tp = candidate.share.total, candidate.tp
-        free = load.free_desc  # largest first: the tightest GPU with room is the last one >= need
+        _, free = load.room(sharing_of(state))  # largest first: the tightest GPU with room is the last >= need
         tightest = next((f for f in reversed(free) if f >= need), 0)
         byte_fit = need / tightest if tightest > 0 else 1.0
         idle = len(load.idle_up)

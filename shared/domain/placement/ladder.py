@@ -1,0 +1,527 @@
+"""The fallback ladder (API.md ``fallbacks``; the brief's order): when the exact request fits nowhere,
+
+1. ``kv_quantize``: the KV cache in fp8 (one byte per element) instead of the request's 16-bit dtype;
+2. ``pipeline``: pipeline stages, each an NVLink clique of ``tp`` idle GPUs (e.g. TP=4 x PP=2 on a 4+4
+   node), on one node or on nodes of one cluster; every stage holds 1/pp of the layers (weights and
+   KV), and every stage boundary costs a hop of the batch's activations per token;
+3. ``cross_domain``: one TP group over several NVLink domains of a node, when the share of its TP
+   traffic that crosses domains is at most ``max_fraction`` (0.2, the brief's limit) and the cluster's
+   cross-domain budget (256 GB/s, weighted by SLO: tight SLOs may use all of it, batch work half) holds it;
+4. ``queue``: refused for capacity, but the service may queue it (``Decision.queueable``).
+
+Each step is tried on its own against the same snapshot, in the order the request gives (absent: all
+four in this order; ``[]``: the exact request or a rejection). The step that fits is named in
+``Decision.fallback`` and priced in the explanation. docs/PLACEMENT.md has the arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Final
+
+from shared.domain.memory import MemoryShare, dtype_bytes, per_accelerator_share
+from shared.domain.placement.filters.demand import tp_fits_heads
+from shared.domain.placement.filters.hbm import with_room
+from shared.domain.placement.filters.nvlink_group import fabric_group
+from shared.domain.placement.filters.pcie_budget import GB_PER_S_PER_LANE
+from shared.domain.placement.filters.pcie_load import NAME as PCIE_LOAD
+from shared.domain.placement.framework import GB, Candidate, CycleState, Demand, Framework, typed_config
+from shared.domain.placement.hosts import GpuHost, GpuLoad, HostKind, SnapshotIndex
+from shared.domain.placement.perf import estimate
+from shared.domain.placement.types import FALLBACKS, Decision, ErrorCode, FleetSnapshot, PlacementRequest
+from shared.domain.topology import best_tp_group
+
+NAME: Final = "ladder"
+PP_DEGREES: Final = (2, 4, 8)
+ACTIVATION_BYTES: Final = 2  # activations cross stage boundaries and all-reduces in 16-bit
+NIC_BYTES_PER_S: Final = 50e9  # a 400 Gb/s NIC between nodes (stages on two nodes)
+HOP_OVERHEAD_MS: Final = 0.01  # a send/receive launch per stage boundary and step
+WEIGHT_LOAD_BYTES_PER_S: Final = 5e9  # the brief: cold loads budgeted at about 5 GB/s per GPU
+
+
+@dataclass(frozen=True, slots=True)
+class LadderConfig:
+    """Defaults from the brief; the service may override them (profile config ``ladder``)."""
+
+    cross_domain_budget_bytes_per_s: float = 256e9  # per cluster: 80% of 8 NDR IB links
+    cross_domain_warn: float = 0.9  # note when a cluster passes 90% of its budget
+    cross_domain_max_fraction: float = 0.2  # at most 20% of a replica's TP traffic crosses domains
+    tight_slo_tpot_ms: float = 50.0  # an SLO at or under this is "tight"
+    weight_tight: float = 1.0  # share of the budget each class of work may fill
+    weight_default: float = 0.8
+    weight_batch: float = 0.5
+
+
+def ladder_config(raw: Mapping[str, object]) -> LadderConfig:
+    return typed_config(LadderConfig, NAME, raw)
+
+
+Exact = Callable[[PlacementRequest], Decision]
+
+
+def with_fallbacks(
+    snapshot: FleetSnapshot,
+    request: PlacementRequest,
+    exact: Exact,
+    framework: Framework,
+    state: CycleState,
+    demand: Demand,
+    index: SnapshotIndex,
+    config: LadderConfig,
+) -> Decision:
+    """``exact(request)`` or, refused for capacity, the first fallback step that fits."""
+    if (request.pp or 1) > 1:  # a fixed pipeline depth: the pipeline search is the exact request
+        staged = pipeline(snapshot, framework, state, demand, index, pp_degrees=(request.pp or 1,))
+        first = staged if isinstance(staged, Decision) else _refused(request, [staged])
+        steps = [s for s in (FALLBACKS if request.fallbacks is None else request.fallbacks) if s == "queue"]
+    else:
+        first = exact(request)
+        steps = list(FALLBACKS if request.fallbacks is None else request.fallbacks)
+    if first.placed or first.error_code is not ErrorCode.NO_CAPACITY:
+        return first
+    tried: list[str] = []
+    for step in steps:
+        if step == "kv_quantize":
+            narrower = _quantised(demand.kv_dtype)
+            if narrower is None:
+                tried.append(f"fallback kv_quantize: KV is {demand.kv_dtype} already, nothing narrower")
+                continue
+            decision = exact(replace(request, kv_dtype=narrower, fallbacks=()))
+            if decision.placed:
+                return _kv_quantised(decision, demand, narrower)
+            tried.append(f"fallback kv_quantize: KV in {narrower} fits nowhere either")
+        elif step == "pipeline":
+            if request.sharing == "shared":
+                tried.append("fallback pipeline: not for shared (single-GPU) replicas")
+                continue
+            staged = pipeline(snapshot, framework, state, demand, index, pp_degrees=PP_DEGREES)
+            if isinstance(staged, Decision):
+                return staged
+            tried.append(f"fallback pipeline: {staged}")
+        elif step == "cross_domain":
+            if request.sharing == "shared":
+                tried.append("fallback cross_domain: not for shared (single-GPU) replicas")
+                continue
+            spread = cross_domain(snapshot, framework, state, demand, index, config)
+            if isinstance(spread, Decision):
+                return spread
+            tried.append(f"fallback cross_domain: {spread}")
+        elif step == "queue":
+            return replace(
+                first,
+                queueable=True,
+                explanation=(
+                    *first.explanation,
+                    *tried,
+                    "fallback queue: nothing fits now; the request may wait for capacity (it reserves nothing)",
+                ),
+            )
+    return replace(first, explanation=(*first.explanation, *tried)) if tried else first
+
+
+def _refused(request: PlacementRequest, reasons: Sequence[str]) -> Decision:
+    message = f"no placement: {'; '.join(reasons)}"
+    return Decision(
+        request_id=request.request_id,
+        status="rejected",
+        error_code=ErrorCode.NO_CAPACITY,
+        message=message,
+        explanation=(message,),
+        sharing=request.sharing,
+    )
+
+
+# -- kv_quantize ---------------------------------------------------------------------------------
+
+
+def _quantised(kv_dtype: str) -> str | None:
+    """The narrower KV dtype to try: fp8 for a wider one (the brief: fp8/int8; one byte either way)."""
+    return "fp8" if dtype_bytes(kv_dtype) > 1 else None
+
+
+def _kv_quantised(decision: Decision, demand: Demand, narrower: str) -> Decision:
+    share = decision.share
+    assert share is not None and decision.tp is not None
+    before = per_accelerator_share(
+        demand.model,
+        tp=decision.tp,
+        dtype=demand.dtype,
+        kv_dtype=demand.kv_dtype,
+        context_tokens=demand.request.context_tokens,
+        concurrency=demand.request.concurrency,
+    )
+    line = (
+        f"fallback kv_quantize: KV cache quantised {demand.kv_dtype} -> {narrower}: fits at TP={decision.tp} "
+        f"(KV {before.kv / GB:.1f} -> {share.kv / GB:.1f} GB per GPU; the cost: 8-bit KV, a small accuracy loss)"
+    )
+    return replace(decision, fallback="kv_quantize", explanation=(line, *decision.explanation))
+
+
+# -- pipeline -----------------------------------------------------------------------------------
+
+
+def stage_share(demand: Demand, tp: int, pp: int) -> MemoryShare:
+    """What each GPU of a TP=tp x PP=pp replica holds: 1/pp of the layers' weights and KV (rounded up),
+    and the activation peak and workspace of a TP=tp group (each stage runs the full batch)."""
+    whole = per_accelerator_share(
+        demand.model,
+        tp=tp,
+        dtype=demand.dtype,
+        kv_dtype=demand.kv_dtype,
+        context_tokens=demand.request.context_tokens,
+        concurrency=demand.request.concurrency,
+    )
+    return MemoryShare(
+        weights=-(-whole.weights // pp),
+        kv=-(-whole.kv // pp),
+        activation=whole.activation,
+        workspace=whole.workspace,
+    )
+
+
+def _gpu_hosts(framework: Framework, state: CycleState, index: SnapshotIndex) -> list[tuple[GpuHost, GpuLoad]]:
+    """GPU hosts that pass every host-scope filter (backend, SKU, region, tenant, PCIe generation) and
+    the PCIe budget (``pcie_load``: a fallback is a cold load too)."""
+    pcie = [f for f in framework.placement_filters if f.name == PCIE_LOAD]
+    hosts = []
+    for host_id in sorted(index.hosts):
+        host, load = index.hosts[host_id], index.loads[host_id]
+        if not isinstance(host, GpuHost) or not isinstance(load, GpuLoad):
+            continue
+        candidate = Candidate(host, load, 0, None)
+        verdict, _notes = framework.filter_host(state, candidate)
+        if verdict.ok and all(f.filter(state, candidate).ok for f in pcie):
+            hosts.append((host, load))
+    return hosts
+
+
+def _cliques(host: GpuHost, load: GpuLoad, tp: int, count: int, need: int) -> list[tuple[int, ...]]:
+    """Up to ``count`` disjoint NVLink cliques of ``tp`` idle GPUs with ``need`` bytes each (positions)."""
+    positions = with_room(load, need, "exclusive")
+    groups: list[tuple[int, ...]] = []
+    while len(groups) < count and len(positions) >= tp:
+        if host.kind is HostKind.FABRIC:
+            group = fabric_group(host, positions, tp)
+        else:
+            assert host.matrix is not None
+            by_index = {host.indices[p]: p for p in positions}
+            best = best_tp_group(host.matrix, tuple(by_index), tp)
+            if best is None:
+                break
+            group = tuple(by_index[i] for i in best)
+        groups.append(group)
+        positions = [p for p in positions if p not in group]
+    return groups
+
+
+def _power_ok(snapshot: FleetSnapshot, chosen: Iterable[tuple[GpuHost, int]]) -> bool:
+    """Every chosen GPU is idle and turns busy: each rack's power budget must let all of them draw
+    their TDP (counted over every host of the placement: stages may share a rack)."""
+    per_rack: dict[tuple[str, str, str], float] = {}
+    for host, p in chosen:
+        rack = host.racks[host.member_rack[p]]
+        per_rack[rack] = per_rack.get(rack, 0.0) + host.sku.tdp_w
+    for rack, watts in per_rack.items():
+        headroom = snapshot.rack_headroom_w(rack)
+        if headroom is not None and watts > headroom:
+            return False
+    return True
+
+
+def _link_bytes_per_s(host: GpuHost) -> float:
+    gen = host.sku.pcie_gen or 4
+    return GB_PER_S_PER_LANE.get(gen, GB_PER_S_PER_LANE[max(GB_PER_S_PER_LANE)]) * (host.sku.pcie_lanes or 16) * 1e9
+
+
+def pipeline(
+    snapshot: FleetSnapshot,
+    framework: Framework,
+    state: CycleState,
+    demand: Demand,
+    index: SnapshotIndex,
+    *,
+    pp_degrees: Sequence[int],
+) -> Decision | str:
+    """The smallest TP x PP (fewest GPUs, then fewest stages) whose stages fit as NVLink cliques of idle
+    GPUs on one node, else on nodes of one cluster (fewest nodes, lowest names); why not, in words."""
+    request = demand.request
+    hosts = _gpu_hosts(framework, state, index)
+    if not hosts:
+        return "no GPU host passes the host filters"
+    tps = (request.tp,) if request.tp is not None else tuple(sorted(demand.gpu_shares)) or (1,)
+    combos: list[tuple[int, int]] = []
+    for pp in pp_degrees:
+        for tp in tps:
+            if request.tp is not None and request.pp is None:
+                # A pinned TP that fits nowhere keeps its GPU count, split into stages (TP=8 -> 4 x 2).
+                if tp % pp == 0 and tp_fits_heads(demand.model, tp // pp) is None:
+                    combos.append((tp // pp, pp))
+            else:
+                combos.append((tp, pp))
+    combos = sorted(set(combos), key=lambda c: (c[0] * c[1], c[1]))
+    for tp, pp in combos:
+        share = stage_share(demand, tp, pp)
+        # One node (or one fabric domain) holding every stage.
+        for host, load in hosts:
+            groups = _cliques(host, load, tp, pp, share.total)
+            if len(groups) == pp and _power_ok(snapshot, ((host, p) for g in groups for p in g)):
+                return _staged(snapshot, demand, tp, pp, share, [(host, g) for g in groups])
+        # Several nodes of one cluster, fewest first: take each node's cliques in turn.
+        by_cluster: dict[str, list[tuple[GpuHost, GpuLoad]]] = {}
+        for host, load in hosts:
+            by_cluster.setdefault(host.cluster, []).append((host, load))
+        for _cluster, members in sorted(by_cluster.items()):
+            stages: list[tuple[GpuHost, tuple[int, ...]]] = []
+            ranked = sorted(members, key=lambda hl: (-len(_cliques(hl[0], hl[1], tp, pp, share.total)), hl[0].id))
+            for host, load in ranked:
+                for group in _cliques(host, load, tp, pp - len(stages), share.total):
+                    taken = [(h, p) for h, g in stages for p in g]
+                    if _power_ok(snapshot, [*taken, *((host, p) for p in group)]):
+                        stages.append((host, group))
+                if len(stages) == pp:
+                    return _staged(snapshot, demand, tp, pp, share, stages)
+    tried = ", ".join(f"TP={tp}xPP={pp}" for tp, pp in combos) or "none"
+    return f"no set of stages fits (tried {tried})"
+
+
+def _staged(
+    snapshot: FleetSnapshot,
+    demand: Demand,
+    tp: int,
+    pp: int,
+    share: MemoryShare,
+    stages: Sequence[tuple[GpuHost, tuple[int, ...]]],
+) -> Decision:
+    ids = tuple(tuple(host.members[p] for p in group) for host, group in stages)
+    domains = [host.domains[group[0]] for host, group in stages]
+    nodes = tuple(dict.fromkeys(host.nodes[p] for host, group in stages for p in group))
+    first_host, first_group = stages[0]
+    across_nodes = len({host.id for host, _ in stages}) > 1
+    link = NIC_BYTES_PER_S if across_nodes else _link_bytes_per_s(first_host)
+    batch = demand.request.concurrency
+    hop_bytes = batch * demand.model.hidden * ACTIVATION_BYTES
+    hop_ms = hop_bytes / link * 1e3 + HOP_OVERHEAD_MS
+    perf = estimate(
+        demand.model,
+        demand.dtype,
+        demand.kv_dtype,
+        batch,
+        demand.input_tokens,
+        demand.output_tokens,
+        first_host.sku,
+        tp,
+    )
+    added = (pp - 1) * hop_ms
+    where = ", ".join(dict.fromkeys(domains))
+    line = (
+        f"fallback pipeline: TP={tp} x PP={pp} across {where}: +{added:.3f} ms per token "
+        f"({pp - 1} stage hop{'s' if pp > 2 else ''} of {hop_bytes / 1e6:.2f} MB over "
+        f"{'the NIC' if across_nodes else 'PCIe'} at {link / 1e9:.0f} GB/s, plus {HOP_OVERHEAD_MS} ms each)"
+    )
+    model = f"{demand.model.name} ({demand.dtype} weights, {demand.kv_dtype} KV)"
+    headline = f"placed {model} at TP={tp} x PP={pp} on {', '.join(a for stage in ids for a in stage)}"
+    share_line = (
+        f"per GPU: weights {share.weights / GB:.1f} GB + KV {share.kv / GB:.1f} GB + activation "
+        f"{share.activation / GB:.1f} GB + workspace {share.workspace / GB:.1f} GB = {share.total / GB:.1f} GB "
+        f"(each stage holds 1/{pp} of the layers)"
+    )
+    tpot = perf.tpot_ms + added
+    return Decision(
+        request_id=demand.request.request_id,
+        status="placed",
+        message=headline,
+        backend="gpu",
+        region=first_host.region,
+        cluster=first_host.cluster,
+        rack=first_host.racks[first_host.member_rack[first_group[0]]][2],
+        node=nodes[0],
+        nodes=nodes,
+        sku=first_host.sku.name,
+        tp=tp,
+        accelerators=tuple(a for stage in ids for a in stage),
+        domain=domains[0],
+        share=share,
+        explanation=(headline, line, share_line),
+        sharing="exclusive",
+        pp=pp,
+        stages=ids,
+        fallback="pipeline",
+        estimate={
+            "ttft_ms": perf.ttft_ms + added,
+            "tpot_ms": tpot,
+            "tokens_per_s": batch * 1e3 / max(tpot, 1e-9),
+            "load_time_s": load_time_s(share, first_host),
+        },
+    )
+
+
+def load_time_s(share: MemoryShare, host: GpuHost) -> float:
+    """Seconds to load one GPU's weights cold: its bytes over min(5 GB/s budget, its PCIe link)."""
+    return share.weights / min(WEIGHT_LOAD_BYTES_PER_S, _link_bytes_per_s(host))
+
+
+# -- cross_domain -------------------------------------------------------------------------------
+
+
+def cross_fraction(domains: int, per_domain: int) -> float:
+    """Share of a TP group's all-reduce bytes that cross NVLink domains, for a hierarchical all-reduce
+    over ``domains`` domains of ``per_domain`` GPUs: reduce-scatter and all-gather inside each domain
+    move 2(k-1)/k of the data per GPU; the all-reduce between domains moves 2(d-1)/d of a 1/k shard.
+    (d-1)/d / ((k-1) + (d-1)/d): TP=8 over 4+4 -> 14%; TP=4 over 2+2 -> 33%."""
+    if domains <= 1:
+        return 0.0
+    between = (domains - 1) / domains
+    return between / ((per_domain - 1) + between)
+
+
+def tp_traffic_bytes_per_s(demand: Demand, host: GpuHost, tp: int) -> float:
+    """All-reduce bytes per second of a TP group: two all-reduces of the hidden state per layer and
+    token (16-bit), 2(tp-1) times that over all ring links, at the latency model's decode tokens/s."""
+    perf = estimate(
+        demand.model,
+        demand.dtype,
+        demand.kv_dtype,
+        demand.request.concurrency,
+        demand.input_tokens,
+        demand.output_tokens,
+        host.sku,
+        tp,
+    )
+    per_token = demand.model.layers * 2 * 2 * (tp - 1) * demand.model.hidden * ACTIVATION_BYTES
+    return per_token * perf.tokens_per_s
+
+
+def slo_weight(request: PlacementRequest, config: LadderConfig) -> float:
+    """How much of the cluster's budget this request may fill: tight SLOs first, batch work last."""
+    tpot = request.slo.tpot_ms if request.slo is not None else None
+    if tpot is not None and tpot <= config.tight_slo_tpot_ms:
+        return config.weight_tight
+    if request.preemptible or request.slo is None:
+        return config.weight_batch
+    return config.weight_default
+
+
+def cross_domain(
+    snapshot: FleetSnapshot,
+    framework: Framework,
+    state: CycleState,
+    demand: Demand,
+    index: SnapshotIndex,
+    config: LadderConfig,
+) -> Decision | str:
+    """A TP group over the fewest NVLink domains of one node (whole domains, the fullest first) whose
+    cross-domain traffic fits the rules; why not, in words."""
+    request = demand.request
+    hosts = [(h, load) for h, load in _gpu_hosts(framework, state, index) if h.kind is HostKind.NODE]
+    reasons: list[str] = []
+    budget = config.cross_domain_budget_bytes_per_s
+    for tp in sorted(t for t in demand.gpu_shares if t > 1):
+        share = demand.gpu_shares[tp]
+        for host, load in hosts:
+            positions = with_room(load, share.total, "exclusive")
+            if len(positions) < tp:
+                continue
+            by_domain: dict[str, list[int]] = {}
+            for p in positions:
+                by_domain.setdefault(host.domains[p], []).append(p)
+            chosen: list[int] = []
+            used_domains: list[str] = []
+            for domain in sorted(by_domain, key=lambda d: (-len(by_domain[d]), d)):
+                take = by_domain[domain][: tp - len(chosen)]
+                chosen.extend(take)
+                used_domains.append(domain)
+                if len(chosen) == tp:
+                    break
+            if len(used_domains) < 2 or not _power_ok(snapshot, ((host, p) for p in chosen)):
+                continue
+            per_domain = min(sum(1 for p in chosen if host.domains[p] == d) for d in used_domains)
+            fraction = cross_fraction(len(used_domains), per_domain)
+            if fraction > config.cross_domain_max_fraction:
+                reasons.append(
+                    f"TP={tp} over {len(used_domains)} domains of {host.id} would send {fraction:.0%} of its "
+                    f"TP traffic across domains (limit {config.cross_domain_max_fraction:.0%})"
+                )
+                continue
+            cross = tp_traffic_bytes_per_s(demand, host, tp) * fraction
+            used = snapshot.cross_domain_used.get(host.cluster, 0.0)
+            cap = budget * slo_weight(request, config)
+            if used + cross > cap:
+                reasons.append(
+                    f"cluster {host.cluster}'s cross-domain budget is spent: {used / 1e9:.1f} GB/s in use + "
+                    f"{cross / 1e9:.1f} GB/s > {cap / 1e9:.0f} GB/s ({slo_weight(request, config):.0%} of "
+                    f"{budget / 1e9:.0f} GB/s for this SLO class)"
+                )
+                continue
+            return _spread(demand, host, tp, share, chosen, used_domains, fraction, cross, used, config)
+    if not reasons:
+        return "no node has enough idle GPUs with room across its NVLink domains"
+    return "; ".join(dict.fromkeys(reasons))
+
+
+def _spread(
+    demand: Demand,
+    host: GpuHost,
+    tp: int,
+    share: MemoryShare,
+    chosen: list[int],
+    domains: list[str],
+    fraction: float,
+    cross: float,
+    used: float,
+    config: LadderConfig,
+) -> Decision:
+    accelerators = tuple(host.members[p] for p in sorted(chosen, key=lambda p: (host.domains[p], host.indices[p])))
+    budget = config.cross_domain_budget_bytes_per_s
+    after = used + cross
+    line = (
+        f"fallback cross_domain: TP={tp} across {len(domains)} NVLink domains of {host.id} "
+        f"({', '.join(domains)}): {cross / 1e9:.2f} GB/s crosses domains ({fraction:.0%} of its TP traffic); "
+        f"cluster {host.cluster} at {after / 1e9:.1f} of {budget / 1e9:.0f} GB/s"
+    )
+    lines = [line]
+    if after > config.cross_domain_warn * budget:
+        lines.append(
+            f"warning: cluster {host.cluster} is past {config.cross_domain_warn:.0%} of its cross-domain budget"
+        )
+    perf = estimate(
+        demand.model,
+        demand.dtype,
+        demand.kv_dtype,
+        demand.request.concurrency,
+        demand.input_tokens,
+        demand.output_tokens,
+        host.sku,
+        tp,
+    )
+    model = f"{demand.model.name} ({demand.dtype} weights, {demand.kv_dtype} KV)"
+    headline = f"placed {model} at TP={tp} on {', '.join(accelerators)} ({host.sku.name}, across NVLink domains)"
+    return Decision(
+        request_id=demand.request.request_id,
+        status="placed",
+        message=headline,
+        backend="gpu",
+        region=host.region,
+        cluster=host.cluster,
+        rack=host.racks[host.member_rack[chosen[0]]][2],
+        node=host.nodes[chosen[0]],
+        nodes=(host.nodes[chosen[0]],),
+        sku=host.sku.name,
+        tp=tp,
+        accelerators=accelerators,
+        domain=domains[0],
+        share=share,
+        explanation=(headline, *lines),
+        sharing="exclusive",
+        fallback="cross_domain",
+        cross_domain_bytes_per_s=cross,
+        estimate={
+            "ttft_ms": perf.ttft_ms,
+            "tpot_ms": perf.tpot_ms,
+            "tokens_per_s": perf.tokens_per_s,
+            "load_time_s": load_time_s(share, host),
+        },
+    )
+
+
+__all__ = ["LadderConfig", "cross_fraction", "ladder_config", "load_time_s", "stage_share", "with_fallbacks"]
