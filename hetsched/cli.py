@@ -318,11 +318,19 @@ def sim(
     live: Annotated[
         bool, typer.Option("--live", help="Ask a running stack's placement.place for every replica (see README).")
     ] = False,
+    sharing: Annotated[
+        str,
+        typer.Option(
+            "--sharing",
+            help="exclusive (every replica), shared (small models ask sharing: shared), or compare: hetsched "
+            'both ways, side by side (--json: {"sharing": {"exclusive": KPIS, "shared": KPIS}}).',
+        ),
+    ] = "exclusive",
     data_dir: DataDirOption = None,
 ) -> None:
     """Replay a workload trace against a fleet under each placement policy and print the KPIs."""
     from hetsched.sim_cli import dump_json, render_table, run_sim, write_plots
-    from shared.domain.sim import POLICIES
+    from shared.domain.sim import POLICIES, SimConfig
     from shared.domain.traces import TraceError
 
     if bad_rows not in ("reject", "skip"):
@@ -331,6 +339,18 @@ def sim(
     if policy is not None and policy not in POLICIES:
         err.print(f"[red]--policy: expected one of {', '.join(POLICIES)}, got {policy!r}[/red]")
         raise typer.Exit(2)
+    if sharing not in ("exclusive", "shared", "compare"):
+        err.print(f"[red]--sharing: expected exclusive, shared or compare, got {sharing!r}[/red]")
+        raise typer.Exit(2)
+    if sharing != "exclusive" and live:
+        err.print("[red]--sharing: only exclusive with --live (the live path does not ask for sharing)[/red]")
+        raise typer.Exit(2)
+    if sharing == "compare":
+        if policy not in (None, "hetsched"):
+            err.print("[red]--sharing compare runs hetsched only: the baselines do not read `sharing`[/red]")
+            raise typer.Exit(2)
+        _sim_sharing_compare(fleet, trace, seed=seed, bad_rows=bad_rows, limit=limit, as_json=as_json, plots=plots)
+        return
     live_policy = None
     if live:
         from hetsched.sim_live import LivePolicy
@@ -355,6 +375,7 @@ def sim(
             seed=seed,
             on_bad_rows="skip" if bad_rows == "skip" else "reject",
             limit=limit,
+            config=SimConfig(share_small=sharing == "shared"),
             live=live_policy,
         )
     except TraceError as exc:
@@ -375,6 +396,35 @@ def sim(
         render_table(results, console)
     if plots is not None:
         for path in write_plots(results, plots):
+            err.print(f"wrote {path}")
+
+
+def _sim_sharing_compare(
+    fleet: Path, trace: Path, *, seed: int, bad_rows: str, limit: int | None, as_json: bool, plots: Path | None
+) -> None:
+    """`hetsched sim --sharing compare`: the same trace with small models exclusive, then shared."""
+    from hetsched.sim_cli import dump_sharing_json, render_sharing_table, run_sharing_compare, write_plots
+    from shared.domain.traces import TraceError
+
+    try:
+        comparison, loaded = run_sharing_compare(
+            fleet, trace, seed=seed, on_bad_rows="skip" if bad_rows == "skip" else "reject", limit=limit
+        )
+    except TraceError as exc:
+        err.print(f"[red]{trace}: {exc}[/red]")
+        raise typer.Exit(1) from exc
+    except (OSError, ValueError) as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    if loaded.skipped_total:
+        counts = ", ".join(f"{reason}={n}" for reason, n in sorted(loaded.skipped.items()))
+        err.print(f"skipped {loaded.skipped_total} bad rows ({counts})")
+    if as_json:
+        print(dump_sharing_json(comparison))
+    else:
+        render_sharing_table(comparison, console)
+    if plots is not None:
+        for path in write_plots(comparison.results, plots):
             err.print(f"wrote {path}")
 
 

@@ -48,6 +48,7 @@ from shared.domain.ledger import (
     ExistingAllocation,
     Refused,
     ReplicaPool,
+    cross_domain_used,
     lease_too_long,
     may_change,
     plan_commits,
@@ -83,6 +84,7 @@ class Store(Protocol):
     async def lock_accelerators(
         self, *, session: AsyncSession, ids: Iterable[str]
     ) -> dict[str, AcceleratorCapacity]: ...
+    async def accelerator_clusters(self, *, session: AsyncSession, ids: Iterable[str]) -> dict[str, str | None]: ...
     async def lock_replica_pools(self, *, session: AsyncSession, ids: Iterable[str]) -> dict[str, ReplicaPool]: ...
     async def insert_allocations(
         self, *, session: AsyncSession, allocations: Sequence[store.NewAllocation]
@@ -180,6 +182,7 @@ class LedgerHandlers:
             view = await self._store.lock_accelerators(
                 session=uow.session, ids=[a for i in intents for a in i.accelerator_ids]
             )
+            clusters = await self._store.accelerator_clusters(session=uow.session, ids=view.keys())
             parents = await self._store.lock_replica_pools(
                 session=uow.session, ids=[i.parent_id for i in intents if i.parent_id]
             )
@@ -193,10 +196,15 @@ class LedgerHandlers:
                 parents=parents,
                 now=uow.now,
                 default_lease_s=self._default_lease_s,
+                clusters=clusters,
             )
             new = [
                 store.NewAllocation(
-                    id=self._new_id(), intent=planned[i], lease_expires_at=o.lease_expires_at, created_at=uow.now
+                    id=self._new_id(),
+                    intent=planned[i],
+                    lease_expires_at=o.lease_expires_at,
+                    created_at=uow.now,
+                    cluster=o.cluster,
                 )
                 for i, o in plan.accepted
             ]
@@ -205,7 +213,9 @@ class LedgerHandlers:
                 uow.emit(
                     Context.LEDGER,
                     LedgerEvent.ALLOCATION_COMMITTED,
-                    mapping.committed_event(allocation_id=a.id, intent=a.intent, lease_expires_at=a.lease_expires_at),
+                    mapping.committed_event(
+                        allocation_id=a.id, intent=a.intent, lease_expires_at=a.lease_expires_at, cluster=a.cluster
+                    ),
                     tenant=a.intent.tenant,
                     correlation_id=a.intent.request_id,
                 )
@@ -269,12 +279,18 @@ class LedgerHandlers:
             )
         )
         views = [mapping.ledger_view(e.capacity, e.allocations) for e in page.entries]
-        reply = SnapshotReply(accelerators=views, next_cursor=page.next_cursor)
+        # Cross-domain traffic is the whole fleet's on every page: a reader seeds its per-cluster budget use
+        # from any page (and counts each allocation once while it follows the events).
+        crossing = {
+            "cross_domain_used": cross_domain_used(page.cross_domain),
+            "cross_domain": [mapping.cross_domain(u) for u in page.cross_domain],
+        }
+        reply = SnapshotReply(accelerators=views, next_cursor=page.next_cursor, **crossing)
         # A page must fit one NATS message, whatever limit was asked: keep halving and say where to go on.
         budget = int(self._max_payload() * 0.9)
         while len(views) > 1 and len(reply.model_dump_json()) > budget:
             views = views[: len(views) // 2]
-            reply = SnapshotReply(accelerators=views, next_cursor=views[-1].id)
+            reply = SnapshotReply(accelerators=views, next_cursor=views[-1].id, **crossing)
         return reply
 
     # -- the lease sweeper ---------------------------------------------------------------------
@@ -326,9 +342,10 @@ class LedgerHandlers:
     # -- TOPOLOGY events -----------------------------------------------------------------------
 
     async def on_node_profiled(self, *, uow: UnitOfWork, event: EventEnvelope, payload: NodeProfileEvent) -> None:
-        """A node's GPUs become ledger accelerators (usable = HBM x ceiling)."""
+        """A node's GPUs become ledger accelerators (usable = HBM x ceiling), in the node's cluster."""
+        cluster = payload.profile.cluster or None
         accelerators = [
-            self._spec(AcceleratorId.gpu(payload.node, a.index), a.sku, a.hbm_bytes)
+            self._spec(AcceleratorId.gpu(payload.node, a.index), a.sku, a.hbm_bytes, cluster=cluster)
             for a in payload.profile.accelerators
         ]
         view = await self._store.upsert_capacity(session=uow.session, node=payload.node, accelerators=accelerators)
@@ -354,13 +371,16 @@ class LedgerHandlers:
     async def on_node_recovered(self, *, uow: UnitOfWork, event: EventEnvelope, payload: NodeStateEvent) -> None:
         await self._availability(uow, event, node=payload.node, available=True, reason="recovered")
 
-    def _spec(self, accelerator_id: str, sku: str, hbm_bytes: int) -> store.AcceleratorSpec:
+    def _spec(
+        self, accelerator_id: str, sku: str, hbm_bytes: int, *, cluster: str | None = None
+    ) -> store.AcceleratorSpec:
         return store.AcceleratorSpec(
             id=accelerator_id,
             sku=sku,
             hbm_total=hbm_bytes,
             ceiling=self._ceiling,
             usable=usable_hbm(hbm_bytes, self._ceiling),
+            cluster=cluster,
         )
 
     async def _availability(

@@ -13,11 +13,12 @@ from shared.contracts.ledger import (
     AllocationEvent,
     CommitReply,
     CommitRequest,
+    CrossDomainAllocation,
     ShareIn,
     ShareOut,
 )
 from shared.domain.capacity import AcceleratorCapacity
-from shared.domain.ledger import CommitIntent, Duplicate, EndedAllocation, Refused
+from shared.domain.ledger import CommitIntent, CrossDomainUse, Duplicate, EndedAllocation, Refused
 from shared.domain.memory import MemoryShare
 
 
@@ -37,6 +38,8 @@ def intent(request: CommitRequest) -> CommitIntent:
         lease_s=request.lease_s,
         lease_expires_at=request.lease_expires_at,
         expected=request.expected,
+        sharing=request.sharing,
+        cross_domain_bytes_per_s=request.cross_domain_bytes_per_s,
     )
 
 
@@ -65,7 +68,12 @@ def ledger_view(c: AcceleratorCapacity, allocations: Iterable[str]) -> Accelerat
         hbm_reserved_bytes=c.reserved,
         available=c.available,
         allocations=list(allocations),
+        shared=c.shared,
     )
+
+
+def cross_domain(use: CrossDomainUse) -> CrossDomainAllocation:
+    return CrossDomainAllocation(allocation_id=use.allocation_id, cluster=use.cluster, bytes_per_s=use.bytes_per_s)
 
 
 def share_out(accelerator_id: str, s: MemoryShare) -> ShareOut:
@@ -84,7 +92,9 @@ def share_out(accelerator_id: str, s: MemoryShare) -> ShareOut:
     )
 
 
-def committed_event(*, allocation_id: str, intent: CommitIntent, lease_expires_at: datetime) -> AllocationEvent:
+def committed_event(
+    *, allocation_id: str, intent: CommitIntent, lease_expires_at: datetime, cluster: str | None
+) -> AllocationEvent:
     return AllocationEvent(
         allocation_id=allocation_id,
         request_id=intent.request_id,
@@ -96,6 +106,9 @@ def committed_event(*, allocation_id: str, intent: CommitIntent, lease_expires_a
         lease_expires_at=lease_expires_at,
         counts_against_hbm=intent.counts_against_hbm,
         shares=[share_out(a, s) for a, s in intent.shares],
+        sharing=intent.sharing,
+        cross_domain_bytes_per_s=intent.cross_domain_bytes_per_s,
+        cluster=cluster,
     )
 
 
@@ -112,6 +125,9 @@ def ended_event(ended: EndedAllocation) -> AllocationEvent:
         lease_expires_at=a.lease_expires_at,
         counts_against_hbm=a.counts_against_hbm,
         shares=[share_out(acc, s) for acc, s in ended.shares],
+        sharing=a.sharing,
+        cross_domain_bytes_per_s=a.cross_domain_bytes_per_s,
+        cluster=a.cluster,
     )
 
 

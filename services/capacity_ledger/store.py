@@ -4,13 +4,17 @@ database trigger refuses any over-commit even if the code above were wrong.
 
 No rules here: what to write is decided in ``shared.domain.ledger``. The commit path talks to the
 asyncpg connection under the session's transaction (see ``driver``) because it is the hot path.
+
+Who holds an accelerator (``AcceleratorCapacity.shared``) is read in a statement of its own *after*
+the rows are locked: under READ COMMITTED a statement that waited for a row lock re-reads only the
+locked row, so a join in the locking statement could miss the shares of the transaction it waited for.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -23,6 +27,7 @@ from shared.domain.ledger import (
     AllocationRecord,
     AllocationState,
     CommitIntent,
+    CrossDomainUse,
     EndedAllocation,
     ExistingAllocation,
     ReplicaPool,
@@ -38,6 +43,7 @@ class NewAllocation:
     intent: CommitIntent
     lease_expires_at: datetime
     created_at: datetime
+    cluster: str | None = None  # of its accelerators: where its cross-domain traffic is charged
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,7 @@ class AcceleratorSpec:
     hbm_total: int
     ceiling: float
     usable: int
+    cluster: str | None = None  # the node's cluster (a TPU pod's events carry none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,7 @@ class LedgerEntry:
 class SnapshotPage:
     entries: list[LedgerEntry]
     next_cursor: str | None
+    cross_domain: list[CrossDomainUse] = field(default_factory=list)  # the whole fleet's, whatever the page
 
 
 async def driver(*, session: AsyncSession) -> Any:
@@ -97,7 +105,7 @@ def _index(accelerator_id: str) -> int:
     return -1 if gpu is None else gpu
 
 
-def _capacity(row: Any) -> AcceleratorCapacity:
+def _capacity(row: Any, *, shared: bool = False) -> AcceleratorCapacity:
     return AcceleratorCapacity(
         id=row["id"],
         node=row["node"],
@@ -106,6 +114,7 @@ def _capacity(row: Any) -> AcceleratorCapacity:
         usable=row["hbm_usable"],
         reserved=row["reserved"],
         available=row["available"],
+        shared=shared,
     )
 
 
@@ -124,20 +133,43 @@ def _record(row: Any) -> AllocationRecord:
         parent_id=row["parent_id"],
         preemptible=row["preemptible"],
         priority=row["priority"],
+        sharing=row["sharing"],
+        cross_domain_bytes_per_s=row["cross_domain_bytes_per_s"],
+        cluster=row["cluster"],
     )
 
 
 async def lock_accelerators(*, session: AsyncSession, ids: Iterable[str]) -> dict[str, AcceleratorCapacity]:
-    """Lock the rows (id order: the one lock order every transaction uses) and return their state."""
+    """Lock the rows (id order: the one lock order every transaction uses) and return their state,
+    with whether the replicas holding each are all ``shared`` (read once the locks are held)."""
     wanted = sorted(set(ids))
     if not wanted:
         return {}
-    rows = await (await driver(session=session)).fetch(
+    apg = await driver(session=session)
+    rows = await apg.fetch(
         "SELECT id, node, sku, hbm_usable, reserved, available FROM ledger.accelerators "
         "WHERE id = ANY($1) ORDER BY id FOR UPDATE",
         wanted,
     )
-    return {r["id"]: _capacity(r) for r in rows}
+    held = await apg.fetch(
+        "SELECT s.accelerator_id, bool_and(al.sharing = 'shared') AS shared FROM ledger.shares s "
+        "JOIN ledger.allocations al ON al.id = s.allocation_id "
+        "WHERE s.accelerator_id = ANY($1) AND s.active AND s.counts GROUP BY s.accelerator_id",
+        wanted,
+    )
+    shared = {h["accelerator_id"]: bool(h["shared"]) for h in held}
+    return {r["id"]: _capacity(r, shared=shared.get(r["id"], False)) for r in rows}
+
+
+async def accelerator_clusters(*, session: AsyncSession, ids: Iterable[str]) -> dict[str, str | None]:
+    """The cluster of each accelerator (None when its events did not say, as for a TPU pod's chips)."""
+    wanted = sorted(set(ids))
+    if not wanted:
+        return {}
+    rows = await (await driver(session=session)).fetch(
+        "SELECT id, cluster FROM ledger.accelerators WHERE id = ANY($1)", wanted
+    )
+    return {r["id"]: r["cluster"] for r in rows}
 
 
 # -- commit ------------------------------------------------------------------------------------
@@ -228,6 +260,9 @@ async def insert_allocations(*, session: AsyncSession, allocations: Sequence[New
                     "tenant": a.intent.tenant,
                     "kind": a.intent.kind,
                     "parent_id": a.intent.parent_id,
+                    "sharing": a.intent.sharing,
+                    "cross_domain_bytes_per_s": a.intent.cross_domain_bytes_per_s,
+                    "cluster": a.cluster,
                     "state": AllocationState.ACTIVE.value,
                     "preemptible": a.intent.preemptible,
                     "priority": a.intent.priority,
@@ -274,9 +309,10 @@ async def insert_allocations(*, session: AsyncSession, allocations: Sequence[New
 INSERT_COMMITS = """
 WITH a AS (
     INSERT INTO ledger.allocations (id, request_id, tenant, kind, parent_id, state, preemptible, priority,
-                                    lease_expires_at, flagged, created_at)
+                                    lease_expires_at, flagged, created_at, sharing, cross_domain_bytes_per_s,
+                                    cluster)
     SELECT id, request_id, tenant, kind, parent_id, state, preemptible, priority, lease_expires_at, flagged,
-           created_at
+           created_at, sharing, cross_domain_bytes_per_s, cluster
     FROM json_populate_recordset(NULL::ledger.allocations, $1::json)
     RETURNING 1
 ), s AS (
@@ -389,8 +425,10 @@ async def snapshot(*, session: AsyncSession, node: str | None, after: str | None
                 text(
                     "SELECT a.id, a.node, a.sku, a.hbm_usable, a.reserved, a.available, "
                     "COALESCE(array_agg(s.allocation_id ORDER BY s.allocation_id) "
-                    "FILTER (WHERE s.allocation_id IS NOT NULL AND s.counts), '{}') AS allocations "
+                    "FILTER (WHERE s.allocation_id IS NOT NULL AND s.counts), '{}') AS allocations, "
+                    "COALESCE(bool_and(al.sharing = 'shared') FILTER (WHERE s.counts), false) AS shared "
                     "FROM ledger.accelerators a LEFT JOIN ledger.shares s ON s.accelerator_id = a.id AND s.active "
+                    "LEFT JOIN ledger.allocations al ON al.id = s.allocation_id "
                     "WHERE (CAST(:node AS text) IS NULL OR a.node = :node) "
                     "AND (CAST(:after AS text) IS NULL OR a.id > :after) "
                     "GROUP BY a.id ORDER BY a.id LIMIT :limit"
@@ -403,9 +441,16 @@ async def snapshot(*, session: AsyncSession, node: str | None, after: str | None
     )
     more = len(rows) > limit
     page = rows[:limit]
+    crossing = await session.execute(
+        text(
+            "SELECT id, cluster, cross_domain_bytes_per_s FROM ledger.allocations "
+            "WHERE state = 'active' AND kind = 'replica' AND cross_domain_bytes_per_s > 0 ORDER BY id"
+        )
+    )
     return SnapshotPage(
-        entries=[LedgerEntry(_capacity(r), tuple(r["allocations"])) for r in page],
+        entries=[LedgerEntry(_capacity(r, shared=r["shared"]), tuple(r["allocations"])) for r in page],
         next_cursor=page[-1]["id"] if more and page else None,
+        cross_domain=[CrossDomainUse(c.id, c.cluster, c.cross_domain_bytes_per_s) for c in crossing],
     )
 
 
@@ -425,14 +470,23 @@ async def upsert_capacity(
         await session.execute(
             text(
                 # No `reserved`: only the shares trigger writes it (migration 0009), a new row starts at 0.
-                "INSERT INTO ledger.accelerators (id, node, sku, hbm_total, ceiling, hbm_usable, available) "
-                "VALUES (:id, :node, :sku, :total, :ceiling, :usable, true) "
+                # A cluster the event does not carry (a TPU pod's) keeps the one known.
+                "INSERT INTO ledger.accelerators (id, node, sku, hbm_total, ceiling, hbm_usable, available, cluster) "
+                "VALUES (:id, :node, :sku, :total, :ceiling, :usable, true, :cluster) "
                 "ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node, sku = EXCLUDED.sku, "
                 "hbm_total = EXCLUDED.hbm_total, ceiling = EXCLUDED.ceiling, hbm_usable = EXCLUDED.hbm_usable, "
-                "updated_at = now()"
+                "cluster = COALESCE(EXCLUDED.cluster, ledger.accelerators.cluster), updated_at = now()"
             ),
             [
-                {"id": a.id, "node": node, "sku": a.sku, "total": a.hbm_total, "ceiling": a.ceiling, "usable": a.usable}
+                {
+                    "id": a.id,
+                    "node": node,
+                    "sku": a.sku,
+                    "total": a.hbm_total,
+                    "ceiling": a.ceiling,
+                    "usable": a.usable,
+                    "cluster": a.cluster,
+                }
                 for a in sorted(accelerators, key=lambda a: a.id)
             ],
         )

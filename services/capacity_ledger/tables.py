@@ -3,6 +3,8 @@
 The invariant lives in the database (migration 0003): a trigger on `shares` keeps
 `accelerators.reserved` equal to the sum of active counted shares and refuses any change that would
 push it over `hbm_usable` (or onto an unavailable accelerator); `journal` refuses UPDATE and DELETE.
+Migration 0010 adds exclusivity: another trigger on `shares` refuses a replica's share on an
+accelerator that a replica it may not sit with holds (an exclusive one, or any when it is exclusive).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class LedgerAccelerator(SQLModel, table=True):
     updated_at: datetime = Field(
         sa_column=Column(DateTime(timezone=True), nullable=False, server_default=text("now()"))
     )
+    cluster: str | None = Field(default=None, sa_column=Column(Text, nullable=True))  # from topology events
 
 
 class Allocation(SQLModel, table=True):
@@ -54,7 +57,14 @@ class Allocation(SQLModel, table=True):
         UniqueConstraint("tenant", "request_id", name="allocations_tenant_request_key"),
         CheckConstraint("kind IN ('replica', 'request')", name="allocations_kind"),
         CheckConstraint("state IN ('active', 'released', 'expired')", name="allocations_state"),
+        CheckConstraint("sharing IN ('exclusive', 'shared')", name="allocations_sharing"),
+        CheckConstraint("cross_domain_bytes_per_s >= 0", name="allocations_cross_domain"),
         Index("ix_ledger_allocations_lease", "lease_expires_at", postgresql_where=text("state = 'active'")),
+        Index(
+            "ix_ledger_allocations_cross_domain",
+            "cluster",
+            postgresql_where=text("state = 'active' AND cross_domain_bytes_per_s > 0"),
+        ),
         {"schema": SCHEMA},
     )
 
@@ -74,6 +84,9 @@ class Allocation(SQLModel, table=True):
         sa_column=Column(DateTime(timezone=True), nullable=False, server_default=text("now()"))
     )
     ended_at: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=True), nullable=True))
+    sharing: str = Field(sa_column=Column(Text, nullable=False, server_default=text("'exclusive'")))
+    cross_domain_bytes_per_s: int = Field(sa_column=Column(BigInteger, nullable=False, server_default=text("0")))
+    cluster: str | None = Field(default=None, sa_column=Column(Text, nullable=True))  # of its accelerators
 
 
 class Share(SQLModel, table=True):

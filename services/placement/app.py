@@ -1,4 +1,5 @@
-"""Wiring of the placement service: its view of the fleet (``readmodel``), its handlers, their routes."""
+"""Wiring of the placement service: its view of the fleet (``readmodel``), its handlers, their routes, the
+queue of requests waiting for capacity."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from faststream import FastStream
 from opentelemetry import metrics
 
-from services.placement.handlers import Ownership, PlacementHandlers, PlacementMetrics
+from services.placement.handlers import Ownership, PlacementHandlers, PlacementMetrics, Queueing
 from services.placement.readmodel import ReadModel
 from services.placement.store import DecisionStore
 from services.placement.tables import SCHEMA
@@ -49,6 +50,7 @@ def wire(runtime: Runtime) -> Ctx:
         log=runtime.log,
         stale_after_ms=settings.placement_stale_after_ms,
         resync_ms=settings.placement_refresh_ms,
+        pcie_window_s=settings.placement_pcie_window_s,
     )
     handlers = PlacementHandlers(
         view=readmodel,
@@ -67,7 +69,9 @@ def wire(runtime: Runtime) -> Ctx:
         clock=runtime.clock,
         log=runtime.log,
         after_commit=_fault_after_commit(settings),
+        queueing=Queueing(timeout_s=settings.placement_queue_timeout_s, retry_s=settings.placement_queue_retry_s),
     )
+    readmodel.on_freed = handlers.wake_queue  # the view holds an event that may have freed capacity
     return Ctx(handlers=handlers, readmodel=readmodel)
 
 
@@ -101,6 +105,7 @@ SERVICE = ServiceDefinition(
     loops=(
         Loop("placement-view", lambda ctx: ctx.readmodel.run),
         Loop("placement-reconciler", lambda ctx: ctx.handlers.reconcile),
+        Loop("placement-queue", lambda ctx: ctx.handlers.serve_queue),
     ),
     checks=lambda ctx: ctx.readmodel.health(),
     calls=(
@@ -112,7 +117,8 @@ SERVICE = ServiceDefinition(
         Rpc.FLEET_GET,
         Rpc.FLEET_DESCRIBE,
     ),
-    reads=(Context.TOPOLOGY, Context.LEDGER),
+    # Ordered readers of the view (readmodel.STREAMS): GPU telemetry for each node's PCIe utilisation.
+    reads=(Context.TOPOLOGY, Context.LEDGER, Context.TELEMETRY),
 )
 
 

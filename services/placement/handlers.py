@@ -13,6 +13,15 @@ One request id, one outcome (``shared.domain.placement.ownership``): requests wi
 turns (a lock per id in this process, the intent's attempt and claim across processes); a retry of an
 interrupted placement asks the ledger again with the commit it sent (the ledger answers a repeat with
 the same allocation); a reused id with another body is ``conflict``.
+
+The queue: a request the domain refuses for capacity (``Decision.queueable``) that allows ``queue``
+is answered ``queued`` with its ``queue_position`` and kept in ``placement.queue`` (its intent
+``queued``); it reserves nothing. ``serve_queue`` retries the queue in arrival order (fleet-wide
+FIFO) whenever capacity frees (allocations released or expired, nodes back) and every
+``HETSCHED_PLACEMENT_QUEUE_RETRY_S``: each request that now fits is committed as any placement is,
+those that still do not fit keep their place (first fit in arrival order: a request that does not fit
+does not hold back a later one that does), and one past its ``queue_timeout_s`` is rejected
+``no_capacity`` ("queue timeout"). The same request id asked again answers its current state.
 """
 
 from __future__ import annotations
@@ -32,14 +41,16 @@ from services.placement.mapping import (
     balance_to_domain,
     body_hash,
     commit_held,
+    crossing,
     held_bytes,
     ledger_key,
+    may_queue,
     placement_request_id,
     to_commit,
     to_domain,
     to_reply,
 )
-from services.placement.store import DecisionStore
+from services.placement.store import DecisionStore, QueuedRequest, StoredIntent
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import (
@@ -75,7 +86,7 @@ from shared.domain.placement.ownership import (
     stale_before,
 )
 from shared.domain.placement.types import Decision, FleetSnapshot
-from shared.domain.placement.view import AssumeKey, LedgerAccelerator, overlay
+from shared.domain.placement.view import AssumeKey, Crossing, LedgerAccelerator, overlay
 from shared.infra import deadline
 from shared.infra.clock import Clock, MonotonicMs
 from shared.infra.rpc import RpcClient, RpcError
@@ -86,6 +97,8 @@ MAX_ATTEMPTS = 4
 WAIT_POLL_S = 0.05
 """How often a request waits for another process's attempt at the same request id to finish."""
 RECONCILE_BATCH = 500
+QUEUE_BATCH = 200
+"""Queued requests one pass of the queue looks at (the oldest first)."""
 
 
 class View(Protocol):
@@ -94,7 +107,9 @@ class View(Protocol):
     @property
     def snapshot(self) -> FleetSnapshot: ...
 
-    def assume(self, key: AssumeKey, held: Mapping[str, int]) -> int: ...
+    def assume(
+        self, key: AssumeKey, held: Mapping[str, int], *, shared: bool = False, crossing: Crossing | None = None
+    ) -> int: ...
 
     def confirm(self, token: int, allocation_id: str) -> None: ...
 
@@ -107,6 +122,7 @@ class PlacementMetrics:
     tp_degree: Counter
     nvlink_groups: Counter
     rejections: Counter
+    queue: Counter
 
     @classmethod
     def create(cls, meter: Meter) -> PlacementMetrics:
@@ -119,6 +135,9 @@ class PlacementMetrics:
                 "hetsched.placement.tp_groups", description="TP>1 groups placed, by whether every pair is NVLinked"
             ),
             rejections=meter.create_counter("hetsched.placement.rejections", description="Rejections by reason"),
+            queue=meter.create_counter(
+                "hetsched.placement.queue", description="Queued requests by outcome (queued, placed, timed_out)"
+            ),
         )
 
     def count(self, decision: Decision) -> None:
@@ -140,12 +159,21 @@ class Ownership:
 
 
 @dataclass(frozen=True, slots=True)
+class Queueing:
+    """How long a queued request waits by default, and how often the queue is retried without a wake."""
+
+    timeout_s: float = 600.0
+    retry_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
 class _Claimed:
     """This attempt holds the intent; ``commit``/``pending``: what an interrupted attempt sent, if any."""
 
     attempt: int
     commit: CommitRequest | None = None
     pending: PlaceReply | None = None
+    queued: bool = False  # taken from the queue (a row in placement.queue goes when it is decided)
 
 
 class _Lost:
@@ -218,6 +246,7 @@ class PlacementHandlers:
         after_commit: Callable[[], None] = lambda: None,
         max_attempts: int = MAX_ATTEMPTS,
         poll_s: float = WAIT_POLL_S,
+        queueing: Queueing | None = None,
     ) -> None:
         self._view = view
         self._store = store
@@ -232,6 +261,8 @@ class PlacementHandlers:
         self._after_commit = after_commit  # a fault-injection point for tests (HETSCHED_PLACEMENT_FAULT_AFTER_COMMIT)
         self._max_attempts = max_attempts
         self._poll_s = poll_s
+        self._queueing = queueing or Queueing()
+        self._queue_wake = asyncio.Event()
         self.ids = KeyedLocks()
 
     # -- routes ----------------------------------------------------------------------------------
@@ -257,9 +288,13 @@ class PlacementHandlers:
                 waited_s += self._poll_s
 
     async def explain(self, request: PlaceRequest) -> BaseModel:
-        decision, _elapsed_ms = self._decide(self._view.snapshot, request)
-        reply = to_reply(decision)
-        return reply.model_copy(update={"explanation": ["dry run: nothing was reserved", *reply.explanation]})
+        snapshot = self._view.snapshot
+        decision, _elapsed_ms = self._decide(snapshot, request)
+        reply = to_reply(decision, snapshot=snapshot, request=to_domain(request))
+        explanation = ["dry run: nothing was reserved", *reply.explanation]
+        if not decision.placed and decision.queueable and may_queue(request):
+            explanation.append("placement.place would queue this request until capacity frees")
+        return reply.model_copy(update={"explanation": explanation})
 
     async def release(self, request: ReleaseRequest) -> BaseModel:
         try:
@@ -317,11 +352,186 @@ class PlacementHandlers:
         await self._store.mark_ended(
             session=uow.session, allocation_id=payload.allocation_id, status=DecisionStatus.EXPIRED, now=uow.now
         )
+        self.wake_queue()
 
     async def on_allocation_released(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
         await self._store.mark_ended(
             session=uow.session, allocation_id=payload.allocation_id, status=DecisionStatus.RELEASED, now=uow.now
         )
+        self.wake_queue()
+
+    # -- the queue ---------------------------------------------------------------------------------
+
+    def wake_queue(self) -> None:
+        """Capacity may have freed: retry the queue now (a pass already under way is followed by another)."""
+        self._queue_wake.set()
+
+    async def serve_queue(self) -> None:
+        """Forever: a pass over the queue whenever woken, and every ``Queueing.retry_s`` anyway."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._queue_wake.wait(), timeout=self._queueing.retry_s)
+            self._queue_wake.clear()
+            try:
+                await self.serve_queue_once()
+            except Exception:
+                self._log.exception("placement's queue pass failed; retrying")
+
+    async def serve_queue_once(self) -> dict[str, str]:
+        """One pass, oldest first: time out what waited too long, place what fits now. The outcome per
+        request id (``placed``, ``queued``, ``timed_out``, ``rejected``, ``skipped``)."""
+        entries = await self._uow.read(lambda session: self._store.queued(session=session, limit=QUEUE_BATCH))
+        outcomes: dict[str, str] = {}
+        for entry in entries:
+            async with self.ids.hold((entry.tenant, entry.request_id)):
+                if entry.deadline_at <= self._clock():
+                    outcome = await self._time_out(entry)
+                else:
+                    outcome = await self._serve(entry)
+            outcomes[entry.request_id] = outcome
+            if outcome in ("placed", "timed_out"):
+                self._metrics.queue.add(1, {"outcome": outcome})
+        return outcomes
+
+    async def _serve(self, entry: QueuedRequest) -> str:
+        request = entry.request
+        # A dry decision first: a request that still does not fit costs no writes.
+        decision, _elapsed_ms = self._decide(self._view.snapshot, request)
+        if not decision.placed and decision.queueable:
+            return "queued"
+        body = body_hash(request)
+        claim = await self._uow.run(lambda uow: self._claim(uow, request, body, dequeue=True))
+        if not isinstance(claim, _Claimed):
+            return "skipped"
+        outcome = await self._attempt(request, claim)
+        if isinstance(outcome, PlaceReply):
+            return outcome.status
+        return "rejected" if isinstance(outcome, Rejected) else "skipped"
+
+    async def _claim_queued(self, uow: UnitOfWork, stored: StoredIntent | None, body: str) -> _Claimed | None:
+        """Take a queued request's intent for an attempt of the queue; None when there is nothing to do
+        (another attempt holds it, or it is no longer waiting: then its queue row goes)."""
+        intent = stored.intent if stored is not None else None
+        if intent is not None and intent.body_hash in (None, body):
+            until = uow.now + timedelta(seconds=self._ownership.claim_s)
+            if intent.status is DecisionStatus.QUEUED:
+                attempt = await self._store.take(
+                    session=uow.session,
+                    tenant=intent.tenant,
+                    request_id=intent.request_id,
+                    claimed_until=until,
+                    now=uow.now,
+                    keep_commit=False,
+                )
+                return _Claimed(attempt=attempt, queued=True)
+            if intent.status is DecisionStatus.COMMITTING:
+                if intent.claimed_until is not None and intent.claimed_until > uow.now:
+                    return None  # being placed right now
+                assert stored is not None  # an interrupted attempt: recover its commit, as a retry would
+                attempt = await self._store.take(
+                    session=uow.session,
+                    tenant=intent.tenant,
+                    request_id=intent.request_id,
+                    claimed_until=until,
+                    now=uow.now,
+                    keep_commit=True,
+                )
+                if stored.commit is not None and stored.reply is not None:
+                    return _Claimed(attempt=attempt, commit=stored.commit, pending=stored.reply, queued=True)
+                return _Claimed(attempt=attempt, queued=True)
+        if intent is not None:
+            await self._store.dequeue(session=uow.session, tenant=intent.tenant, request_id=intent.request_id)
+        return None
+
+    async def _time_out(self, entry: QueuedRequest) -> str:
+        """Reject a request that waited its ``queue_timeout_s`` out (unless an attempt holds it now)."""
+        waited_s = round((entry.deadline_at - entry.enqueued_at).total_seconds())
+        message = f"queue timeout: no capacity freed for this request within {waited_s} s"
+
+        async def work(uow: UnitOfWork) -> str:
+            stored = await self._store.lock(session=uow.session, tenant=entry.tenant, request_id=entry.request_id)
+            status = stored.intent.status if stored is not None else None
+            if status is DecisionStatus.COMMITTING:
+                return "skipped"  # an attempt is placing it: its outcome stands
+            await self._store.dequeue(session=uow.session, tenant=entry.tenant, request_id=entry.request_id)
+            if stored is None or status is not DecisionStatus.QUEUED:
+                return "skipped"
+            before = stored.reply.explanation if stored.reply is not None else []
+            reply = PlaceReply(
+                status="rejected",
+                request_id=entry.request_id,
+                explanation=[*before, message],
+                error=ErrorBody(code=ErrorCode.NO_CAPACITY, message=message),
+            )
+            if not await self._store.settle(
+                session=uow.session,
+                tenant=entry.tenant,
+                request_id=entry.request_id,
+                attempt=stored.intent.attempt,
+                was=DecisionStatus.QUEUED,
+                status=DecisionStatus.TIMED_OUT,
+                reply=reply,
+                now=uow.now,
+            ):
+                return "skipped"
+            self._emit(uow, entry.request, reply, PlacementEventName.PLACEMENT_REJECTED, 0.0, 0)
+            return "timed_out"
+
+        return await self._uow.run(work)
+
+    async def _enqueue(self, request: PlaceRequest, claim: _Claimed, decision: Decision) -> BaseModel | _Lost:
+        """Answer ``queued``: the intent waits in the queue (a new request joins its end, a request the
+        queue retried keeps its place). Nothing is reserved."""
+        timeout_s = request.queue_timeout_s or self._queueing.timeout_s
+        reply = to_reply(decision).model_copy(
+            update={
+                "status": "queued",
+                "error": None,
+                "explanation": [
+                    *decision.explanation,
+                    f"queued: {decision.message or 'no capacity now'}; placed in arrival order as capacity frees, "
+                    f"rejected if nothing fits within {timeout_s:g} s (queue_timeout_s)",
+                ],
+            }
+        )
+
+        async def work(uow: UnitOfWork) -> int | _Lost | None:
+            if not await self._store.finish(
+                session=uow.session,
+                tenant=request.tenant,
+                request_id=request.request_id,
+                attempt=claim.attempt,
+                status=DecisionStatus.QUEUED,
+                reply=reply,
+                allocation_id=None,
+                now=uow.now,
+            ):
+                return LOST
+            await self._store.enqueue(
+                session=uow.session,
+                request=request,
+                enqueued_at=uow.now,
+                deadline_at=uow.now + timedelta(seconds=timeout_s),
+            )
+            return await self._store.queue_position(
+                session=uow.session, tenant=request.tenant, request_id=request.request_id
+            )
+
+        position = await self._uow.run(work)
+        if isinstance(position, _Lost):
+            return LOST
+        if not claim.queued:
+            self._metrics.queue.add(1, {"outcome": "queued"})
+        return reply.model_copy(update={"queue_position": position})
+
+    async def _queued_reply(self, uow: UnitOfWork, stored: StoredIntent) -> PlaceReply | None:
+        """A queued request's stored answer with its position now."""
+        if stored.reply is None:
+            return None
+        position = await self._store.queue_position(
+            session=uow.session, tenant=stored.intent.tenant, request_id=stored.intent.request_id
+        )
+        return stored.reply.model_copy(update={"queue_position": position})
 
     # -- the reconciler ----------------------------------------------------------------------------
 
@@ -396,10 +606,15 @@ class PlacementHandlers:
 
     # -- steps -----------------------------------------------------------------------------------
 
-    async def _claim(self, uow: UnitOfWork, request: PlaceRequest, body: str) -> _Claimed | BaseModel | _Lost:
-        """Take this request id for an attempt, or answer what it already decided."""
+    async def _claim(
+        self, uow: UnitOfWork, request: PlaceRequest, body: str, *, dequeue: bool = False
+    ) -> _Claimed | BaseModel | _Lost | None:
+        """Take this request id for an attempt, or answer what it already decided (``dequeue``: for the
+        queue, which takes a queued request over; None when it has nothing to do)."""
         tenant, request_id = request.tenant, request.request_id
         stored = await self._store.lock(session=uow.session, tenant=tenant, request_id=request_id)
+        if dequeue:
+            return await self._claim_queued(uow, stored, body)
         ruling = rule(stored.intent if stored else None, body_hash=body, now=uow.now)
         until = uow.now + timedelta(seconds=self._claim_s())
         match ruling:
@@ -413,6 +628,8 @@ class PlacementHandlers:
                     now=uow.now,
                 )
                 return _Claimed(attempt=1) if inserted else LOST
+            case Answer() if stored is not None and stored.intent.status is DecisionStatus.QUEUED:
+                return await self._queued_reply(uow, stored) or LOST
             case Answer() if stored is not None and stored.reply is not None:
                 return stored.reply
             case Refuse(code=code, message=message):
@@ -457,6 +674,8 @@ class PlacementHandlers:
             decision, elapsed_ms = self._decide(snapshot, request)
             decision_ms += elapsed_ms
             if not decision.placed:
+                if decision.queueable and may_queue(request):
+                    return await self._enqueue(request, claim, decision)
                 self._metrics.count(decision)
                 reply = to_reply(decision)
                 return await self._record(
@@ -466,9 +685,14 @@ class PlacementHandlers:
                 await self._finish_rejected(request, claim)
                 return _caller_gone()
             commit = to_commit(request, decision, snapshot, lease_s=request.lease_s or self._default_lease_s)
-            pending = to_reply(decision)
+            pending = to_reply(decision, snapshot=snapshot, request=to_domain(request))
             # Assumed before anything awaits, so decisions made meanwhile see these bytes as taken.
-            token = self._view.assume(ledger_key(request), held_bytes(snapshot, decision))
+            token = self._view.assume(
+                ledger_key(request),
+                held_bytes(snapshot, decision),
+                shared=decision.sharing == "shared",
+                crossing=crossing(decision),
+            )
             try:
                 saved = await self._save(request, claim, commit, pending)
             except BaseException:
@@ -502,6 +726,8 @@ class PlacementHandlers:
             # The view was stale: decide again with the ledger's figures for the GPUs it refused.
             for balance in committed.view if isinstance(committed, CommitReply) else ():
                 fresher[balance.id] = balance_to_domain(None, balance)
+        if claim.queued:  # the queue tries it again on its next pass
+            return await self._enqueue(request, claim, decision)
         await self._finish_rejected(request, claim)
         return rejected(ErrorCode.CONFLICT, f"the fleet kept changing under {self._max_attempts} attempts; retry")
 
@@ -510,7 +736,8 @@ class PlacementHandlers:
     ) -> BaseModel | _Lost | None:
         """An earlier attempt sent ``commit`` and was interrupted: ask the ledger again (a repeat answers
         with the same allocation). None: it never landed, decide afresh."""
-        committed = await self._reserve(commit, self._view.assume(ledger_key(request), commit_held(commit)))
+        token = self._view.assume(ledger_key(request), commit_held(commit), shared=commit.sharing == "shared")
+        committed = await self._reserve(commit, token)
         if isinstance(committed, RpcError):
             await self._unclaim(request, claim)
             return _ledger_silent(committed)
@@ -607,6 +834,8 @@ class PlacementHandlers:
 
         async def work(uow: UnitOfWork) -> bool:
             placed = reply.status == "placed"
+            if claim.queued:  # decided: it leaves the queue with its outcome
+                await self._store.dequeue(session=uow.session, tenant=request.tenant, request_id=request.request_id)
             if not await self._store.finish(
                 session=uow.session,
                 tenant=request.tenant,
@@ -618,20 +847,31 @@ class PlacementHandlers:
                 now=uow.now,
             ):
                 return False
-            uow.emit(
-                Context.PLACEMENT,
-                event,
-                PlacementEvent(
-                    request_id=request.request_id,
-                    tenant=request.tenant,
-                    model=request.model,
-                    reply=reply,
-                    decision_ms=round(decision_ms, 3),
-                    attempts=attempts,
-                ),
-                tenant=request.tenant,
-                correlation_id=request.request_id,
-            )
+            self._emit(uow, request, reply, event, decision_ms, attempts)
             return True
 
         return reply if await self._uow.run(work) else LOST
+
+    @staticmethod
+    def _emit(
+        uow: UnitOfWork,
+        request: PlaceRequest,
+        reply: PlaceReply,
+        event: PlacementEventName,
+        decision_ms: float,
+        attempts: int,
+    ) -> None:
+        uow.emit(
+            Context.PLACEMENT,
+            event,
+            PlacementEvent(
+                request_id=request.request_id,
+                tenant=request.tenant,
+                model=request.model,
+                reply=reply,
+                decision_ms=round(decision_ms, 3),
+                attempts=attempts,
+            ),
+            tenant=request.tenant,
+            correlation_id=request.request_id,
+        )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 
 from pydantic import BaseModel
 
@@ -18,20 +19,42 @@ from shared.contracts.ledger import (
     ShareIn,
     SnapshotReply,
 )
-from shared.contracts.placement import AcceleratorShare, NodePlacement, PlaceReply, PlaceRequest, TpuSlice
+from shared.contracts.placement import (
+    AcceleratorShare,
+    EngineLaunch,
+    Estimate,
+    NodeBinding,
+    NodePlacement,
+    PlaceReply,
+    PlaceRequest,
+    TpuSlice,
+)
 from shared.contracts.topology import (
+    GpuTelemetryEvent,
     NodeProfileEvent,
     NodeProfilePayload,
     NodeStateEvent,
+    TelemetryEvent,
     TopologyEvent,
     TpuPodEvent,
 )
-from shared.domain.fleet import AcceleratorId, NodeProfile, Rack, TpuPod
+from shared.domain.fleet import AcceleratorId, NodeProfile, Rack, TpuPod, fleet_domains
 from shared.domain.hardware import Sku
 from shared.domain.ledger.replay import allocation_delta
 from shared.domain.models import ModelSpec
+from shared.domain.placement import binding as engine_binding
+from shared.domain.placement.binding import bind, launch
 from shared.domain.placement.types import Decision, FleetSnapshot, PlacementRequest, Slo
-from shared.domain.placement.view import AssumeKey, FleetView, LedgerAccelerator, LedgerMirror, reservation
+from shared.domain.placement.view import (
+    DEFAULT_PCIE_WINDOW_S,
+    AssumeKey,
+    Crossing,
+    FleetView,
+    LedgerAccelerator,
+    LedgerMirror,
+    PcieSample,
+    reservation,
+)
 from shared.domain.topology.tpu import TpuType
 from shared.infra.profiles import profile_from_payload
 
@@ -56,20 +79,155 @@ def to_domain(request: PlaceRequest) -> PlacementRequest:
         region=request.region,
         preemptible=request.preemptible,
         slo=Slo(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms, p99_ms=slo.p99_ms) if slo else None,
+        sharing=request.sharing,
+        fallbacks=tuple(request.fallbacks) if request.fallbacks is not None else None,
+        pp=request.pp,
     )
 
 
-def to_reply(decision: Decision, *, allocation_id: str | None = None) -> PlaceReply:
+def may_queue(request: PlaceRequest) -> bool:
+    """The request lets placement queue it: the default ladder, or `queue` among its fallbacks."""
+    return request.fallbacks is None or "queue" in request.fallbacks
+
+
+def _by_node(accelerators: Sequence[str]) -> dict[str, list[str]]:
+    by_node: dict[str, list[str]] = {}
+    for acc in accelerators:
+        by_node.setdefault(AcceleratorId.parse(acc).host, []).append(acc)
+    return by_node
+
+
+def _domain_of(accelerators: Sequence[str], snapshot: FleetSnapshot | None) -> str | None:
+    """The NVLink domain holding all of ``accelerators`` (a pipeline stage), when one does."""
+    if snapshot is None or not accelerators:
+        return None
+    profiles = [snapshot.nodes[n] for n in _by_node(accelerators) if n in snapshot.nodes]
+    wanted = set(accelerators)
+    return next((d.id for d in fleet_domains(profiles) if wanted <= set(d.members)), None)
+
+
+def _stages(decision: Decision, snapshot: FleetSnapshot | None) -> list[list[NodePlacement]] | None:
+    """Each pipeline stage's accelerators grouped by node, with the stage's NVLink domain."""
+    if decision.pp <= 1 or not decision.stages:
+        return None
+    stages: list[list[NodePlacement]] = []
+    for stage in decision.stages:
+        domain = _domain_of(stage, snapshot)
+        stages.append([NodePlacement(node=n, accelerators=accs, domain=domain) for n, accs in _by_node(stage).items()])
+    return stages
+
+
+def _estimate(decision: Decision) -> Estimate | None:
+    if not decision.estimate:
+        return None
+    figures = decision.estimate
+    return Estimate(
+        ttft_ms=figures.get("ttft_ms"),
+        tpot_ms=figures.get("tpot_ms"),
+        tokens_per_s=figures.get("tokens_per_s"),
+        load_time_s=figures.get("load_time_s"),
+    )
+
+
+def launch_dtypes(decision: Decision, request: PlacementRequest, spec: ModelSpec) -> tuple[str, str]:
+    """(weights dtype, KV dtype) the decision was made with: the request's, else the catalog's; the
+    `kv_quantize` fallback holds the KV cache in fp8 (its explanation says so)."""
+    dtype = request.dtype or spec.dtype
+    kv_dtype = request.kv_dtype or spec.kv_dtype
+    if decision.fallback == "kv_quantize":
+        kv_dtype = "fp8"
+    return dtype, kv_dtype
+
+
+def _device_hbm(decision: Decision, snapshot: FleetSnapshot) -> int | None:
+    """The HBM of the decision's devices as discovery reported it (the smallest, should they differ),
+    else the SKU's nominal figure: what the engines' memory fraction is a fraction of."""
+    sizes = []
+    for acc in decision.accelerators:
+        parsed = AcceleratorId.parse(acc)
+        profile = snapshot.nodes.get(parsed.host)
+        if profile is None or parsed.gpu_index is None:
+            continue
+        sizes += [a.hbm_bytes for a in profile.accelerators if a.index == parsed.gpu_index]
+    if sizes:
+        return min(sizes)
+    sku = snapshot.skus.get(decision.sku or "")
+    return sku.hbm_bytes if sku is not None else None
+
+
+def binding_and_launch(
+    decision: Decision, snapshot: FleetSnapshot, request: PlacementRequest
+) -> tuple[list[NodeBinding] | None, EngineLaunch | None, str | None]:
+    """What an engine is started with for a placed GPU decision (``shared.domain.placement.binding``),
+    and a note when it cannot be said."""
+    if not decision.placed or decision.tpu is not None:
+        return None, None, None
+    try:
+        bindings = bind(decision, snapshot.nodes)
+        spec = snapshot.models.get(request.model)
+        hbm = _device_hbm(decision, snapshot)
+        if spec is None or hbm is None:
+            return _bindings(bindings), None, "no engine arguments: the model or the device HBM is unknown"
+        dtype, kv_dtype = launch_dtypes(decision, request, spec)
+        engine = launch(
+            decision,
+            model=spec,
+            hbm_bytes=hbm,
+            context_tokens=request.context_tokens,
+            concurrency=request.concurrency,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            bindings=bindings,
+        )
+    except ValueError as exc:
+        return None, None, f"no binding: {exc}"
+    return (
+        _bindings(bindings),
+        EngineLaunch(vllm=list(engine.vllm), sglang=list(engine.sglang), env=dict(engine.env)),
+        None,
+    )
+
+
+def _bindings(bindings: Sequence[engine_binding.NodeBinding]) -> list[NodeBinding]:
+    return [
+        NodeBinding(
+            node=b.node,
+            cuda_visible_devices=b.cuda_visible_devices,
+            tp_rank_order=list(b.tp_rank_order),
+            numa_node=b.numa_node,
+            cpu_set=b.cpu_set,
+        )
+        for b in bindings
+    ]
+
+
+def to_reply(
+    decision: Decision,
+    *,
+    allocation_id: str | None = None,
+    snapshot: FleetSnapshot | None = None,
+    request: PlacementRequest | None = None,
+) -> PlaceReply:
+    """The reply for a decision; with the ``snapshot`` it was made on and its ``request``, a placed GPU
+    decision also carries its ``binding`` and ``launch`` (and its stages their NVLink domains)."""
     share = decision.share
     placements: list[NodePlacement] = []
     if decision.placed and decision.tpu is None:
-        by_node: dict[str, list[str]] = {}
-        for acc in decision.accelerators:
-            by_node.setdefault(AcceleratorId.parse(acc).host, []).append(acc)
-        placements = [NodePlacement(node=n, accelerators=accs, domain=decision.domain) for n, accs in by_node.items()]
+        domain = decision.domain if decision.pp <= 1 else None  # stages name theirs
+        placements = [
+            NodePlacement(node=n, accelerators=accs, domain=domain)
+            for n, accs in _by_node(decision.accelerators).items()
+        ]
     error = None
     if not decision.placed:
         error = rejected(decision.error_code or ErrorCode.NO_CAPACITY, decision.message or "no placement").error
+    binding: list[NodeBinding] | None = None
+    engine: EngineLaunch | None = None
+    explanation = list(decision.explanation)
+    if snapshot is not None and request is not None:
+        binding, engine, note = binding_and_launch(decision, snapshot, request)
+        if note:
+            explanation.append(note)
     return PlaceReply(
         status=decision.status,
         request_id=decision.request_id,
@@ -93,8 +251,15 @@ def to_reply(decision: Decision, *, allocation_id: str | None = None) -> PlaceRe
         if share is not None and decision.placed
         else None,
         score=dict(decision.score),
-        explanation=list(decision.explanation),
+        explanation=explanation,
         error=error,
+        sharing="shared" if decision.sharing == "shared" else "exclusive",
+        pp=max(decision.pp, 1),
+        stages=_stages(decision, snapshot) if decision.placed else None,
+        fallback=decision.fallback if decision.placed else None,
+        binding=binding,
+        launch=engine,
+        estimate=_estimate(decision),
     )
 
 
@@ -126,9 +291,18 @@ def held_bytes(snapshot: FleetSnapshot, decision: Decision) -> dict[str, int]:
     return {acc: share.total for acc, share in reservation(snapshot, decision).items()}
 
 
+def crossing(decision: Decision) -> Crossing | None:
+    """(cluster, bytes/s) of TP traffic the decision sends across NVLink domains, if any."""
+    if decision.cross_domain_bytes_per_s > 0 and decision.cluster is not None:
+        return decision.cluster, decision.cross_domain_bytes_per_s
+    return None
+
+
 def to_commit(request: PlaceRequest, decision: Decision, snapshot: FleetSnapshot, *, lease_s: int) -> CommitRequest:
     """The ledger commit of a placed decision, with the reserved bytes it was decided on (``expected``):
-    if they changed and the commit no longer fits, the ledger answers ``conflict``."""
+    if they changed and the commit no longer fits, the ledger answers ``conflict`` (so two concurrent
+    placements never land on one GPU the view showed idle). Every pipeline stage's accelerators are
+    in the one commit: all stages or none. ``sharing`` and the cross-domain traffic travel with it."""
     shares = reservation(snapshot, decision)
     if decision.tpu is not None:
         expected = dict.fromkeys(shares, 0)  # a slice is only decided on free chips
@@ -139,6 +313,8 @@ def to_commit(request: PlaceRequest, decision: Decision, snapshot: FleetSnapshot
         request_id=request_id,
         tenant=tenant,
         kind="replica",
+        sharing="shared" if decision.sharing == "shared" else "exclusive",
+        cross_domain_bytes_per_s=round(decision.cross_domain_bytes_per_s),
         preemptible=request.preemptible,
         lease_s=lease_s,
         shares=[
@@ -172,9 +348,11 @@ def view_from(
     ledger: SnapshotReply,
     skus: Mapping[str, Sku],
     models: Mapping[str, ModelSpec],
+    pcie_window_s: float = DEFAULT_PCIE_WINDOW_S,
 ) -> FleetView:
-    """A view seeded from ``fleet.get`` (with each node's profile) and ``ledger.snapshot``. A node whose
-    profile is missing or does not parse is left out until its next ``node_profiled``."""
+    """A view seeded from ``fleet.get`` (with each node's profile) and ``ledger.snapshot`` (with which
+    GPUs shared replicas hold and the cross-domain traffic per cluster). A node whose profile is missing
+    or does not parse is left out until its next ``node_profiled``."""
     nodes: list[tuple[NodeProfile, bool]] = []
     for node in fleet.nodes:
         payload = profiles.get(node.name)
@@ -197,21 +375,32 @@ def view_from(
             for p in fleet.tpu_pods
         ],
         ledger=LedgerMirror(
-            LedgerAccelerator(
-                id=a.id,
-                node=a.node,
-                usable=a.hbm_usable,
-                reserved=a.hbm_reserved,
-                available=a.available,
-                allocations=tuple(a.allocations),
-            )
-            for a in ledger.accelerators
+            [
+                LedgerAccelerator(
+                    id=a.id,
+                    node=a.node,
+                    usable=a.hbm_usable,
+                    reserved=a.hbm_reserved,
+                    available=a.available,
+                    allocations=tuple(a.allocations),
+                    shared=a.shared,
+                )
+                for a in ledger.accelerators
+            ],
+            cross_domain_used=ledger.cross_domain_used,
+            crossing={
+                c.allocation_id: (c.cluster, float(c.bytes_per_s))
+                for c in ledger.cross_domain
+                if c.cluster is not None and c.bytes_per_s > 0
+            },
         ),
+        pcie_window_s=pcie_window_s,
     )
 
 
-def apply_event(view: FleetView, name: str, payload: BaseModel) -> None:
-    """One TOPOLOGY or LEDGER event (its contract payload) folded into the view; others are ignored."""
+def apply_event(view: FleetView, name: str, payload: BaseModel, *, at: datetime | None = None) -> None:
+    """One TOPOLOGY, LEDGER or TELEMETRY event (its contract payload) folded into the view; others are
+    ignored. ``at``: when the event happened (a GPU telemetry sample needs it; without it, ignored)."""
     match name, payload:
         case ((TopologyEvent.NODE_PROFILED | TopologyEvent.NODE_CHANGED), NodeProfileEvent()):
             view.node_profiled(profile_from_payload(payload.profile))
@@ -228,7 +417,25 @@ def apply_event(view: FleetView, name: str, payload: BaseModel) -> None:
             view.pod_profiled(pod, payload.hbm_per_chip)
         case _, AllocationEvent():  # the ledger's fold says what it moves: commits add, ends give back
             delta = allocation_delta(name, payload)
-            view.allocation_moved(payload.allocation_id, key=(payload.tenant, payload.request_id), delta=delta)
+            traffic = payload.cross_domain_bytes_per_s
+            view.allocation_moved(
+                payload.allocation_id,
+                key=(payload.tenant, payload.request_id),
+                delta=delta,
+                shared=payload.sharing == "shared",
+                crossing=(payload.cluster, float(traffic)) if payload.cluster is not None and traffic > 0 else None,
+            )
+        case TelemetryEvent.GPU, GpuTelemetryEvent() if at is not None:
+            view.gpu_telemetry(
+                payload.node,
+                at,
+                (
+                    PcieSample(
+                        index=g.index, tx_bytes_per_s=g.pcie_tx_bytes_per_s, rx_bytes_per_s=g.pcie_rx_bytes_per_s
+                    )
+                    for g in payload.gpus
+                ),
+            )
         case LedgerEvent.CAPACITY_CHANGED, CapacityChangedEvent():
             view.capacity_changed(balance_to_domain(payload.node, b) for b in payload.accelerators)
         case _:

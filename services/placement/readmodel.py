@@ -1,5 +1,8 @@
 """Placement's own view of the fleet: seeded from `fleet.get` and `ledger.snapshot` (paged RPC) and kept
-current from the TOPOLOGY and LEDGER streams. No other service's tables are read.
+current from the TOPOLOGY and LEDGER streams, with each node's PCIe utilisation from GPU telemetry (the
+TELEMETRY stream, ``HETSCHED_PLACEMENT_PCIE_WINDOW_S``: see ``shared.domain.placement.view.PcieWindow``;
+a node counts as busy only once placement has watched it for a whole window, from its start or resync
+on). No other service's tables are read.
 
 A sync cannot miss an event between the snapshots and the streams: ordered (ephemeral) JetStream
 consumers that deliver only new events start first and buffer; then the snapshots are fetched; then
@@ -32,18 +35,31 @@ from services.placement.mapping import apply_event, view_from
 from shared.contracts.base import Rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.fleet import FleetDescribeReply, FleetDescribeRequest
+from shared.contracts.ledger import LedgerEvent
+from shared.contracts.permissions import EVENT_PUBLISHERS, NODE_SCOPED_EVENTS
 from shared.contracts.registry import EVENTS
 from shared.contracts.streams import stream_name
-from shared.contracts.subjects import Context, Rpc, Subjects
-from shared.contracts.topology import NodeProfilePayload
+from shared.contracts.subjects import Context, Rpc, Subjects, token
+from shared.contracts.topology import NodeProfilePayload, TopologyEvent
 from shared.domain.hardware import Sku
 from shared.domain.models import ModelSpec
 from shared.domain.placement.types import FleetSnapshot
-from shared.domain.placement.view import AssumeKey, FleetView
+from shared.domain.placement.view import DEFAULT_PCIE_WINDOW_S, AssumeKey, Crossing, FleetView
 from shared.infra.clock import Clock
 from shared.infra.rpc import RpcClient
 
-STREAMS = (Context.TOPOLOGY, Context.LEDGER)
+STREAMS = (Context.TOPOLOGY, Context.LEDGER, Context.TELEMETRY)
+# Events after which capacity may have freed: the queue is retried once the view holds them.
+FREEING = frozenset(
+    {
+        LedgerEvent.ALLOCATION_RELEASED,
+        LedgerEvent.ALLOCATION_EXPIRED,
+        LedgerEvent.CAPACITY_CHANGED,
+        TopologyEvent.NODE_PROFILED,
+        TopologyEvent.NODE_CHANGED,
+        TopologyEvent.NODE_RECOVERED,
+    }
+)
 RETRY_S = 0.5
 DESCRIBE_AT_ONCE = 8
 
@@ -65,12 +81,15 @@ class Progress:
 class _Feed:
     """One stream's new events for one view: buffered until the view is seeded, then applied as they come."""
 
-    def __init__(self, context: Context, *, log: logging.Logger) -> None:
+    def __init__(self, context: Context, *, log: logging.Logger, on_freed: Callable[[], None] = lambda: None) -> None:
         self.context = context
         self.log = log
+        self.on_freed = on_freed
         self.progress = Progress()
         self.subscription: Subscription | None = None
-        self._buffer: list[tuple[str, BaseModel]] | None = []
+        self._buffer: list[tuple[str, BaseModel, datetime]] | None = []
+        self._publisher = EVENT_PUBLISHERS[context]
+        self._scoped = frozenset(NODE_SCOPED_EVENTS.get(context, ()))
         self._view: FleetView | None = None
         self._closed = False
 
@@ -98,24 +117,44 @@ class _Feed:
                 extra={"event_id": str(envelope.event_id), "type": envelope.type, "error": str(exc)[:300]},
             )
             return
+        if name in self._scoped and not self._trusted(envelope, payload, msg.subject):
+            return
         if self._view is None:
             assert self._buffer is not None
-            self._buffer.append((name, payload))
+            self._buffer.append((name, payload, envelope.occurred_at))
         else:
-            self._apply(self._view, name, payload)
+            self._apply(self._view, name, payload, envelope.occurred_at)
+            if name in FREEING:
+                self.on_freed()
 
-    def _apply(self, view: FleetView, name: str, payload: BaseModel) -> None:
+    def _trusted(self, envelope: EventEnvelope, payload: BaseModel, subject: str) -> bool:
+        """A node's own report (an agent's telemetry): from its publisher, on the subject of the node it
+        names (as the durable consumers check, ``shared.infra.bus.consume``)."""
+        node = getattr(payload, "node", None)
+        if envelope.source == self._publisher and isinstance(node, str) and subject.endswith("." + token(node)):
+            return True
+        self.log.warning(
+            "dropping a node-scoped event from the wrong source or subject",
+            extra={"type": envelope.type, "source": envelope.source[:100], "subject": subject[:200]},
+        )
+        return False
+
+    def _apply(self, view: FleetView, name: str, payload: BaseModel, at: datetime) -> None:
         try:
-            apply_event(view, name, payload)
+            apply_event(view, name, payload, at=at)
         except ValueError as exc:  # e.g. a profile whose link matrix does not match its GPUs
             self.log.warning("ignoring an event the view cannot apply", extra={"type": name, "error": str(exc)})
 
     def attach(self, view: FleetView) -> None:
         """Apply what was buffered, then every later event, to ``view`` (no await in between)."""
-        for name, payload in self._buffer or ():
-            self._apply(view, name, payload)
+        freed = False
+        for name, payload, at in self._buffer or ():
+            self._apply(view, name, payload, at)
+            freed |= name in FREEING
         self._buffer = None
         self._view = view
+        if freed:
+            self.on_freed()
 
     async def close(self) -> None:
         self._closed = True
@@ -142,6 +181,7 @@ class ReadModel:
         log: logging.Logger,
         stale_after_ms: int,
         resync_ms: int = 0,
+        pcie_window_s: float = DEFAULT_PCIE_WINDOW_S,
     ) -> None:
         self._rpc = rpc
         self._jetstream = jetstream
@@ -153,7 +193,10 @@ class ReadModel:
         self._log = log
         self._stale_after_ms = stale_after_ms
         self._resync_ms = resync_ms
-        self.view = FleetView(skus=self._skus, models=self._models)
+        self._pcie_window_s = pcie_window_s
+        self.view = FleetView(skus=self._skus, models=self._models, pcie_window_s=pcie_window_s)
+        # Called once the view holds an event that may free capacity (the queue's wake-up).
+        self.on_freed: Callable[[], None] = lambda: None
         self.synced_at: datetime | None = None
         self._feeds: dict[Context, _Feed] = {}
         self._lock = asyncio.Lock()
@@ -165,8 +208,10 @@ class ReadModel:
     def snapshot(self) -> FleetSnapshot:
         return self.view.snapshot
 
-    def assume(self, key: AssumeKey, held: Mapping[str, int]) -> int:
-        return self.view.assume(key, held)
+    def assume(
+        self, key: AssumeKey, held: Mapping[str, int], *, shared: bool = False, crossing: Crossing | None = None
+    ) -> int:
+        return self.view.assume(key, held, shared=shared, crossing=crossing)
 
     def confirm(self, token: int, allocation_id: str) -> None:
         self.view.confirm(token, allocation_id)
@@ -202,7 +247,7 @@ class ReadModel:
     async def sync(self) -> None:
         """Start new feeds, fetch the snapshots, seed a new view, apply what arrived meanwhile, swap."""
         async with self._lock:
-            feeds = {context: _Feed(context, log=self._log) for context in STREAMS}
+            feeds = {context: _Feed(context, log=self._log, on_freed=self._freed) for context in STREAMS}
             try:
                 for feed in feeds.values():
                     feed.subscription = await self._jetstream().subscribe(
@@ -239,7 +284,17 @@ class ReadModel:
             raise SyncError(f"ledger.snapshot refused: {ledger.error.message}")
         profiles = {n.name: n.profile for n in fleet.nodes if n.profile is not None}
         profiles.update(await self._describe([n.name for n in fleet.nodes if n.profile is None]))
-        return view_from(fleet=fleet, profiles=profiles, ledger=ledger, skus=self._skus, models=self._models)
+        return view_from(
+            fleet=fleet,
+            profiles=profiles,
+            ledger=ledger,
+            skus=self._skus,
+            models=self._models,
+            pcie_window_s=self._pcie_window_s,
+        )
+
+    def _freed(self) -> None:
+        self.on_freed()
 
     async def _describe(self, names: list[str]) -> dict[str, NodeProfilePayload]:
         """Profiles ``fleet.get`` did not send (a topology service that ignores ``profiles``), one by one."""

@@ -1,5 +1,5 @@
-"""Placement's repository over its own tables (`placement.decisions`, `placement.ledger_allocations`):
-SQL only, keyword-only parameters, domain objects out. The rules are in
+"""Placement's repository over its own tables (`placement.decisions`, `placement.ledger_allocations`,
+`placement.queue`): SQL only, keyword-only parameters, domain objects out. The rules are in
 ``shared.domain.placement.ownership``."""
 
 from __future__ import annotations
@@ -8,17 +8,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, select, update
+from sqlalchemy import and_, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.placement.tables import DecisionRow, LedgerAllocationRow
+from services.placement.tables import DecisionRow, LedgerAllocationRow, QueueRow
 from shared.contracts.ledger import CommitRequest
-from shared.contracts.placement import PlaceReply
+from shared.contracts.placement import PlaceReply, PlaceRequest
 from shared.domain.placement.ownership import DecisionStatus, Intent
 
 DECISIONS = DecisionRow.__table__  # type: ignore[attr-defined]
 ALLOCATIONS = LedgerAllocationRow.__table__  # type: ignore[attr-defined]
+QUEUE = QueueRow.__table__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,18 @@ class SeenAllocation:
     request_id: str
     seen_at: datetime
     intent: Intent | None
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    """A request waiting in the queue: its place (``seq``, lower first) and when it gives up."""
+
+    seq: int
+    tenant: str
+    request_id: str
+    request: PlaceRequest
+    enqueued_at: datetime
+    deadline_at: datetime
 
 
 def _intent(row: Any) -> Intent:
@@ -182,6 +195,33 @@ class DecisionStore:
         )
         return finished.scalar_one_or_none() is not None
 
+    async def settle(
+        self,
+        *,
+        session: AsyncSession,
+        tenant: str,
+        request_id: str,
+        attempt: int,
+        was: DecisionStatus,
+        status: DecisionStatus,
+        reply: PlaceReply | None,
+        now: datetime,
+    ) -> bool:
+        """Move an intent from ``was`` to ``status`` with ``reply`` (a queued request timing out); False
+        when it is no longer ``was`` at that attempt."""
+        settled = await session.execute(
+            update(DECISIONS)
+            .where(_key(tenant, request_id), DECISIONS.c.attempt == attempt, DECISIONS.c.status == was.value)
+            .values(
+                status=status.value,
+                reply=reply.model_dump(mode="json") if reply is not None else None,
+                claimed_until=None,
+                updated_at=now,
+            )
+            .returning(DECISIONS.c.attempt)
+        )
+        return settled.scalar_one_or_none() is not None
+
     async def unclaim(
         self, *, session: AsyncSession, tenant: str, request_id: str, attempt: int, now: datetime
     ) -> None:
@@ -285,6 +325,53 @@ class DecisionStore:
                 request_id=r.seen_request_id,
                 seen_at=r.seen_at,
                 intent=_intent(r) if r.status is not None else None,
+            )
+            for r in rows
+        ]
+
+    # -- the queue ------------------------------------------------------------------------------------------
+
+    async def enqueue(
+        self,
+        *,
+        session: AsyncSession,
+        request: PlaceRequest,
+        enqueued_at: datetime,
+        deadline_at: datetime,
+    ) -> None:
+        """Append a request to the queue (once per tenant and request id: a repeat keeps its place)."""
+        await session.execute(
+            insert(QUEUE)
+            .values(
+                tenant=request.tenant,
+                request_id=request.request_id,
+                request=request.model_dump(mode="json"),
+                enqueued_at=enqueued_at,
+                deadline_at=deadline_at,
+            )
+            .on_conflict_do_nothing()
+        )
+
+    async def queue_position(self, *, session: AsyncSession, tenant: str, request_id: str) -> int | None:
+        """1 + the requests ahead of this one in the (fleet-wide) queue; None when it is not queued."""
+        mine = select(QUEUE.c.seq).where(QUEUE.c.tenant == tenant, QUEUE.c.request_id == request_id).scalar_subquery()
+        position = (await session.execute(select(func.count()).where(QUEUE.c.seq <= mine))).scalar_one()
+        return int(position) or None
+
+    async def dequeue(self, *, session: AsyncSession, tenant: str, request_id: str) -> None:
+        await session.execute(delete(QUEUE).where(QUEUE.c.tenant == tenant, QUEUE.c.request_id == request_id))
+
+    async def queued(self, *, session: AsyncSession, limit: int) -> list[QueuedRequest]:
+        """The first ``limit`` queued requests, in arrival order."""
+        rows = await session.execute(select(QUEUE).order_by(QUEUE.c.seq).limit(limit))
+        return [
+            QueuedRequest(
+                seq=r.seq,
+                tenant=r.tenant,
+                request_id=r.request_id,
+                request=PlaceRequest.model_validate(r.request),
+                enqueued_at=r.enqueued_at,
+                deadline_at=r.deadline_at,
             )
             for r in rows
         ]

@@ -1,12 +1,23 @@
-"""Schema `placement`: every intent and decision (so that the same request id answers the same way twice)
-and the ledger's allocations of placement's, as LEDGER events told them (for the reconciler)."""
+"""Schema `placement`: every intent and decision (so that the same request id answers the same way twice),
+the ledger's allocations of placement's, as LEDGER events told them (for the reconciler), and the
+requests waiting in the queue for capacity."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Column, DateTime, Integer, PrimaryKeyConstraint, Text, text
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Identity,
+    Integer,
+    PrimaryKeyConstraint,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Field, SQLModel
 
@@ -19,7 +30,8 @@ class DecisionRow(SQLModel, table=True):
 
     tenant: str = Field(sa_column=Column(Text, nullable=False))
     request_id: str = Field(sa_column=Column(Text, nullable=False))
-    # committing | placed | rejected | abandoned | expired | released (shared.domain.placement.ownership)
+    # committing | placed | rejected | abandoned | expired | released | queued | timed_out
+    # (shared.domain.placement.ownership)
     status: str = Field(sa_column=Column(Text, nullable=False))
     allocation_id: str | None = Field(default=None, sa_column=Column(Text, nullable=True, index=True))
     # placed: the reply; committing: the decision being committed (no allocation id yet)
@@ -50,3 +62,18 @@ class LedgerAllocationRow(SQLModel, table=True):
     state: str = Field(sa_column=Column(Text, nullable=False))  # active | expired | released
     seen_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))
     ended_at: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=True), nullable=True))
+
+
+class QueueRow(SQLModel, table=True):
+    """A request waiting for capacity (its decision row is `queued`), served in `seq` order; gone once
+    placed, rejected or timed out. It reserves nothing."""
+
+    __tablename__ = "queue"
+    __table_args__ = (UniqueConstraint("tenant", "request_id", name="queue_tenant_request_id_key"), {"schema": SCHEMA})
+
+    seq: int | None = Field(default=None, sa_column=Column(BigInteger, Identity(always=True), primary_key=True))
+    tenant: str = Field(sa_column=Column(Text, nullable=False))
+    request_id: str = Field(sa_column=Column(Text, nullable=False))
+    request: dict[str, Any] = Field(sa_column=Column(JSONB, nullable=False))  # the PlaceRequest
+    enqueued_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))
+    deadline_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))

@@ -61,6 +61,12 @@ class AcceleratorLedgerView(Contract):
     )
     available: bool = Field(default=True, description="False while its node is lost.", examples=[True])
     allocations: list[str] = Field(default_factory=list, description="Allocation ids.", examples=[["a-1"]])
+    shared: bool = Field(
+        default=False,
+        description="True when the replica allocations holding it are all `shared` (another shared replica may "
+        "join; an exclusive group may not). False when idle or held by an exclusive replica.",
+        examples=[False],
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -68,10 +74,31 @@ class AcceleratorLedgerView(Contract):
         return both_names(data, (("hbm_usable", "hbm_usable_bytes"), ("hbm_reserved", "hbm_reserved_bytes")))
 
 
+class CrossDomainAllocation(Contract):
+    """An active replica allocation whose TP traffic crosses NVLink domains."""
+
+    allocation_id: str = Field(description="Allocation.", examples=["al-..."])
+    cluster: str | None = Field(
+        description="Cluster of its accelerators (null when the ledger does not know it).", examples=["c1"]
+    )
+    bytes_per_s: int = Field(description="Its cross-domain traffic, bytes/s.", examples=[40_000_000_000])
+
+
 class SnapshotReply(Contract):
     status: str = Field(default="ok", description="`ok`.", examples=["ok"])
     accelerators: list[AcceleratorLedgerView] = Field(default_factory=list, description="Per accelerator.")
     next_cursor: str | None = Field(default=None, description="Set when more accelerators follow.", examples=[None])
+    cross_domain_used: dict[str, int] = Field(
+        default_factory=dict,
+        description="Per cluster: bytes/s of TP traffic across NVLink domains, summed over the active replica "
+        "allocations (the whole fleet, whatever `node` or page; as when this page was read).",
+        examples=[{"c1": 40_000_000_000}],
+    )
+    cross_domain: list[CrossDomainAllocation] = Field(
+        default_factory=list,
+        description="The active allocations behind `cross_domain_used`, one each (the whole fleet, every page): "
+        "a reader that follows the events counts each allocation once.",
+    )
 
 
 SHARE_BYTE_FIELDS = (
@@ -121,6 +148,20 @@ class CommitRequest(Request):
         description="For `request`: the replica whose KV pool it uses.",
         examples=[None],
     )
+    sharing: Literal["exclusive", "shared"] = Field(
+        default="exclusive",
+        description="For `replica`: `exclusive` takes only accelerators no replica holds; `shared` may join "
+        "accelerators held by `shared` replicas only. Refused as `no_capacity` (or `conflict` on a stale "
+        "`expected`) otherwise.",
+        examples=["exclusive"],
+    )
+    cross_domain_bytes_per_s: int = Field(
+        default=0,
+        ge=0,
+        description="For `replica`: bytes/s of its TP traffic that crosses NVLink domains, charged to the cluster "
+        "of its accelerators while it is active.",
+        examples=[0],
+    )
     preemptible: bool = Field(default=False, description="May be preempted.", examples=[False])
     priority: int = Field(default=0, ge=-1000, le=1000, description="Higher wins under contention.", examples=[0])
     lease_s: int | None = Field(default=None, gt=0, le=MAX_LEASE_S, description="Lease from now.", examples=[300])
@@ -150,6 +191,8 @@ class CommitRequest(Request):
             raise ValueError("a `request` allocation needs `parent_id` (its replica)")
         if self.kind == "replica" and self.parent_id:
             raise ValueError("a `replica` allocation has no parent")
+        if self.kind == "request" and self.cross_domain_bytes_per_s:
+            raise ValueError("a `request` allocation has no cross-domain traffic of its own (its replica has)")
         return self
 
 
@@ -266,6 +309,16 @@ class AllocationEvent(Contract):
         default=True, description="False for `request` allocations (they live in their replica's KV pool)."
     )
     shares: list[ShareOut] = Field(description="Bytes per accelerator.")
+    sharing: str = Field(default="exclusive", description="`exclusive` or `shared` (see the commit).")
+    cross_domain_bytes_per_s: int = Field(
+        default=0,
+        description="Its TP traffic across NVLink domains (bytes/s): added to `cluster`'s use by "
+        "`allocation_committed`, taken back by `allocation_released` / `allocation_expired`.",
+        examples=[0],
+    )
+    cluster: str | None = Field(
+        default=None, description="Cluster of its accelerators (null when unknown, e.g. a TPU pod).", examples=["c1"]
+    )
 
 
 class CapacityChangedEvent(Contract):

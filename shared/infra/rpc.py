@@ -244,4 +244,10 @@ class RpcClient:
         pages = await self._pages(Rpc.LEDGER_SNAPSHOT, SnapshotRequest(node=node, limit=limit), SnapshotReply)
         if isinstance(pages, Rejected):
             return pages
-        return SnapshotReply(accelerators=[a for p in pages for a in p.accelerators])
+        # The cross-domain figures cover the whole fleet on every page: the last page's are the newest.
+        last = pages[-1] if pages else SnapshotReply()
+        return SnapshotReply(
+            accelerators=[a for p in pages for a in p.accelerators],
+            cross_domain_used=last.cross_domain_used,
+            cross_domain=last.cross_domain,
+        )

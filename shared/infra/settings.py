@@ -231,6 +231,26 @@ class Settings(BaseSettings):
         description="Tests only: `exit` makes placement exit right after a ledger commit, before its decision row.",
     )
 
+    # -- placement's queue and PCIe budget (issue 12) ------------------------------------------------
+    placement_queue_timeout_s: int = Field(
+        default=600,
+        gt=0,
+        le=24 * 3600,
+        description="How long a `queued` placement waits for capacity when its request names no `queue_timeout_s`; "
+        "then it is rejected `no_capacity` (queue timeout).",
+    )
+    placement_queue_retry_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Placement retries its queue this often, besides whenever an allocation is released or expires.",
+    )
+    placement_pcie_window_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="A node's PCIe utilisation is the lowest sample of this window (telemetry): it counts as over "
+        "the threshold only when it stayed over it that long; 0: the latest sample.",
+    )
+
     # -- Postgres security (issue 11) --------------------------------------------------------------
     database_tls_ca_file: Path | None = Field(
         default=None,

@@ -87,6 +87,9 @@ async def _client(h: LedgerHarness, n: int, ops: int, seed: int, result: StressR
             body = {
                 "request_id": f"c{n}-{i}",
                 "tenant": f"t{n}",
+                # Shared replicas: many per GPU, so the stress is on the byte invariant (over-commit),
+                # not on exclusivity refusals.
+                "sharing": "shared",
                 "shares": [{"accelerator_id": a, "weights": rng.randint(1, 12) * GB} for a in accs],
             }
             reply = await _retrying(h, Rpc.LEDGER_COMMIT, body, result)

@@ -229,6 +229,9 @@ def place_body(request_id: str) -> dict[str, Any]:
         "context_tokens": 4096,
         "concurrency": 4,
         "backend": "gpu",
+        # Exact: the fault tests account for every reply's allocation; a queued request placed later
+        # would be owned by placement but unknown to this client.
+        "fallbacks": [],
     }
 
 

@@ -1,6 +1,10 @@
 """capacity-ledger on real NATS and Postgres: commits, idempotency, typed refusals that change nothing,
 conflicts with a fresh view, leases, lost and removed nodes, capacity events, drift, KV pools of
-replicas, snapshot pages, batch order, the database's own guards, and replay.
+replicas, snapshot pages, batch order, exclusive and shared replicas, cross-domain traffic per cluster,
+the database's own guards, and replay.
+
+Tests about bytes stack several replicas on one GPU: those replicas are ``shared`` (an exclusive one,
+the default, holds its GPUs alone).
 
 Events are asynchronous (outbox -> relay -> JetStream): every test that looks for one polls with a
 deadline. To show an event did *not* happen, a test sends a later event through the same ordered
@@ -8,6 +12,7 @@ consumer whose effect it can see (a barrier) and only then counts."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -25,7 +30,7 @@ from shared.contracts.envelope import new_event
 from shared.contracts.permissions import EVENT_PUBLISHERS, NODE_SCOPED_EVENTS
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
-from shared.domain.ledger import replay_reserved
+from shared.domain.ledger import replay_cross_domain, replay_reserved
 from shared.infra.db import plain_url
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings
@@ -183,9 +188,9 @@ async def test_bad_input_gets_typed_errors_and_changes_nothing(ledger: Client, s
 async def test_a_stale_view_is_a_conflict_with_the_fresh_view(ledger: Client, settings: Settings) -> None:
     acc = "dgx-h100-02/gpu3"
     seen = (await reserved(ledger, settings, "dgx-h100-02"))[acc]
-    first = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 60, expected={acc: seen}))
+    first = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 60, expected={acc: seen}, sharing="shared"))
     assert first["status"] == "committed"
-    late = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 30, expected={acc: seen}))
+    late = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 30, expected={acc: seen}, sharing="shared"))
     assert late["error"]["code"] == "conflict"
     assert late["view"] == [
         {
@@ -197,19 +202,19 @@ async def test_a_stale_view_is_a_conflict_with_the_fresh_view(ledger: Client, se
             "available": True,
         }
     ]
-    fresh = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 30, expected={acc: 60 * GB}))
+    fresh = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 30, expected={acc: 60 * GB}, sharing="shared"))
     assert fresh["error"]["code"] == "no_capacity" and "short by" in fresh["error"]["message"]
-    fits = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 19, expected={acc: 60 * GB}))
+    fits = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 19, expected={acc: 60 * GB}, sharing="shared"))
     assert fits["status"] == "committed"  # 60 + 19 = 79 GB <= 79.03 GB usable
 
 
 async def test_commit_batch_answers_each_commit_in_request_order(ledger: Client, settings: Settings) -> None:
     acc = "dgx-h100-02/gpu5"
     commits = [
-        commit(acc, 10, rid=f"batch-{uuid.uuid4().hex[:6]}-0"),
+        commit(acc, 10, rid=f"batch-{uuid.uuid4().hex[:6]}-0", sharing="shared"),
         commit("no-such-node/gpu0", 1, rid=f"batch-{uuid.uuid4().hex[:6]}-1"),
-        commit(acc, 70, rid=f"batch-{uuid.uuid4().hex[:6]}-2"),  # 10 + 70 > 79.03 GB: refused
-        commit(acc, 20, rid=f"batch-{uuid.uuid4().hex[:6]}-3"),
+        commit(acc, 70, rid=f"batch-{uuid.uuid4().hex[:6]}-2", sharing="shared"),  # 10 + 70 > 79.03 GB: refused
+        commit(acc, 20, rid=f"batch-{uuid.uuid4().hex[:6]}-3", sharing="shared"),
         commit("dgx-h100-02/gpu6", 5, rid=f"batch-{uuid.uuid4().hex[:6]}-4"),
     ]
     reply = await call(ledger, settings, Rpc.LEDGER_COMMIT_BATCH, {"commits": commits})
@@ -249,8 +254,8 @@ async def test_snapshot_pages_cover_every_accelerator_once(ledger: Client, setti
 
 async def test_an_unrenewed_lease_expires_with_an_event(ledger: Client, settings: Settings) -> None:
     acc = "dgx-h100-02/gpu4"
-    short = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 10, lease_s=1))
-    kept = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 10, lease_s=1))
+    short = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 10, lease_s=1, sharing="shared"))
+    kept = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 10, lease_s=1, sharing="shared"))
     renewed = await call(
         ledger, settings, Rpc.LEDGER_RENEW, {"allocation_id": kept["allocation_id"], "tenant": "acme", "lease_s": 120}
     )
@@ -295,15 +300,19 @@ async def _capacity_event(ledger: Client, settings: Settings, node: str, reason:
 
 async def test_lost_node_is_unavailable_and_its_allocations_flagged(ledger: Client, settings: Settings) -> None:
     node = "hgx-h200-01"
-    # The GPU with the most room: other tests of the run may have placed replicas on this node.
+    # A GPU a shared replica may join, with the most room: other tests of the run may have placed
+    # replicas on this node.
     snap = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": node})
-    gpu = max(snap["accelerators"], key=lambda a: a["hbm_usable"] - a["hbm_reserved"])["id"]
-    held = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(gpu, 50))
+    gpu = max(
+        snap["accelerators"],
+        key=lambda a: (a["hbm_reserved"] == 0 or a["shared"], a["hbm_usable"] - a["hbm_reserved"]),
+    )["id"]
+    held = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(gpu, 50, sharing="shared"))
     assert held["status"] == "committed", held
     state = {"node": node, "region": "us-east-1", "accelerators": []}
     await publish(ledger, settings, Context.TOPOLOGY, "node_lost", state)
     await _node_available(ledger, settings, node, False)
-    refused = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(gpu, 1))
+    refused = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(gpu, 1, sharing="shared"))
     assert refused["error"]["code"] == "no_capacity" and "unavailable" in refused["error"]["message"]
 
     async def flagged() -> bool:
@@ -320,7 +329,7 @@ async def test_lost_node_is_unavailable_and_its_allocations_flagged(ledger: Clie
     await _node_available(ledger, settings, node, True)
     recovered = await _capacity_event(ledger, settings, node, "recovered")
     assert all(a["available"] for a in recovered["payload"]["accelerators"])
-    assert (await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(gpu, 1)))["status"] == "committed"
+    assert (await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(gpu, 1, sharing="shared")))["status"] == "committed"
 
 
 async def test_removed_node_takes_nothing_more_and_its_allocations_are_flagged(
@@ -441,6 +450,207 @@ async def test_requests_live_inside_their_replica_kv_pool(ledger: Client, settin
     await wait_for(request_released, 15, interval_s=0.2, what="the request went with its replica")
 
 
+# -- exclusive and shared replicas; cross-domain traffic per cluster -----------------------------------
+
+SHARING_NODE = "hgx-h100-4x4-01"  # used by no other test of this module
+
+
+async def release(nc: Client, settings: Settings, reply: dict[str, Any], tenant: str = "acme") -> None:
+    released = await call(nc, settings, Rpc.LEDGER_RELEASE, {"allocation_id": reply["allocation_id"], "tenant": tenant})
+    assert released["status"] == "released", released
+
+
+async def views(nc: Client, settings: Settings, node: str) -> dict[str, dict[str, Any]]:
+    snap = await call(nc, settings, Rpc.LEDGER_SNAPSHOT, {"node": node})
+    return {a["id"]: a for a in snap["accelerators"]}
+
+
+async def test_an_exclusive_group_holds_its_gpus_alone_until_released(ledger: Client, settings: Settings) -> None:
+    g = [f"{SHARING_NODE}/gpu{i}" for i in range(3)]
+    group = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(g[:2], 20))  # TP=2, exclusive by default
+    assert group["status"] == "committed", group
+    overlapping = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(g[1:], 20))
+    assert overlapping["error"]["code"] == "no_capacity", overlapping
+    assert overlapping["error"]["message"] == f"{g[1]}: held by another replica (exclusive groups don't share a GPU)"
+    beside = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(g[0], 1, sharing="shared"))
+    assert beside["error"]["code"] == "no_capacity" and "held by another replica" in beside["error"]["message"]
+    now = await views(ledger, settings, SHARING_NODE)
+    assert [now[a]["hbm_reserved"] for a in g] == [20 * GB, 20 * GB, 0]  # the refusals reserved nothing
+    assert not any(now[a]["shared"] for a in g)
+    await release(ledger, settings, group)
+    again = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(g[1:], 20))  # the freed GPU takes a new group
+    assert again["status"] == "committed", again
+    await release(ledger, settings, again)
+
+
+async def test_shared_replicas_sit_together_and_keep_exclusive_groups_out(ledger: Client, settings: Settings) -> None:
+    acc = f"{SHARING_NODE}/gpu4"
+    a = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 10, sharing="shared"))
+    b = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 10, sharing="shared"))
+    assert a["status"] == b["status"] == "committed", (a, b)
+    view = (await views(ledger, settings, SHARING_NODE))[acc]
+    assert view["shared"] and view["hbm_reserved"] == 20 * GB
+    assert sorted(view["allocations"]) == sorted([a["allocation_id"], b["allocation_id"]])
+    group = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit([acc, f"{SHARING_NODE}/gpu5"], 1))
+    assert group["error"]["code"] == "no_capacity", group
+    assert group["error"]["message"] == (
+        f"{acc}: held by another replica, a shared one (an exclusive group takes only idle GPUs)"
+    )
+    await release(ledger, settings, a)
+    assert (await views(ledger, settings, SHARING_NODE))[acc]["shared"]  # b still holds it, shared
+    await release(ledger, settings, b)
+    view = (await views(ledger, settings, SHARING_NODE))[acc]
+    assert not view["shared"] and view["hbm_reserved"] == 0
+    alone = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 1))
+    assert alone["status"] == "committed", alone
+    joining = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 1, sharing="shared"))
+    assert joining["error"]["message"] == (
+        f"{acc}: held by another replica, an exclusive one (a shared replica joins only shared ones)"
+    )
+    await release(ledger, settings, alone)
+
+
+async def test_racing_exclusive_groups_for_one_gpu_commit_exactly_one(ledger: Client, settings: Settings) -> None:
+    """Two placements (or a placement and the reservation filler) deciding on the same idle GPU at once:
+    whether their commits meet in one group-commit batch or in two transactions, one wins."""
+    acc = f"{SHARING_NODE}/gpu6"
+    for round_ in range(3):
+        replies = await asyncio.gather(
+            *(call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 5, expected={acc: 0})) for _ in range(8))
+        )
+        won = [r for r in replies if r["status"] == "committed"]
+        assert len(won) == 1, (round_, replies)
+        # Each loser decided when the GPU was idle: a conflict, with the fresh view to decide again.
+        assert {r["error"]["code"] for r in replies if r["status"] != "committed"} == {"conflict"}
+        assert (await views(ledger, settings, SHARING_NODE))[acc]["hbm_reserved"] == 5 * GB
+        await release(ledger, settings, won[0])
+
+
+async def test_cross_domain_traffic_is_summed_per_cluster_and_given_back(ledger: Client, settings: Settings) -> None:
+    node = "l40s-02"  # us-west-1 / c1
+    accs = [f"{node}/gpu{i}" for i in range(4)]
+
+    async def crossing() -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
+        # A page of one node, one accelerator: the cross-domain figures are still the whole fleet's.
+        snap = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": node, "limit": 1})
+        per_cluster: dict[str, int] = {}
+        for c in snap["cross_domain"]:
+            if c["cluster"] is not None:
+                per_cluster[c["cluster"]] = per_cluster.get(c["cluster"], 0) + c["bytes_per_s"]
+        assert snap["cross_domain_used"] == per_cluster  # the sum is of the allocations listed
+        return snap["cross_domain_used"], {c["allocation_id"]: c for c in snap["cross_domain"]}
+
+    before, _ = await crossing()
+    kept = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(accs[:2], 5, cross_domain_bytes_per_s=40 * GB))
+    short = await call(
+        ledger, settings, Rpc.LEDGER_COMMIT, commit(accs[2:], 5, cross_domain_bytes_per_s=10 * GB, lease_s=1)
+    )
+    plain = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit("l40s-02/gpu7", 1, sharing="shared"))
+    assert kept["status"] == short["status"] == plain["status"] == "committed"
+    used, listed = await crossing()
+    assert used.get("c1", 0) - before.get("c1", 0) in (50 * GB, 40 * GB)  # the short lease may be gone already
+    assert listed[kept["allocation_id"]] == {
+        "allocation_id": kept["allocation_id"],
+        "cluster": "c1",
+        "bytes_per_s": 40 * GB,
+    }
+    assert plain["allocation_id"] not in listed
+
+    async def event_of(name: str, allocation_id: str) -> dict[str, Any] | None:
+        found = [
+            e for e in await ledger_events(ledger, settings, name) if e["payload"]["allocation_id"] == allocation_id
+        ]
+        return found[0]["payload"] if found else None
+
+    committed = await wait_for(lambda: event_of("allocation_committed", kept["allocation_id"]), 15, interval_s=0.2)
+    assert (committed["sharing"], committed["cross_domain_bytes_per_s"], committed["cluster"]) == (
+        "exclusive",
+        40 * GB,
+        "c1",
+    )
+    shared = await wait_for(lambda: event_of("allocation_committed", plain["allocation_id"]), 15, interval_s=0.2)
+    assert (shared["sharing"], shared["cross_domain_bytes_per_s"], shared["cluster"]) == ("shared", 0, "c1")
+    expired = await wait_for(lambda: event_of("allocation_expired", short["allocation_id"]), 15, interval_s=0.2)
+    assert (expired["cross_domain_bytes_per_s"], expired["cluster"]) == (10 * GB, "c1")  # what a follower takes back
+    used, listed = await crossing()
+    assert used.get("c1", 0) - before.get("c1", 0) == 40 * GB and short["allocation_id"] not in listed
+    await release(ledger, settings, kept)
+    released = await wait_for(lambda: event_of("allocation_released", kept["allocation_id"]), 15, interval_s=0.2)
+    assert (released["sharing"], released["cross_domain_bytes_per_s"], released["cluster"]) == (
+        "exclusive",
+        40 * GB,
+        "c1",
+    )
+    used, listed = await crossing()
+    assert used.get("c1", 0) == before.get("c1", 0) and kept["allocation_id"] not in listed
+    await release(ledger, settings, plain)
+
+    async def replay_matches() -> bool:
+        # What a follower folds from the stream equals what the snapshot says.
+        published = [e for e in await ledger_events(ledger, settings) if e["source"] == "capacity-ledger"]
+        return replay_cross_domain(allocation_events(published)) == (await crossing())[0]
+
+    await wait_for(replay_matches, 20, interval_s=0.2, what="replayed cross-domain use == snapshot")
+
+
+async def test_the_database_refuses_a_replica_beside_an_exclusive_one_whatever_the_code_does(
+    ledger: Client, settings: Settings
+) -> None:
+    acc = "a100-pcie-01/gpu5"
+    allocation = (
+        "INSERT INTO ledger.allocations (id, request_id, tenant, kind, state, preemptible, priority, "
+        "lease_expires_at, sharing) VALUES ($1, $1, 'acme', 'replica', 'active', false, 0, "
+        "now() + interval '1 hour', $2)"
+    )
+    share = (
+        "INSERT INTO ledger.shares (allocation_id, accelerator_id, weights, kv, activation, workspace, total, "
+        "counts, active) VALUES ($1, $2, $3, 0, 0, 0, $3, true, true)"
+    )
+    # The commit path's shape: the allocation and its share in one statement.
+    together = (
+        "WITH a AS (INSERT INTO ledger.allocations (id, request_id, tenant, kind, state, preemptible, priority, "
+        "lease_expires_at, sharing) VALUES ($1, $1, 'acme', 'replica', 'active', false, 0, "
+        "now() + interval '1 hour', $2) RETURNING id) "
+        "INSERT INTO ledger.shares (allocation_id, accelerator_id, weights, kv, activation, workspace, total, "
+        "counts, active) SELECT id, $3, $4, 0, 0, 0, $4, true, true FROM a"
+    )
+    conn = await superuser(settings)
+    try:
+        tx = conn.transaction()
+        await tx.start()
+        try:
+            for allocation_id, sharing in (("al-sql-x1", "exclusive"), ("al-sql-x2", "exclusive"),
+                                           ("al-sql-s1", "shared"), ("al-sql-s2", "shared")):  # fmt: skip
+                await conn.execute(allocation, allocation_id, sharing)
+            await conn.execute(share, "al-sql-x1", acc, GB)
+            for intruder in ("al-sql-x2", "al-sql-s1"):
+                with pytest.raises(asyncpg.CheckViolationError, match="held by another replica"):
+                    async with conn.transaction():
+                        await conn.execute(share, intruder, acc, GB)
+            await conn.execute("UPDATE ledger.shares SET active = false WHERE allocation_id = 'al-sql-x1'")
+            await conn.execute(share, "al-sql-s1", acc, GB)
+            await conn.execute(share, "al-sql-s2", acc, GB)  # shared beside shared
+            await conn.execute(together, "al-sql-s3", "shared", acc, GB)
+            with pytest.raises(asyncpg.CheckViolationError, match="held by another replica"):
+                async with conn.transaction():
+                    await conn.execute(share, "al-sql-x2", acc, GB)
+            with pytest.raises(asyncpg.CheckViolationError, match="held by another replica"):
+                async with conn.transaction():
+                    await conn.execute(together, "al-sql-x3", "exclusive", acc, GB)
+            # A request (a KV hold inside its replica) counts nothing and is no replica: not checked.
+            await conn.execute(
+                "INSERT INTO ledger.shares (allocation_id, accelerator_id, weights, kv, activation, workspace, "
+                "total, counts, active) VALUES ('al-sql-x2', $1, 0, 1, 0, 0, 1, false, true)",
+                acc,
+            )
+            assert await conn.fetchval("SELECT reserved FROM ledger.accelerators WHERE id = $1", acc) == 3 * GB
+        finally:
+            await tx.rollback()
+        assert await conn.fetchval("SELECT reserved FROM ledger.accelerators WHERE id = $1", acc) == 0
+    finally:
+        await conn.close()
+
+
 async def test_the_database_refuses_an_over_commit_whatever_the_code_does(ledger: Client, settings: Settings) -> None:
     acc = "a100-pcie-01/gpu7"
     conn = await superuser(settings)
@@ -487,8 +697,8 @@ async def test_replaying_the_ledger_stream_rebuilds_the_tables(ledger: Client, s
     # Its own history, so the test means the same alone as after the others: commits on three
     # accelerators, one released, a request inside a replica (which counts nothing on its own).
     accs = ["a100-pcie-01/gpu0", "a100-pcie-01/gpu1", "a100-pcie-01/gpu2"]
-    kept = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(accs[:2], 7))
-    gone = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(accs[1:], 3))
+    kept = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(accs[:2], 7, sharing="shared"))
+    gone = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(accs[1:], 3, sharing="shared"))
     replica = await call(
         ledger,
         settings,
@@ -496,6 +706,7 @@ async def test_replaying_the_ledger_stream_rebuilds_the_tables(ledger: Client, s
         {
             "request_id": f"r-{uuid.uuid4().hex[:8]}",
             "tenant": "acme",
+            "sharing": "shared",
             "shares": [{"accelerator_id": accs[2], "kv": GB}],
         },
     )

@@ -10,6 +10,7 @@ import itertools
 import json
 import random
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any
 
@@ -20,12 +21,21 @@ from nats.aio.client import Client
 
 from hetsched.stack import wait_healthy
 from services.placement.app import SERVICE, Ctx, wire
+from shared.contracts.envelope import new_event
 from shared.contracts.health import HealthRequest
 from shared.contracts.ledger import SnapshotReply
+from shared.contracts.permissions import AGENT
 from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseRequest
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
-from shared.contracts.topology import Heartbeat, NodeProfilePayload, TopologyReportRequest
+from shared.contracts.topology import (
+    GPU_TELEMETRY,
+    GpuSample,
+    GpuTelemetryEvent,
+    Heartbeat,
+    NodeProfilePayload,
+    TopologyReportRequest,
+)
 from shared.domain.fleet import Accelerator, AcceleratorId, NodeProfile
 from shared.domain.placement.view import FleetView
 from shared.domain.topology import nvswitch
@@ -199,7 +209,8 @@ async def test_a_request_nothing_can_hold_is_explained(stack: Client, settings: 
         stack,
         settings,
         Rpc.PLACEMENT_PLACE,
-        place_body("huge", model="llama3-405b", dtype="fp16", context_tokens=131072, concurrency=64),
+        # Exact (no fallbacks): with the default ladder a capacity refusal may wait in the queue instead.
+        place_body("huge", model="llama3-405b", dtype="fp16", context_tokens=131072, concurrency=64, fallbacks=[]),
     )
     assert reply["status"] == "rejected" and reply["error"]["code"] == "no_capacity"
     assert any("short" in line or "NVLink" in line or "KV" in line for line in reply["explanation"]), reply
@@ -240,6 +251,17 @@ async def test_every_decision_is_an_event(stack: Client, settings: Settings) -> 
 # -- the view under churn --------------------------------------------------------------------------------
 
 
+def _failures(processes: ServiceProcesses) -> dict[str, list[str]]:
+    """The lines around each handler failure in every service log of this run (a flake's evidence)."""
+    found: dict[str, list[str]] = {}
+    for name in list(processes.procs):
+        lines = processes.log(name).splitlines()
+        for i, line in enumerate(lines):
+            if "handler failed" in line or "Traceback" in line:
+                found.setdefault(name, []).extend(lines[i : i + 30])
+    return found
+
+
 def agent_profile(name: str) -> NodeProfilePayload:
     """An 8-GPU H100 node as its agent reports it, in a region of its own (so requests can aim at it)."""
     profile = NodeProfile(
@@ -256,7 +278,7 @@ def agent_profile(name: str) -> NodeProfilePayload:
 
 
 async def test_the_view_converges_to_the_ledger_while_placements_churn_and_nodes_come_and_go(
-    stack: Client, settings: Settings
+    stack: Client, settings: Settings, service_processes: ServiceProcesses
 ) -> None:
     """A second placement replica runs in this process so its view can be read; requests reach both.
     Nodes are reported (added) and fall silent (lost), one recovers; meanwhile placements and releases
@@ -308,7 +330,8 @@ async def test_the_view_converges_to_the_ledger_while_placements_churn_and_nodes
 
     async def release(allocation_id: str) -> None:
         reply = await rpc.call(Rpc.PLACEMENT_RELEASE, ReleaseRequest(allocation_id=allocation_id, tenant="churn"))
-        assert reply.model_dump()["status"] == "released", reply
+        # Seen twice in ~20 full runs as `internal` (not reproduced alone): say which process failed and why.
+        assert reply.model_dump()["status"] == "released", (reply, _failures(service_processes))
 
     async def ledger_says(node: str, *, available: bool) -> bool:
         snap = await rpc.ledger_snapshot(node=node)
@@ -364,3 +387,121 @@ async def test_the_view_converges_to_the_ledger_while_placements_churn_and_nodes
         health = await rpc.call(Rpc.PLACEMENT_HEALTH, HealthRequest())
         assert health.model_dump()["checks"].get("view") == "ok", health
     await rpc.close()
+
+
+# -- the queue (issue 12) --------------------------------------------------------------------------------
+
+QUEUE_REGION = "queue-1"
+
+
+async def test_a_queued_request_is_placed_once_a_release_frees_its_capacity(stack: Client, settings: Settings) -> None:
+    """One 8-GPU node alone in its region: a TP=8 group takes it whole, a second waits `queued`
+    (reserving nothing) and is placed, on the same request id, once the first is released; a third
+    with a 1 s `queue_timeout_s` is rejected `no_capacity` meanwhile."""
+    subjects = Subjects(settings.subject_prefix)
+    name = "queue-0"
+    profile = agent_profile(name)
+    profile = profile.model_copy(update={"region": QUEUE_REGION, "cluster": "queue-c", "rack": "r-queue"})
+    beating = True
+
+    async def heartbeats() -> None:
+        while beating:
+            await stack.publish(subjects.heartbeat(name), Heartbeat(node=name).model_dump_json().encode())
+            await asyncio.sleep(HEARTBEAT_S / 2)
+
+    def body(rid: str) -> dict[str, Any]:
+        return place_body(rid, model="llama3-70b", dtype="fp8", tp=8, region=QUEUE_REGION, concurrency=4)
+
+    beat = asyncio.create_task(heartbeats())
+    try:
+        report = TopologyReportRequest(node=name, profile=profile).model_dump(mode="json")
+        assert (await call(stack, settings, Rpc.TOPOLOGY_REPORT, report))["status"] == "accepted"
+
+        async def placeable() -> bool:
+            return bool((await call(stack, settings, Rpc.PLACEMENT_EXPLAIN, body("q-probe")))["status"] == "placed")
+
+        await wait_for(placeable, 30, what="placement sees the queue node")
+        first = await call(stack, settings, Rpc.PLACEMENT_PLACE, body("q-first"))
+        assert first["status"] == "placed" and first["sharing"] == "exclusive", first
+        held = await reserved(stack, settings, name)
+
+        waiting = await call(stack, settings, Rpc.PLACEMENT_PLACE, body("q-second"))
+        assert waiting["status"] == "queued" and waiting["queue_position"] >= 1, waiting
+        assert waiting["allocation_id"] is None and waiting["error"] is None
+        again = await call(stack, settings, Rpc.PLACEMENT_PLACE, body("q-second"))
+        assert again["status"] == "queued" and again["queue_position"] == waiting["queue_position"]
+        assert await reserved(stack, settings, name) == held  # queued: nothing reserved
+
+        late = {**body("q-late"), "queue_timeout_s": 1}
+        assert (await call(stack, settings, Rpc.PLACEMENT_PLACE, late))["status"] == "queued"
+
+        async def timed_out() -> dict[str, Any] | None:
+            reply = await call(stack, settings, Rpc.PLACEMENT_PLACE, late)
+            return reply if reply["status"] == "rejected" else None
+
+        rejection = await wait_for(timed_out, 30, what="the queued request's timeout")
+        assert rejection["error"]["code"] == "no_capacity" and "queue timeout" in rejection["error"]["message"]
+
+        released = {"allocation_id": first["allocation_id"], "tenant": "acme"}
+        assert (await call(stack, settings, Rpc.PLACEMENT_RELEASE, released))["status"] == "released"
+
+        async def placed() -> dict[str, Any] | None:
+            reply = await call(stack, settings, Rpc.PLACEMENT_PLACE, body("q-second"))
+            return reply if reply["status"] == "placed" else None
+
+        second = await wait_for(placed, 30, what="the queued request placed after the release")
+        assert second["allocation_id"] and second["allocation_id"] != first["allocation_id"]
+        accs = [a for p in second["placements"] for a in p["accelerators"]]
+        assert sorted(accs) == sorted(AcceleratorId.gpu(name, i) for i in range(8))
+        per = second["hbm_per_accelerator"]["total"]
+        assert await reserved(stack, settings, name) == dict.fromkeys(accs, per)  # its share, nothing else
+        assert second["binding"] and second["launch"]["vllm"]
+        done = {"allocation_id": second["allocation_id"], "tenant": "acme"}
+        assert (await call(stack, settings, Rpc.PLACEMENT_RELEASE, done))["status"] == "released"
+    finally:
+        beating = False
+        await beat
+
+
+async def test_gpu_telemetry_from_a_nodes_own_agent_sets_its_pcie_utilisation(
+    stack: Client, settings: Settings
+) -> None:
+    """A placement replica in this process (so its view can be read) follows the TELEMETRY stream: the
+    node's PCIe utilisation is the lowest sample over the window; a sample naming the node on another
+    node's subject, or from another source than an agent, is dropped."""
+    subjects = Subjects(settings.subject_prefix)
+    kept: list[Ctx] = []
+
+    def wire_and_keep(runtime: Runtime) -> Ctx:
+        kept.append(wire(runtime))
+        return kept[-1]
+
+    name = "pcie-0"
+    profile = agent_profile(name).model_copy(update={"region": "pcie-1", "cluster": "pcie-c", "rack": "r-pcie"})
+    app, _runtime = build_app(dataclasses.replace(SERVICE, wire=wire_and_keep), settings)
+    link = 3.938e9 * 16  # H100 SXM: PCIe Gen5 x16, one direction
+    now = datetime.now(UTC)
+
+    async def publish(at: datetime, util: float, *, subject_node: str = name, source: str = AGENT) -> None:
+        payload = GpuTelemetryEvent(node=name, gpus=[GpuSample(index=0, pcie_rx_bytes_per_s=util * link)])
+        envelope = new_event(
+            type="telemetry.gpu", source=source, payload=payload.model_dump(mode="json"), occurred_at=at
+        )
+        subject = subjects.event(Context.TELEMETRY, GPU_TELEMETRY, node=subject_node)
+        await stack.jetstream().publish(subject, envelope.model_dump_json().encode())
+
+    async with app:
+        await wait_for(lambda: kept[0].readmodel.synced_at is not None, 30, what="the replica's first sync")
+        report = TopologyReportRequest(node=name, profile=profile).model_dump(mode="json")
+        assert (await call(stack, settings, Rpc.TOPOLOGY_REPORT, report))["status"] in ("accepted", "unchanged")
+        await wait_for(lambda: name in kept[0].readmodel.view.profiles, 30, what="the node's profile in the view")
+        await publish(now - timedelta(seconds=61), 0.9)
+        await publish(now - timedelta(seconds=40), 0.1, subject_node="someone-else")  # forged: dropped
+        await publish(now - timedelta(seconds=30), 0.1, source="placement")  # not an agent: dropped
+        await publish(now, 0.85)
+
+        def utilisation() -> float | None:
+            return kept[0].readmodel.view.snapshot.pcie_util.get(name)
+
+        await wait_for(lambda: utilisation() is not None, 30, what="the node's PCIe utilisation")
+        assert utilisation() == pytest.approx(0.85)

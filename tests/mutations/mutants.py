@@ -114,7 +114,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="view_counts_twice",
         what="placement's view counts an allocation again when its commit is seen twice",
         file="shared/domain/placement/view.py",
-        find="            if (nbytes > 0) == (pair in self._held) or not nbytes:\n",
+        find="            if (nbytes > 0) == held or not nbytes:\n",
         replace="            if not nbytes:\n",
         tests=("tests/unit/placement/test_view.py", PLACEMENT_IT),
     ),

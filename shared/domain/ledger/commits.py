@@ -6,8 +6,10 @@ A commit whose (tenant, request_id) exists returns that allocation (a duplicate)
 nothing; the same key with other shares is ``invalid_request``, and a key whose allocation has ended
 (released or expired) is ``conflict`` (a retry never learns of a reservation that holds nothing).
 A replica that does not fit is refused with the fresh view: ``conflict`` when the caller's
-``expected`` view differs from the current one (it decided on stale data), else ``no_capacity``. A
-request lives inside its replica's KV pool: it is checked against the pool, not against the accelerators.
+``expected`` view differs from the current one (it decided on stale data), else ``no_capacity``. Not
+fitting is short of bytes, or an accelerator held by replicas it may not join (``sharing``: an
+exclusive group takes only idle GPUs, a shared replica only idle or shared ones). A request lives
+inside its replica's KV pool: it is checked against the pool, not against the accelerators.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Literal
 
 from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.errors import ErrorCode
-from shared.domain.ledger.fit import Shares, apply_shares, check_fit
+from shared.domain.ledger.fit import Refusal, Shares, apply_shares, check_fit
+from shared.domain.ledger.sharing import EXCLUSIVE, Sharing, allocation_cluster, check_sharing, held_by
 from shared.domain.memory import MemoryShare
 
 AllocationKind = Literal["replica", "request"]
@@ -39,6 +42,8 @@ class CommitIntent:
     lease_s: int | None = None
     lease_expires_at: datetime | None = None
     expected: Mapping[str, int] | None = None
+    sharing: Sharing = EXCLUSIVE  # a replica's: may it sit with other replicas (see ``sharing``)
+    cross_domain_bytes_per_s: int = 0  # a replica's TP traffic across NVLink domains
 
     @property
     def key(self) -> tuple[str, str]:
@@ -78,9 +83,10 @@ class ReplicaPool:
 
 @dataclass(frozen=True, slots=True)
 class Accepted:
-    """Write it: a new allocation with this lease."""
+    """Write it: a new allocation with this lease, its cross-domain traffic charged to ``cluster``."""
 
     lease_expires_at: datetime
+    cluster: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,9 +189,11 @@ def plan_commits(
     parents: Mapping[str, ReplicaPool],
     now: datetime,
     default_lease_s: int,
+    clusters: Mapping[str, str | None] | None = None,
 ) -> CommitPlan:
     """Decide every commit of a batch in order; each is all-or-nothing, and later ones see the bytes
-    earlier ones reserved (and the KV earlier requests took from a pool)."""
+    earlier ones reserved and the replicas that hold each accelerator (and the KV earlier requests took
+    from a pool). ``clusters``: the cluster of each accelerator, for the allocation's ``cluster``."""
     outcomes: list[Outcome] = []
     pools = dict(parents)
     seen: set[tuple[str, str]] = set()
@@ -205,11 +213,11 @@ def plan_commits(
             outcomes.append(Refused(ErrorCode.NOT_FOUND, f"unknown accelerator(s): {', '.join(unknown)}"))
             continue
         if intent.counts_against_hbm:
-            fit = check_fit(view, intent.shares)
-            if not fit.ok:
-                outcomes.append(Refused(refusal_code(intent, view), fit.describe(), view_of(view, ids)))
+            problem = check_replica(intent, view)
+            if problem is not None:
+                outcomes.append(problem)
                 continue
-            view = apply_shares(view, intent.shares)
+            view = held_by(apply_shares(view, intent.shares), ids, intent.sharing)
         else:
             parent = pools.get(intent.parent_id or "")
             problem = check_request(intent, parent)
@@ -222,8 +230,30 @@ def plan_commits(
                     used[accelerator_id] = used.get(accelerator_id, 0) + share.total
                 pools[parent.id] = ReplicaPool(parent.id, parent.tenant, parent.kind, parent.active, parent.pool, used)
         seen.add(intent.key)
-        outcomes.append(Accepted(lease_end(intent, now=now, default_lease_s=default_lease_s)))
+        cluster = allocation_cluster(ids, clusters or {})
+        outcomes.append(Accepted(lease_end(intent, now=now, default_lease_s=default_lease_s), cluster))
     return CommitPlan(tuple(outcomes), view)
+
+
+def check_replica(intent: CommitIntent, view: Mapping[str, AcceleratorCapacity]) -> Refused | None:
+    """Whether a replica may take its accelerators (None when it may): each one available, one it may
+    join (its ``sharing`` against what holds it) and with the bytes free. A refusal names every
+    accelerator that stops it, one reason each (unavailable before held, held before short of bytes),
+    and carries the fresh view."""
+    blocked = {r.accelerator_id: r for r in check_sharing(view, intent.accelerator_ids, intent.sharing)}
+    fit = check_fit(view, intent.shares)
+    if not blocked and fit.ok:
+        return None
+    reasons: dict[str, str] = {}
+    for r in fit.refusals:
+        if r.reason is not Refusal.SHORT:
+            reasons.setdefault(r.accelerator_id, r.describe())
+    for accelerator_id, refusal in blocked.items():
+        reasons.setdefault(accelerator_id, refusal.describe(intent.sharing))
+    for r in fit.refusals:
+        reasons.setdefault(r.accelerator_id, r.describe())
+    ordered = [reasons.pop(a) for a in intent.accelerator_ids if a in reasons]
+    return Refused(refusal_code(intent, view), "; ".join(ordered), view_of(view, intent.accelerator_ids))
 
 
 def _duplicate(

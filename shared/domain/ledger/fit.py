@@ -26,6 +26,11 @@ class ShareRefusal:
     reason: Refusal
     short_bytes: int = 0
 
+    def describe(self) -> str:
+        if self.reason is Refusal.SHORT:
+            return f"{self.accelerator_id}: HBM short by {self.short_bytes / 1e9:.2f} GB"
+        return f"{self.accelerator_id}: {self.reason.value.replace('_', ' ')}"
+
 
 @dataclass(frozen=True, slots=True)
 class FitResult:
@@ -36,13 +41,7 @@ class FitResult:
         return not self.refusals
 
     def describe(self) -> str:
-        parts = []
-        for r in self.refusals:
-            if r.reason is Refusal.SHORT:
-                parts.append(f"{r.accelerator_id}: HBM short by {r.short_bytes / 1e9:.2f} GB")
-            else:
-                parts.append(f"{r.accelerator_id}: {r.reason.value.replace('_', ' ')}")
-        return "; ".join(parts)
+        return "; ".join(r.describe() for r in self.refusals)
 
 
 def check_fit(view: Mapping[str, AcceleratorCapacity], shares: Shares) -> FitResult:
@@ -70,9 +69,11 @@ def check_fit(view: Mapping[str, AcceleratorCapacity], shares: Shares) -> FitRes
 def apply_shares(
     view: Mapping[str, AcceleratorCapacity], shares: Iterable[tuple[str, MemoryShare]], *, sign: int = 1
 ) -> dict[str, AcceleratorCapacity]:
-    """The view after reserving (sign=1) or returning (sign=-1) the shares."""
+    """The view after reserving (sign=1) or returning (sign=-1) the shares; an accelerator left with
+    nothing reserved is idle, no longer ``shared``."""
     out = dict(view)
     for accelerator_id, share in shares:
         state = out[accelerator_id]
-        out[accelerator_id] = replace(state, reserved=state.reserved + sign * share.total)
+        reserved = state.reserved + sign * share.total
+        out[accelerator_id] = replace(state, reserved=reserved, shared=state.shared and reserved > 0)
     return out

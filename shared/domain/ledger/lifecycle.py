@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
+from shared.domain.ledger.sharing import EXCLUSIVE, Sharing
 from shared.domain.memory import MemoryShare
 
 
@@ -28,6 +29,9 @@ class AllocationRecord:
     parent_id: str | None = None
     preemptible: bool = False
     priority: int = 0
+    sharing: Sharing = EXCLUSIVE
+    cross_domain_bytes_per_s: int = 0
+    cluster: str | None = None
 
     @property
     def counts_against_hbm(self) -> bool:

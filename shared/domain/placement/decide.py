@@ -42,9 +42,9 @@ from shared.domain.placement.framework import (
     Scoring,
     demand_of,
 )
-from shared.domain.placement.hosts import GpuHost, SnapshotIndex, StaticClass, TpuHost, index_of
+from shared.domain.placement.hosts import GpuHost, GpuLoad, SnapshotIndex, StaticClass, TpuHost, index_of
 from shared.domain.placement.ladder import NAME as LADDER
-from shared.domain.placement.ladder import ladder_config, load_time_s, with_fallbacks
+from shared.domain.placement.ladder import emptied, ladder_config, load_time_s, with_fallbacks
 from shared.domain.placement.perf import estimate
 from shared.domain.placement.registry import framework_for
 from shared.domain.placement.types import (
@@ -116,7 +116,11 @@ def decide(
     if request.fallbacks == () and (request.pp or 1) == 1:
         return exact(request)
     config = ladder_config(profile.config_for(LADDER))
-    return with_fallbacks(snapshot, request, exact, framework, state, demand, index, config)
+
+    def on_empty(asked: PlacementRequest) -> Decision:
+        return decide(emptied(snapshot), asked, profile, registry=registry)
+
+    return with_fallbacks(snapshot, request, exact, framework, state, demand, index, config, on_empty)
 
 
 def _search(framework: Framework, state: CycleState, demand: Demand, index: SnapshotIndex) -> Decision:
@@ -299,15 +303,22 @@ def _placed(
         host.sku,
         tp,
     )
+    # A shared replica joining a GPU others use gets a share of its compute: at least half with one
+    # co-tenant (the simulator's charge, docs/PLACEMENT.md); the ledger knows the holders, not how busy.
+    load = candidate.load
+    contended = isinstance(load, GpuLoad) and any(not load.idle[p] for p in group.positions)
+    slow = 2.0 if contended else 1.0
     base = replace(
         base,
         estimate={
-            "ttft_ms": perf.ttft_ms,
-            "tpot_ms": perf.tpot_ms,
-            "tokens_per_s": perf.tokens_per_s,
+            "ttft_ms": perf.ttft_ms * slow,
+            "tpot_ms": perf.tpot_ms * slow,
+            "tokens_per_s": perf.tokens_per_s / slow,
             "load_time_s": load_time_s(share, host),
         },
     )
+    if contended:
+        lines.append("shares its GPU with other shared replicas: latency estimates x2 (at least)")
     positions = group.positions
     accelerators = tuple(host.members[p] for p in positions)
     nodes = tuple(dict.fromkeys(host.nodes[p] for p in positions))

@@ -31,6 +31,7 @@ from shared.domain.placement.hosts import GpuHost, GpuLoad, HostKind, SnapshotIn
 from shared.domain.placement.perf import estimate
 from shared.domain.placement.types import FALLBACKS, Decision, ErrorCode, FleetSnapshot, PlacementRequest
 from shared.domain.topology import best_tp_group
+from shared.domain.topology.tpu import TpuGrid
 
 NAME: Final = "ladder"
 PP_DEGREES: Final = (2, 4, 8)
@@ -58,6 +59,15 @@ def ladder_config(raw: Mapping[str, object]) -> LadderConfig:
 
 
 Exact = Callable[[PlacementRequest], Decision]
+OnEmpty = Callable[[PlacementRequest], Decision]
+
+
+def emptied(snapshot: FleetSnapshot) -> FleetSnapshot:
+    """The same fleet with nothing reserved, no rack power drawn, no TPU chip taken, no cross-domain
+    traffic and quiet PCIe: what "it would fit once capacity frees" is judged against."""
+    capacity = {a: replace(c, reserved=0, shared=False) for a, c in snapshot.capacity.items()}
+    pods = {n: replace(p, grid=TpuGrid.empty(p.grid.tpu_type, p.pod.shape)) for n, p in snapshot.tpu_pods.items()}
+    return snapshot.evolve(capacity=capacity, rack_power_used_w={}, tpu_pods=pods, cross_domain_used={}, pcie_util={})
 
 
 def with_fallbacks(
@@ -69,6 +79,7 @@ def with_fallbacks(
     demand: Demand,
     index: SnapshotIndex,
     config: LadderConfig,
+    on_empty: OnEmpty | None = None,
 ) -> Decision:
     """``exact(request)`` or, refused for capacity, the first fallback step that fits."""
     if (request.pp or 1) > 1:  # a fixed pipeline depth: the pipeline search is the exact request
@@ -108,6 +119,13 @@ def with_fallbacks(
                 return spread
             tried.append(f"fallback cross_domain: {spread}")
         elif step == "queue":
+            # Only what would fit once capacity frees waits: on the same fleet with nothing reserved.
+            if on_empty is not None:
+                others = tuple(s for s in steps if s != "queue")
+                ever = on_empty(replace(request, fallbacks=others, request_id=f"{request.request_id}/empty"))
+                if not ever.placed:
+                    tried.append("fallback queue: not even an empty fleet holds it, so it would wait in vain")
+                    continue
             return replace(
                 first,
                 queueable=True,

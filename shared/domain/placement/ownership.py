@@ -9,8 +9,10 @@ ledger again with the same commit, and answers ``placed`` with that allocation.
 Statuses: ``committing`` (in flight, or interrupted), ``placed`` (owns ``allocation_id``),
 ``rejected`` (nothing placed; the same id with the same body may be retried), ``abandoned`` (stuck in
 ``committing`` past the grace period: the reconciler releases what it may have reserved), ``expired``
-and ``released`` (the ledger ended the allocation). Only ``placed`` and a ``committing`` intent inside
-the grace period own an allocation; the reconciler releases any other allocation of placement's.
+and ``released`` (the ledger ended the allocation), ``queued`` (waiting in placement's queue for
+capacity; it reserves nothing) and ``timed_out`` (it waited its ``queue_timeout_s`` out: rejected).
+Only ``placed`` and a ``committing`` intent inside the grace period own an allocation; the reconciler
+releases any other allocation of placement's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class DecisionStatus(StrEnum):
     ABANDONED = "abandoned"
     EXPIRED = "expired"
     RELEASED = "released"
+    QUEUED = "queued"
+    TIMED_OUT = "timed_out"
 
 
 ENDED = frozenset({DecisionStatus.EXPIRED, DecisionStatus.RELEASED})
@@ -95,8 +99,8 @@ def rule(intent: Intent | None, *, body_hash: str, now: datetime) -> Ruling:
     if intent.body_hash is not None and intent.body_hash != body_hash:
         return Refuse(ErrorCode.CONFLICT, f"request id {intent.request_id!r} was used with another request body")
     match intent.status:
-        case DecisionStatus.PLACED:
-            return Answer()
+        case DecisionStatus.PLACED | DecisionStatus.QUEUED | DecisionStatus.TIMED_OUT:
+            return Answer()  # queued: its place in the queue (the queue places it, not a retry)
         case DecisionStatus.REJECTED:
             return Resume(recover=False)
         case DecisionStatus.COMMITTING:

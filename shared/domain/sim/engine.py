@@ -15,6 +15,10 @@ Rules (``SimConfig`` holds every number):
 * Latency: ``latency.estimate(model, replica SKU, TP, prompt, output, batch)`` with batch = the
   replica's occupied slots at admission (held for the request's life: a static-batch approximation).
   TTFT as seen by the user = queue wait + estimated TTFT.
+* Sharing (``sim.sharing``): a replica whose GPU ``k`` replicas are busy on at admission gets 1/k of
+  it: the estimate's times x k (any co-located replicas, whatever the policy called them; exclusive
+  placements by ``hetsched`` never are). Replicas sharing a GPU split its cost and energy. With
+  ``share_small`` the models whose weights fit a quarter of the largest GPU ask ``sharing: shared``.
 * SLO: TTFT <= ``slo_ttft_ms`` (2 s) and TPOT <= ``slo_tpot_ms`` (100 ms); a failed request misses it.
 
 Deterministic: the same requests, fleet, policy and seed give the same result (ties break on ids).
@@ -33,6 +37,14 @@ from shared.domain.placement import AcceleratorCapacity, Decision, FleetSnapshot
 from shared.domain.placement.perf import model_shape
 from shared.domain.sim.kpis import Kpis, ReplicaLife, RequestOutcome, Sample, compute_kpis, nvlinked_group
 from shared.domain.sim.policies import Policy, ReleasingPolicy
+from shared.domain.sim.sharing import (
+    SMALL_WEIGHT_FRACTION,
+    Residency,
+    co_tenancy,
+    contended,
+    decode_tokens_per_s,
+    small_models,
+)
 from shared.domain.topology.tpu import fragmentation, free
 from shared.domain.traces import AssignedRequest
 
@@ -53,6 +65,8 @@ class SimConfig:
     slo_tpot_ms: float = 100.0
     sample_period_ms: float = 60_000.0
     tenant: str = "sim"
+    share_small: bool = False  # small models (``small_fraction``) ask ``sharing: shared``
+    small_fraction: float = SMALL_WEIGHT_FRACTION
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +88,7 @@ class _Replica:
     sku: Sku
     tp: int
     start_ms: float
+    gpus: tuple[str, ...] = ()  # the GPUs it holds (empty on a TPU slice)
     active: int = 0
     empty_since: float | None = None
 
@@ -94,7 +109,14 @@ def release(snapshot: FleetSnapshot, decision: Decision) -> FleetSnapshot:
         cap = capacity[acc_id]
         reserved = max(0, cap.reserved - decision.share.total)
         capacity[acc_id] = AcceleratorCapacity(
-            cap.id, cap.node, cap.index, cap.sku, cap.usable, reserved, cap.available
+            cap.id,
+            cap.node,
+            cap.index,
+            cap.sku,
+            cap.usable,
+            reserved,
+            cap.available,
+            shared=cap.shared and reserved > 0,
         )
         if reserved == 0 and cap.reserved > 0:
             key = snapshot.rack_key(cap.node)
@@ -129,6 +151,12 @@ class _Sim:
     next_replica: int = 0
     tpu_used: bool = False
     frag_cache: dict[str, tuple[object, float]] = field(default_factory=dict)
+    residency: Residency = field(init=False)
+    small: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.residency = Residency(usable={acc: cap.usable for acc, cap in self.snapshot.capacity.items()})
+        self.small = small_models(self.snapshot, self.config.small_fraction) if self.config.share_small else frozenset()
 
     def push(self, time: float, kind: int, ref: int) -> None:
         self.seq += 1
@@ -146,6 +174,7 @@ class _Sim:
             model=model,
             context_tokens=self.config.context_tokens,
             concurrency=self.config.slots,
+            sharing="shared" if model in self.small else "exclusive",
         )
         start = self.timer()
         decision = self.policy.decide(self.snapshot, request)
@@ -163,7 +192,10 @@ class _Sim:
             sku=self.snapshot.skus[decision.sku],
             tp=decision.tp,
             start_ms=now,
+            gpus=() if decision.tpu is not None else decision.accelerators,
         )
+        if replica.gpus and decision.share is not None:
+            self.residency.join(replica.id, replica.gpus, decision.share.total, now)
         self.tpu_used = self.tpu_used or decision.tpu is not None
         self.replicas[replica.id] = replica
         return replica
@@ -176,6 +208,7 @@ class _Sim:
         self.blocked.clear()
         d = replica.decision
         tp_group = d.tpu is None and len(d.accelerators) > 1
+        charged = self.residency.leave(replica.id, replica.gpus, now) if replica.gpus else None
         self.lives.append(
             ReplicaLife(
                 model=replica.model,
@@ -187,6 +220,8 @@ class _Sim:
                 nvlinked=nvlinked_group(self.snapshot.nodes, d.accelerators) if tp_group else None,
                 start_ms=replica.start_ms,
                 end_ms=now,
+                sharing=d.sharing,
+                accelerator_hours=charged,
             )
         )
 
@@ -204,8 +239,12 @@ class _Sim:
         req = self.requests[index]
         replica.active += 1
         replica.empty_since = None
-        est = estimate(
-            replica.shape, replica.sku, replica.tp, req.input_tokens, max(1, req.output_tokens), replica.active
+        k = self.co_tenants(replica)
+        est = contended(
+            estimate(
+                replica.shape, replica.sku, replica.tp, req.input_tokens, max(1, req.output_tokens), replica.active
+            ),
+            k,
         )
         wait = now - req.arrival_ms
         ttft = wait + est.ttft_ms
@@ -221,9 +260,19 @@ class _Sim:
             done_ms=now + est.e2e_ms,
             slo_met=met,
             tokens=req.input_tokens + req.output_tokens,
+            co_tenants=k,
+            replica_tokens_per_s=decode_tokens_per_s(replica.active, est.tpot_ms),
         )
         self.running[index] = (replica.id, outcome)
         self.push(now + est.e2e_ms, _DONE, index)
+
+    def co_tenants(self, replica: _Replica) -> int:
+        """Busy replicas on ``replica``'s busiest GPU, itself included (it is busy: it is admitting)."""
+        busy = {
+            acc: sum(1 for r in self.residency.holders(acc) if r == replica.id or self.replicas[r].active > 0)
+            for acc in replica.gpus
+        }
+        return co_tenancy(replica.gpus, busy)
 
     def serve(self, model: str, now: float) -> None:
         """Admit queued requests of ``model`` while slots exist or replicas can be added."""
@@ -343,7 +392,7 @@ def simulate(
     sim = _Sim(snapshot=snapshot, policy=policy, config=config, timer=timer, requests=ordered)
     sim.run()
     outcomes = tuple(sim.outcomes[i] for i in sorted(sim.outcomes))
-    kpis = compute_kpis(outcomes, sim.lives, sim.samples, sim.decision_ms)
+    kpis = compute_kpis(outcomes, sim.lives, sim.samples, sim.decision_ms, gpu_hbm_fill=sim.residency.hbm_fill)
     return SimResult(
         policy=policy.name,
         kpis=kpis,

@@ -4,9 +4,16 @@
   (a failed request misses it); queue waits are over the requests that waited at all.
 * ``nvlink_affinity`` = share of GPU TP>1 groups whose every GPU pair is NVLinked (the node's
   ``LinkMatrix``; across nodes, the same NVLink fabric clique); None when there was no such group.
-* ``cost_per_million_tokens`` = sum over replicas of price x accelerators x lifetime hours, divided by
-  the tokens (prompt + output) of the requests served, x 1e6. ``energy_kwh`` = TDP x accelerators x
-  lifetime. ``fill_rate`` is None (no reservation filler in the simulator).
+* ``cost_per_million_tokens`` = sum over replicas of price x the accelerator-hours charged to it,
+  divided by the tokens (prompt + output) of the requests served, x 1e6. ``energy_kwh`` = TDP x the
+  same accelerator-hours. A replica alone on its GPUs is charged accelerators x lifetime; replicas
+  that share a GPU split its time (``sim.sharing.Residency``). ``accelerator_hours`` is their sum.
+  ``fill_rate`` is None (no reservation filler in the simulator).
+* Sharing (``sim.sharing``): ``shared_replicas`` were placed ``sharing: shared``;
+  ``contended_requests`` were admitted while their replica's GPU had other busy replicas (their
+  times x k); ``mean_tpot_ms`` and ``replica_tokens_per_s`` (the decode tokens/s of the replica
+  serving each request, batch x 1000 / TPOT, at admission) are means over admitted requests;
+  ``gpu_hbm_fill`` is the mean share of usable HBM reserved on GPUs while they held a replica.
 * ``tpu_fragmentation`` = mean of ``topology.tpu.fragmentation`` over pods at sample times, 0 when no
   replica ever used a TPU.
 """
@@ -33,6 +40,8 @@ class RequestOutcome:
     done_ms: float | None
     slo_met: bool
     tokens: int
+    co_tenants: int = 1  # busy replicas on the replica's busiest GPU at admission (itself included)
+    replica_tokens_per_s: float | None = None  # the replica's decode tokens/s at admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +55,17 @@ class ReplicaLife:
     nvlinked: bool | None  # None unless a GPU TP>1 group
     start_ms: float
     end_ms: float
+    sharing: str = "exclusive"
+    accelerator_hours: float | None = None  # charged to it (shared GPUs split); None: accelerators x hours
 
     @property
     def hours(self) -> float:
         return (self.end_ms - self.start_ms) / 3_600_000.0
+
+    @property
+    def charged_hours(self) -> float:
+        """Accelerator-hours this replica pays for: its share of each GPU's time while it held it."""
+        return self.accelerators * self.hours if self.accelerator_hours is None else self.accelerator_hours
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +100,12 @@ class Kpis:
     decisions: int
     decision_p50_ms: float
     decision_p99_ms: float
+    shared_replicas: int = 0
+    contended_requests: int = 0
+    mean_tpot_ms: float | None = None
+    replica_tokens_per_s: float | None = None
+    accelerator_hours: float = 0.0
+    gpu_hbm_fill: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,6 +147,8 @@ def compute_kpis(
     replicas: Sequence[ReplicaLife],
     samples: Sequence[Sample],
     decision_ms: Sequence[float],
+    *,
+    gpu_hbm_fill: float | None = None,
 ) -> Kpis:
     total = len(outcomes)
     placed = sum(o.admitted for o in outcomes)
@@ -132,7 +156,9 @@ def compute_kpis(
     groups = [r for r in replicas if r.nvlinked is not None]
     linked = sum(1 for r in groups if r.nvlinked)
     tokens = sum(o.tokens for o in outcomes if o.admitted)
-    dollars = sum(r.price_usd_per_hour * r.accelerators * r.hours for r in replicas)
+    dollars = sum(r.price_usd_per_hour * r.charged_hours for r in replicas)
+    served = [o for o in outcomes if o.admitted and o.tpot_ms is not None]
+    rates = [o.replica_tokens_per_s for o in served if o.replica_tokens_per_s is not None]
     return Kpis(
         requests=total,
         placed=placed,
@@ -149,8 +175,14 @@ def compute_kpis(
         fill_rate=None,
         tpu_fragmentation=sum(s.tpu_fragmentation for s in samples) / len(samples) if samples else 0.0,
         cost_per_million_tokens=dollars / tokens * 1e6 if tokens else None,
-        energy_kwh=sum(r.tdp_w * r.accelerators * r.hours for r in replicas) / 1000.0,
+        energy_kwh=sum(r.tdp_w * r.charged_hours for r in replicas) / 1000.0,
         decisions=len(decision_ms),
         decision_p50_ms=percentile(decision_ms, 50),
         decision_p99_ms=percentile(decision_ms, 99),
+        shared_replicas=sum(1 for r in replicas if r.sharing == "shared"),
+        contended_requests=sum(1 for o in served if o.co_tenants > 1),
+        mean_tpot_ms=sum(o.tpot_ms or 0.0 for o in served) / len(served) if served else None,
+        replica_tokens_per_s=sum(rates) / len(rates) if rates else None,
+        accelerator_hours=sum(r.charged_hours for r in replicas),
+        gpu_hbm_fill=gpu_hbm_fill,
     )

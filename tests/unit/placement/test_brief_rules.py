@@ -148,3 +148,15 @@ def test_a_node_at_pcie_0_8_takes_no_cold_load() -> None:
 def test_bad_input_gets_typed_errors(fields: dict[str, object], words: str) -> None:
     decision = decide(snapshot(node("a").nvswitch(8)), request("llama3-8b", **fields))
     assert decision.error_code == "invalid_request" and words in decision.message
+
+
+def test_only_what_would_fit_once_capacity_frees_is_queued() -> None:
+    """A request no empty fleet could hold is refused at once, not queued to wait out its timeout."""
+    snap = snapshot(node("a").nvswitch(8).reserve(0, 10**9))
+    hopeless = decide(snap, request("llama3-405b", dtype="fp16", context_tokens=8192, fallbacks=None))
+    assert not hopeless.placed and not hopeless.queueable
+    assert any("not even an empty fleet holds it" in line for line in hopeless.explanation)
+    full = apply(snap, decide(snap, request("llama3-70b", tp=4, request_id="x")))
+    full = apply(full, decide(full, request("llama3-70b", tp=2, request_id="y")))
+    waits = decide(full, request("llama3-70b", tp=4, request_id="z", fallbacks=None))
+    assert not waits.placed and waits.queueable

@@ -14,7 +14,10 @@ GB = 10**9
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 
-def gpu(acc_id: str, *, usable_gb: float = 80, reserved_gb: float = 0, available: bool = True) -> AcceleratorCapacity:
+def gpu(
+    acc_id: str, *, usable_gb: float = 80, reserved_gb: float = 0, available: bool = True, shared: bool = False
+) -> AcceleratorCapacity:
+    """An accelerator; ``shared``: what it holds belongs to shared replicas."""
     node, _, local = acc_id.partition("/")
     return AcceleratorCapacity(
         id=acc_id,
@@ -24,6 +27,7 @@ def gpu(acc_id: str, *, usable_gb: float = 80, reserved_gb: float = 0, available
         usable=int(usable_gb * GB),
         reserved=int(reserved_gb * GB),
         available=available,
+        shared=shared,
     )
 
 

@@ -1,8 +1,12 @@
-"""plan_commits: each commit of a batch decided in order against the locked view, all or nothing."""
+"""plan_commits: each commit of a batch decided in order against the locked view, all or nothing.
+
+These are about bytes, so the replicas here are ``shared`` (several may sit on one GPU) and n/gpu0 is
+held by shared replicas; who may sit with whom is tested in test_sharing.py."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -18,10 +22,21 @@ from shared.domain.ledger import (
     plan_commits,
     same_shares,
 )
-from tests.unit.domain.ledger.builders import GB, NOW, gpu, hbm, intent, view
+from shared.domain.memory import MemoryShare
+from tests.unit.domain.ledger import builders
+from tests.unit.domain.ledger.builders import GB, NOW, gpu, hbm, view
 
 LEASE_S = 300
-V = view(gpu("n/gpu0", usable_gb=80, reserved_gb=30), gpu("n/gpu1", usable_gb=80), gpu("n/gpu2", available=False))
+V = view(
+    gpu("n/gpu0", usable_gb=80, reserved_gb=30, shared=True),
+    gpu("n/gpu1", usable_gb=80),
+    gpu("n/gpu2", available=False),
+)
+
+
+def intent(*shares: tuple[str, MemoryShare], **extra: Any) -> CommitIntent:
+    """A commit of a shared replica unless said otherwise."""
+    return builders.intent(*shares, **{"sharing": "shared", **extra})
 
 
 def plan(
@@ -96,7 +111,7 @@ def test_later_commits_see_what_earlier_ones_reserved_and_refusals_reserve_nothi
         intent(("n/gpu1", hbm(30)), rid="c"),  # 50 + 30 = 80: fits, b took nothing
     )
     assert [type(o) for o in result.outcomes] == [Accepted, Refused, Accepted]
-    assert refused(result.outcomes[1]).view == (gpu("n/gpu1", usable_gb=80, reserved_gb=50),)
+    assert refused(result.outcomes[1]).view == (gpu("n/gpu1", usable_gb=80, reserved_gb=50, shared=True),)
     assert result.view["n/gpu1"].reserved == 80 * GB
     assert [i for i, _ in result.accepted] == [0, 2]
 

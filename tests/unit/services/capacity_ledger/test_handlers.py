@@ -41,6 +41,7 @@ from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.ledger import (
     AllocationRecord,
     AllocationState,
+    CrossDomainUse,
     DriftDetector,
     EndedAllocation,
     ExistingAllocation,
@@ -63,6 +64,7 @@ class FakeStore:
     """The ledger's tables in memory; records what the handlers asked."""
 
     accelerators: dict[str, AcceleratorCapacity] = field(default_factory=dict)
+    clusters: dict[str, str | None] = field(default_factory=dict)
     allocations: dict[str, AllocationRecord] = field(default_factory=dict)
     shares: dict[str, tuple[tuple[str, MemoryShare], ...]] = field(default_factory=dict)
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -89,6 +91,9 @@ class FakeStore:
     async def lock_accelerators(self, *, session: Any, ids: Iterable[str]) -> dict[str, AcceleratorCapacity]:
         return {i: self.accelerators[i] for i in sorted(set(ids)) if i in self.accelerators}
 
+    async def accelerator_clusters(self, *, session: Any, ids: Iterable[str]) -> dict[str, str | None]:
+        return {i: self.clusters.get(i) for i in ids}
+
     async def lock_replica_pools(self, *, session: Any, ids: Iterable[str]) -> dict[str, ReplicaPool]:
         return {}
 
@@ -102,11 +107,16 @@ class FakeStore:
                 kind=a.intent.kind,
                 state=AllocationState.ACTIVE,
                 lease_expires_at=a.lease_expires_at,
+                sharing=a.intent.sharing,
+                cross_domain_bytes_per_s=a.intent.cross_domain_bytes_per_s,
+                cluster=a.cluster,
             )
             self.shares[a.id] = a.intent.shares
             for acc, share in a.intent.shares:
                 c = self.accelerators[acc]
-                self.accelerators[acc] = replace(c, reserved=c.reserved + share.total)
+                self.accelerators[acc] = replace(
+                    c, reserved=c.reserved + share.total, shared=a.intent.sharing == "shared"
+                )
 
     async def lock_allocation(self, *, session: Any, allocation_id: str) -> AllocationRecord | None:
         return self.allocations.get(allocation_id)
@@ -116,6 +126,10 @@ class FakeStore:
     ) -> list[EndedAllocation]:
         self._called("end_allocation", allocation_id=allocation.id, state=state, now=now)
         self.allocations[allocation.id] = replace(allocation, state=state)
+        for acc, share in self.shares[allocation.id]:
+            c = self.accelerators[acc]
+            left = c.reserved - share.total
+            self.accelerators[acc] = replace(c, reserved=left, shared=c.shared and left > 0)
         return [EndedAllocation(allocation, self.shares[allocation.id])]
 
     async def set_lease(self, *, session: Any, allocation_id: str, expires_at: datetime) -> None:
@@ -135,6 +149,7 @@ class FakeStore:
         self._called("upsert_capacity", node=node, accelerators=list(accelerators))
         for i, a in enumerate(accelerators):
             self.accelerators[a.id] = AcceleratorCapacity(a.id, node, i, a.sku, a.usable, 0)
+            self.clusters[a.id] = a.cluster
         return {a.id: self.accelerators[a.id] for a in accelerators}
 
     async def set_node_available(self, *, session: Any, node: str, available: bool) -> NodeAvailability:
@@ -226,11 +241,11 @@ async def test_commit_batch_results_keep_the_request_order() -> None:
     handlers, _store, units = make(gpu("n/gpu0"), gpu("n/gpu1"))
     request = CommitBatchRequest(
         commits=[
-            commit_request("a", ("n/gpu0", 50)),
+            commit_request("a", ("n/gpu0", 50), sharing="shared"),
             commit_request("b", ("x/gpu0", 1)),  # unknown
-            commit_request("c", ("n/gpu0", 50)),  # 50 + 50 > 80: refused
+            commit_request("c", ("n/gpu0", 50), sharing="shared"),  # 50 + 50 > 80: refused
             commit_request("d", ("n/gpu1", 10)),
-            commit_request("e", ("n/gpu0", 20)),
+            commit_request("e", ("n/gpu0", 20), sharing="shared"),
         ]
     )
     reply = await handlers.commit_batch(request)
@@ -262,7 +277,9 @@ async def test_commits_through_the_batcher_each_get_their_own_reply() -> None:
     handlers, _store, _units = make(gpu("n/gpu0"), batcher=batcher)
     batcher.start(handlers.apply_commits)
     try:
-        replies = await asyncio.gather(*(handlers.commit(commit_request(f"r{i}", ("n/gpu0", 10))) for i in range(10)))
+        replies = await asyncio.gather(
+            *(handlers.commit(commit_request(f"r{i}", ("n/gpu0", 10), sharing="shared")) for i in range(10))
+        )
     finally:
         await batcher.stop()
     assert [r.request_id for r in replies] == [f"r{i}" for i in range(10)]  # type: ignore[attr-defined]
@@ -270,11 +287,139 @@ async def test_commits_through_the_batcher_each_get_their_own_reply() -> None:
     assert batcher.batches < 10  # commits that queued together shared a transaction
 
 
+# -- exclusive and shared replicas, cross-domain traffic ------------------------------------------------
+
+
+async def test_an_exclusive_group_on_a_held_gpu_is_refused_and_writes_nothing() -> None:
+    handlers, store, units = make(gpu("n/gpu0"), gpu("n/gpu1"))
+    (first,) = await handlers.apply_commits([commit_request("a", ("n/gpu0", 10), ("n/gpu1", 10))])
+    (second,) = await handlers.apply_commits([commit_request("b", ("n/gpu1", 10))])
+    assert first.status == "committed" and second.status == "rejected"
+    assert second.error is not None and second.error.code == "no_capacity"
+    assert second.error.message == "n/gpu1: held by another replica (exclusive groups don't share a GPU)"
+    assert [len(c["allocations"]) for c in store.called("insert_allocations")] == [1, 0]  # nothing written
+    assert len(units.named("allocation_committed")) == 1
+    assert store.accelerators["n/gpu1"].reserved == 10 * GB
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "status"),
+    [
+        ("shared", "shared", "committed"),
+        ("shared", "exclusive", "rejected"),
+        ("exclusive", "shared", "rejected"),
+        ("exclusive", "exclusive", "rejected"),
+    ],
+)
+async def test_only_shared_replicas_sit_together(first: str, second: str, status: str) -> None:
+    handlers, store, _units = make(gpu("n/gpu0"))
+    replies = await handlers.apply_commits(
+        [commit_request("a", ("n/gpu0", 10), sharing=first), commit_request("b", ("n/gpu0", 10), sharing=second)]
+    )
+    assert [r.status for r in replies] == ["committed", status]
+    if status == "rejected":
+        assert replies[1].error is not None and "held by another replica" in replies[1].error.message
+    assert store.accelerators["n/gpu0"].shared is (first == "shared")  # as the first holder left it
+
+
+async def test_a_request_joins_its_exclusively_held_replica_gpu() -> None:
+    handlers, store, _units = make(gpu("n/gpu0"))
+    (replica,) = await handlers.apply_commits([commit_request("a", ("n/gpu0", 10))])
+    assert replica.allocation_id is not None
+
+    async def pools(*, session: Any, ids: Iterable[str]) -> dict[str, ReplicaPool]:
+        return {
+            replica.allocation_id or "": ReplicaPool(
+                replica.allocation_id or "", "acme", "replica", True, {"n/gpu0": 10 * GB}
+            )
+        }
+
+    store.lock_replica_pools = pools  # type: ignore[method-assign]
+    request = CommitRequest(
+        request_id="q",
+        tenant="acme",
+        kind="request",
+        parent_id=replica.allocation_id,
+        shares=[ShareIn(accelerator_id="n/gpu0", kv=GB)],
+    )
+    (held,) = await handlers.apply_commits([request])
+    assert held.status == "committed"
+
+
+async def test_a_released_exclusive_gpu_takes_a_new_exclusive_group() -> None:
+    handlers, _store, _units = make(gpu("n/gpu0"))
+    (first,) = await handlers.apply_commits([commit_request("a", ("n/gpu0", 10))])
+    assert first.allocation_id is not None
+    await handlers.release(LedgerReleaseRequest(allocation_id=first.allocation_id, tenant="acme"))
+    (second,) = await handlers.apply_commits([commit_request("b", ("n/gpu0", 10))])
+    assert second.status == "committed"
+
+
+async def test_the_events_carry_sharing_cross_domain_traffic_and_the_cluster() -> None:
+    handlers, store, units = make()
+    await handlers.on_node_profiled(uow=units.unit(), event=envelope(), payload=profile_event("n", 2))
+    assert store.clusters == {"n/gpu0": "c1", "n/gpu1": "c1"}  # learnt from the node's profile
+    (reply,) = await handlers.apply_commits(
+        [commit_request("a", ("n/gpu0", 10), ("n/gpu1", 10), cross_domain_bytes_per_s=40 * GB)]
+    )
+    assert reply.allocation_id is not None
+    await handlers.release(LedgerReleaseRequest(allocation_id=reply.allocation_id, tenant="acme"))
+    (shared,) = await handlers.apply_commits([commit_request("b", ("n/gpu0", 1), sharing="shared")])
+    committed = [AllocationEvent.model_validate(p) for p in units.named("allocation_committed")]
+    (released,) = [AllocationEvent.model_validate(p) for p in units.named("allocation_released")]
+    assert [(e.sharing, e.cross_domain_bytes_per_s, e.cluster) for e in committed] == [
+        ("exclusive", 40 * GB, "c1"),
+        ("shared", 0, "c1"),
+    ]
+    # The end of an allocation carries what its commit added, so a follower can take it back.
+    assert (released.sharing, released.cross_domain_bytes_per_s, released.cluster) == ("exclusive", 40 * GB, "c1")
+    assert shared.status == "committed"
+
+
+async def test_a_request_with_cross_domain_traffic_is_invalid() -> None:
+    with pytest.raises(ValueError, match="cross-domain"):
+        CommitRequest(
+            request_id="q",
+            tenant="acme",
+            kind="request",
+            parent_id="al-1",
+            cross_domain_bytes_per_s=1,
+            shares=[ShareIn(accelerator_id="n/gpu0", kv=GB)],
+        )
+
+
+async def test_the_snapshot_says_which_gpus_are_shared_and_the_cross_domain_use_on_every_page() -> None:
+    handlers, store, _units = make(max_payload=20_000)
+    crossing = [
+        CrossDomainUse("al-1", "c1", 40 * GB),
+        CrossDomainUse("al-2", "c1", 8 * GB),
+        CrossDomainUse("al-3", None, GB),
+    ]
+    held = replace(gpu("n/gpu1", reserved_gb=5), shared=True)
+    store.page = SnapshotPage(
+        [LedgerEntry(gpu("n/gpu0"), ()), LedgerEntry(held, ("al-4",))]
+        + [LedgerEntry(gpu(f"m{i:04d}/gpu0"), ()) for i in range(400)],
+        None,
+        crossing,
+    )
+    reply = await handlers.snapshot(SnapshotRequest(limit=402))
+    assert isinstance(reply, SnapshotReply)
+    assert [(a.id, a.shared) for a in reply.accelerators[:2]] == [("n/gpu0", False), ("n/gpu1", True)]
+    assert reply.next_cursor is not None  # cut to fit one message: the cross-domain figures stay
+    assert reply.cross_domain_used == {"c1": 48 * GB}
+    assert [(c.allocation_id, c.cluster, c.bytes_per_s) for c in reply.cross_domain] == [
+        ("al-1", "c1", 40 * GB),
+        ("al-2", "c1", 8 * GB),
+        ("al-3", None, GB),
+    ]
+
+
 # -- release, renew, sweep -------------------------------------------------------------------------
 
 
 async def committed(handlers: LedgerHandlers, rid: str = "a", tenant: str = "acme") -> str:
-    (reply,) = await handlers.apply_commits([commit_request(rid, ("n/gpu0", 10), tenant=tenant)])
+    """A 10 GB shared replica on n/gpu0 (so that several may be held there)."""
+    (reply,) = await handlers.apply_commits([commit_request(rid, ("n/gpu0", 10), tenant=tenant, sharing="shared")])
     assert reply.allocation_id is not None
     return reply.allocation_id
 

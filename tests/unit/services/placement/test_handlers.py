@@ -13,8 +13,8 @@ import pytest
 from opentelemetry import metrics
 from pydantic import BaseModel
 
-from services.placement.handlers import Ownership, PlacementHandlers, PlacementMetrics
-from services.placement.store import DecisionStore, SeenAllocation, StoredIntent
+from services.placement.handlers import Ownership, PlacementHandlers, PlacementMetrics, Queueing
+from services.placement.store import DecisionStore, QueuedRequest, SeenAllocation, StoredIntent
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import (
@@ -113,6 +113,8 @@ class FakeStore(DecisionStore):
         self.rows: dict[tuple[str, str], dict[str, Any]] = {}
         self.allocations: dict[str, dict[str, Any]] = {}
         self.released: list[str] = []
+        self.queue: dict[tuple[str, str], QueuedRequest] = {}
+        self._seq = itertools.count(1)
 
     @property
     def replies(self) -> dict[tuple[str, str], PlaceReply]:
@@ -203,6 +205,50 @@ class FakeStore(DecisionStore):
             return False
         row.update(status=status.value, reply=reply, allocation_id=allocation_id, claimed_until=None, updated_at=now)
         return True
+
+    async def settle(
+        self,
+        *,
+        session: Any,
+        tenant: str,
+        request_id: str,
+        attempt: int,
+        was: DecisionStatus,
+        status: DecisionStatus,
+        reply: PlaceReply | None,
+        now: datetime,
+    ) -> bool:
+        row = self.rows.get((tenant, request_id))
+        if row is None or row["attempt"] != attempt or row["status"] != was.value:
+            return False
+        row.update(status=status.value, reply=reply, claimed_until=None, updated_at=now)
+        return True
+
+    async def enqueue(
+        self, *, session: Any, request: PlaceRequest, enqueued_at: datetime, deadline_at: datetime
+    ) -> None:
+        key = (request.tenant, request.request_id)
+        if key not in self.queue:
+            self.queue[key] = QueuedRequest(
+                seq=next(self._seq),
+                tenant=request.tenant,
+                request_id=request.request_id,
+                request=PlaceRequest.model_validate(request.model_dump(mode="json")),
+                enqueued_at=enqueued_at,
+                deadline_at=deadline_at,
+            )
+
+    async def queue_position(self, *, session: Any, tenant: str, request_id: str) -> int | None:
+        mine = self.queue.get((tenant, request_id))
+        if mine is None:
+            return None
+        return sum(1 for q in self.queue.values() if q.seq <= mine.seq)
+
+    async def dequeue(self, *, session: Any, tenant: str, request_id: str) -> None:
+        self.queue.pop((tenant, request_id), None)
+
+    async def queued(self, *, session: Any, limit: int) -> list[QueuedRequest]:
+        return sorted(self.queue.values(), key=lambda q: q.seq)[:limit]
 
     async def unclaim(self, *, session: Any, tenant: str, request_id: str, attempt: int, now: datetime) -> None:
         row = self.rows.get((tenant, request_id))
@@ -298,7 +344,7 @@ def fleet_view(*, nodes: tuple[str, ...] = ("n1",), pods: tuple[str, ...] = ()) 
 
 
 class Rig:
-    def __init__(self, rpc: FakeRpc, view: FleetView | None = None) -> None:
+    def __init__(self, rpc: FakeRpc, view: FleetView | None = None, queueing: Queueing | None = None) -> None:
         self.rpc = rpc
         self.view = view or fleet_view()
         self.now = NOW
@@ -316,6 +362,7 @@ class Rig:
             ownership=Ownership(claim_s=5, grace_s=60),
             clock=lambda: self.now,
             after_commit=self.after_commit,
+            queueing=queueing,
         )
 
     def reserved(self) -> dict[str, int]:
@@ -461,7 +508,8 @@ async def test_a_refusal_other_than_conflict_is_passed_on_without_retry() -> Non
 
 async def test_nothing_fits_is_a_rejected_event_and_no_commit() -> None:
     rig = Rig(FakeRpc(ledger_commit=[committed()]))
-    reply = await rig.handlers.place(place(model="llama3-405b", dtype="fp16", context_tokens=131072, concurrency=64))
+    huge = place(model="llama3-405b", dtype="fp16", context_tokens=131072, concurrency=64, fallbacks=[])
+    reply = await rig.handlers.place(huge)
     assert isinstance(reply, PlaceReply) and reply.status == "rejected" and reply.error is not None
     assert rig.rpc.requests(Rpc.LEDGER_COMMIT) == [] and rig.uow.names() == ["placement_rejected"]
 

@@ -3,22 +3,48 @@ the TOPOLOGY and LEDGER events as their contract payloads."""
 
 from __future__ import annotations
 
-from services.placement.mapping import apply_event, view_from
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from services.placement.mapping import (
+    apply_event,
+    crossing,
+    may_queue,
+    to_commit,
+    to_domain,
+    to_reply,
+    view_from,
+)
 from shared.contracts.fleet import FleetGetReply, NodeView, RackView, TpuPodView
 from shared.contracts.ledger import (
     AcceleratorBalance,
     AcceleratorLedgerView,
     AllocationEvent,
     CapacityChangedEvent,
+    CrossDomainAllocation,
     LedgerEvent,
     ShareOut,
     SnapshotReply,
 )
-from shared.contracts.topology import NodeProfileEvent, NodeStateEvent, TopologyEvent, TpuPodEvent
+from shared.contracts.placement import PlaceRequest
+from shared.contracts.topology import (
+    GpuSample,
+    GpuTelemetryEvent,
+    NodeProfileEvent,
+    NodeStateEvent,
+    TelemetryEvent,
+    TopologyEvent,
+    TpuPodEvent,
+)
+from shared.domain.errors import ErrorCode
 from shared.domain.fleet import AcceleratorId
-from shared.domain.memory import usable_hbm
+from shared.domain.memory import MemoryShare, usable_hbm
+from shared.domain.placement.types import Decision
 from shared.infra.profiles import profile_to_payload
-from tests.unit.placement.builders import models, node, skus
+from tests.unit.placement.builders import models, node, skus, snapshot
 
 USABLE = usable_hbm(skus()["H100-SXM-80GB"].hbm_bytes)
 GB = 10**9
@@ -113,3 +139,166 @@ def test_a_view_seeded_from_the_snapshots_follows_the_events() -> None:
     pod = TpuPodEvent(pod="p1", region="us-west-1", type="v5e", shape=[2, 2], sku="TPU-V5E", hbm_per_chip=16 * GB)
     apply_event(view, TopologyEvent.TPU_POD_PROFILED, pod)
     assert view.pods["p1"].cluster == "c9"  # kept from fleet.get: the event does not carry it
+
+
+# -- issue 12: sharing, fallbacks, stages, binding, launch, estimate; the commit; the view's new figures --
+
+
+def place_request(**extra: Any) -> PlaceRequest:
+    body: dict[str, Any] = {"request_id": "r", "tenant": "t", "model": "llama3-70b", "context_tokens": 8192, **extra}
+    return PlaceRequest.model_validate(body)
+
+
+def test_the_request_maps_sharing_fallbacks_and_pipeline_depth() -> None:
+    default = to_domain(place_request())
+    assert (default.sharing, default.fallbacks, default.pp) == ("exclusive", None, None)  # None: the whole ladder
+    exact = to_domain(place_request(fallbacks=[]))
+    assert exact.fallbacks == ()
+    chosen = to_domain(place_request(sharing="shared", fallbacks=["kv_quantize", "queue"], pp=None))
+    assert (chosen.sharing, chosen.fallbacks) == ("shared", ("kv_quantize", "queue"))
+    assert to_domain(place_request(pp=2)).pp == 2
+    assert may_queue(place_request()) and may_queue(place_request(fallbacks=["queue"]))
+    assert not may_queue(place_request(fallbacks=[])) and not may_queue(place_request(fallbacks=["pipeline"]))
+
+
+def staged_decision(**extra: Any) -> Decision:
+    """TP=4 x PP=2 on a 4+4 node: stage 0 on nv0 (gpu0-3), stage 1 on nv4 (gpu4-7)."""
+    stages = (tuple(f"n1/gpu{i}" for i in range(4)), tuple(f"n1/gpu{i}" for i in range(4, 8)))
+    values: dict[str, Any] = {
+        "request_id": "r",
+        "status": "placed",
+        "backend": "gpu",
+        "region": "us-west-1",
+        "cluster": "c1",
+        "node": "n1",
+        "nodes": ("n1",),
+        "sku": "H100-SXM-80GB",
+        "tp": 4,
+        "pp": 2,
+        "stages": stages,
+        "accelerators": stages[0] + stages[1],
+        "share": MemoryShare(weights=18 * GB, kv=2 * GB, activation=GB, workspace=GB),
+        "fallback": "pipeline",
+        "estimate": {"ttft_ms": 120.0, "tpot_ms": 30.0, "tokens_per_s": 500.0, "load_time_s": 9.0},
+        "explanation": ("PP=2 across n1/nv0 and n1/nv4",),
+    }
+    values.update(extra)
+    return Decision(**values)
+
+
+def test_a_staged_decision_replies_with_its_stages_binding_launch_and_estimate() -> None:
+    snap = snapshot(node("n1").four_plus_four())
+    reply = to_reply(staged_decision(), snapshot=snap, request=to_domain(place_request(dtype="bf16")))
+    assert reply.status == "placed" and reply.pp == 2 and reply.tp == 4 and reply.fallback == "pipeline"
+    assert reply.sharing == "exclusive"
+    assert reply.stages is not None and [[p.node for p in stage] for stage in reply.stages] == [["n1"], ["n1"]]
+    assert [stage[0].accelerators for stage in reply.stages] == [
+        [f"n1/gpu{i}" for i in range(4)],
+        [f"n1/gpu{i}" for i in range(4, 8)],
+    ]
+    assert [stage[0].domain for stage in reply.stages] == ["n1/nv0", "n1/nv4"]
+    assert [p.node for p in reply.placements] == ["n1"] and len(reply.placements[0].accelerators) == 8
+    assert reply.estimate is not None and reply.estimate.tpot_ms == 30.0 and reply.estimate.load_time_s == 9.0
+    assert reply.binding is not None and [b.node for b in reply.binding] == ["n1"]
+    assert sorted(reply.binding[0].tp_rank_order) == list(range(8))
+    assert reply.launch is not None
+    vllm = reply.launch.vllm
+    assert vllm[vllm.index("--tensor-parallel-size") + 1] == "4"
+    assert vllm[vllm.index("--pipeline-parallel-size") + 1] == "2"
+    assert vllm[vllm.index("--max-model-len") + 1] == "8192"
+    device = snap.nodes["n1"].accelerators[0].hbm_bytes
+    assert vllm[vllm.index("--gpu-memory-utilization") + 1] == f"{22 * GB * 1000 // device / 1000:.3f}"
+    assert reply.launch.env["CUDA_VISIBLE_DEVICES"] == reply.binding[0].cuda_visible_devices
+
+
+def test_kv_quantised_by_the_fallback_launches_with_an_fp8_kv_cache() -> None:
+    snap = snapshot(node("n1").nvswitch(8))
+    decision = staged_decision(pp=1, stages=(), fallback="kv_quantize", accelerators=("n1/gpu0", "n1/gpu1"), tp=2)
+    reply = to_reply(decision, snapshot=snap, request=to_domain(place_request(dtype="bf16", kv_dtype="bf16")))
+    assert reply.launch is not None and reply.stages is None
+    assert reply.launch.vllm[reply.launch.vllm.index("--kv-cache-dtype") + 1] == "fp8"
+    plain = to_reply(replace(decision, fallback=None), snapshot=snap, request=to_domain(place_request(dtype="bf16")))
+    assert plain.launch is not None and plain.launch.vllm[plain.launch.vllm.index("--kv-cache-dtype") + 1] == "auto"
+
+
+def test_a_rejection_has_no_binding_and_a_dry_reply_without_the_snapshot_none_either() -> None:
+    rejected = Decision(request_id="r", status="rejected", error_code=ErrorCode.NO_CAPACITY, message="full")
+    snap = snapshot(node("n1").nvswitch(8))
+    reply = to_reply(rejected, snapshot=snap, request=to_domain(place_request()))
+    assert reply.status == "rejected" and reply.binding is None and reply.launch is None and reply.stages is None
+    assert to_reply(staged_decision()).binding is None  # no snapshot: nothing to bind against
+
+
+def test_the_commit_of_a_staged_decision_holds_every_stage_with_its_sharing_and_traffic() -> None:
+    snap = snapshot(node("n1").four_plus_four())
+    decision = staged_decision(cross_domain_bytes_per_s=12.6e9)
+    commit = to_commit(place_request(), decision, snap, lease_s=60)
+    assert [s.accelerator_id for s in commit.shares] == list(decision.accelerators)  # all stages, one commit
+    assert commit.expected == dict.fromkeys(decision.accelerators, 0)
+    assert commit.sharing == "exclusive" and commit.cross_domain_bytes_per_s == 12_600_000_000
+    shared = to_commit(place_request(sharing="shared"), replace(decision, sharing="shared"), snap, lease_s=60)
+    assert shared.sharing == "shared"
+    assert crossing(decision) == ("c1", 12.6e9) and crossing(replace(decision, cross_domain_bytes_per_s=0)) is None
+
+
+def test_the_view_seeds_and_follows_sharing_cross_domain_traffic_and_telemetry() -> None:
+    profile = node("n1").nvswitch(8).profile()
+    fleet = FleetGetReply(
+        nodes=[
+            NodeView(
+                name="n1",
+                region="us-west-1",
+                cluster="c1",
+                rack="r1",
+                sku="H100-SXM-80GB",
+                profile=profile_to_payload(profile),
+            )
+        ]
+    )
+    seeded = rows("n1")
+    seeded[0] = seeded[0].model_copy(update={"hbm_reserved": GB, "allocations": ["al-s"], "shared": True})
+    seeded[1] = seeded[1].model_copy(update={"hbm_reserved": GB, "allocations": ["al-c"]})
+    ledger = SnapshotReply(
+        accelerators=seeded,
+        cross_domain_used={"c1": 40 * GB},
+        cross_domain=[CrossDomainAllocation(allocation_id="al-c", cluster="c1", bytes_per_s=40 * GB)],
+    )
+    view = view_from(
+        fleet=fleet,
+        profiles={"n1": profile_to_payload(profile)},
+        ledger=ledger,
+        skus=skus(),
+        models=models(),
+        pcie_window_s=0,
+    )
+    gpu0, gpu1, gpu2 = (AcceleratorId.gpu("n1", i) for i in range(3))
+    snap = view.snapshot
+    assert snap.capacity[gpu0].shared and not snap.capacity[gpu1].shared
+    assert snap.cross_domain_used == {"c1": 40 * GB}
+
+    ended = allocation("n1", "al-c", GB).model_copy(
+        update={"shares": [allocation("n1", "al-c", GB).shares[0].model_copy(update={"accelerator_id": gpu1})]}
+    )
+    apply_event(view, LedgerEvent.ALLOCATION_RELEASED, ended.model_copy(update={"cluster": "c1"}))
+    assert view.snapshot.cross_domain_used == {}
+    joined = allocation("n1", "al-s2", GB).model_copy(
+        update={"sharing": "shared", "cluster": "c1", "cross_domain_bytes_per_s": 0}
+    )
+    apply_event(view, LedgerEvent.ALLOCATION_COMMITTED, joined)
+    assert view.snapshot.capacity[gpu0].shared and view.snapshot.capacity[gpu0].reserved == 2 * GB
+    crossing_commit = allocation("n1", "al-x", GB).model_copy(
+        update={
+            "shares": [allocation("n1", "al-x", GB).shares[0].model_copy(update={"accelerator_id": gpu2})],
+            "cluster": "c1",
+            "cross_domain_bytes_per_s": 7 * GB,
+        }
+    )
+    apply_event(view, LedgerEvent.ALLOCATION_COMMITTED, crossing_commit)
+    assert view.snapshot.cross_domain_used == {"c1": 7 * GB} and not view.snapshot.capacity[gpu2].shared
+
+    link = 3.938e9 * 16
+    telemetry = GpuTelemetryEvent(node="n1", gpus=[GpuSample(index=3, pcie_rx_bytes_per_s=0.8 * link)])
+    apply_event(view, TelemetryEvent.GPU, telemetry)  # no time: not applied
+    assert view.snapshot.pcie_util == {}
+    apply_event(view, TelemetryEvent.GPU, telemetry, at=datetime(2026, 12, 5, tzinfo=UTC))
+    assert view.snapshot.pcie_util == {"n1": pytest.approx(0.8)}

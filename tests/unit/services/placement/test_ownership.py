@@ -141,7 +141,7 @@ async def test_a_released_allocation_marks_its_decision_released() -> None:
 
 async def test_a_rejected_placement_may_be_retried() -> None:
     rig = Rig(FakeRpc(ledger_commit=[committed()]))
-    huge = place("r-x", model="llama3-405b", dtype="fp16", context_tokens=131072, concurrency=64)
+    huge = place("r-x", model="llama3-405b", dtype="fp16", context_tokens=131072, concurrency=64, fallbacks=[])
     first = await rig.handlers.place(huge)
     again = await rig.handlers.place(huge)
     assert isinstance(first, PlaceReply) and first.status == "rejected" and again == first
