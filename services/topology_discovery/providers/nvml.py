@@ -18,6 +18,7 @@ from shared.contracts.topology import GpuSample
 from shared.domain.fleet import Accelerator, NodeProfile
 from shared.domain.hardware import sku_from_device_name
 from shared.domain.topology import FabricState, GpuFabricInfo, LinkMatrix
+from shared.domain.topology.cpus import cpu_list
 
 T = TypeVar("T")
 
@@ -51,16 +52,7 @@ def normalise_bus_id(bus_id: bytes | str) -> str:
 def _cpu_list(words: Any, cpus_per_word: int = 64) -> str | None:
     """NVML's affinity bitmask words as a cpulist (``0-47,96-143``), None when empty (cgroup limits)."""
     cpus = [w * cpus_per_word + b for w, word in enumerate(words) for b in range(cpus_per_word) if int(word) >> b & 1]
-    if not cpus:
-        return None
-    ranges: list[str] = []
-    start = prev = cpus[0]
-    for cpu in [*cpus[1:], -1]:
-        if cpu != prev + 1:
-            ranges.append(f"{start}-{prev}" if start != prev else str(start))
-            start = cpu
-        prev = cpu
-    return ",".join(ranges)
+    return cpu_list(cpus) or None
 
 
 class NvmlProvider:

@@ -23,6 +23,7 @@ from shared.domain.fleet import AcceleratorId, NodeProfile
 from shared.domain.models import ModelSpec
 from shared.domain.placement.types import Decision
 from shared.domain.topology import LinkMatrix, link_rank, parse_int_list
+from shared.domain.topology.cpus import cpu_list
 
 __all__ = [
     "BRUTE_FORCE_MAX_GPUS",
@@ -152,18 +153,6 @@ def _gpu_numa(profile: NodeProfile, index: int) -> int | None:
     return profile.links.numa[index] if index < len(profile.links.numa) else None
 
 
-def _cpu_list(cpus: Sequence[int]) -> str:
-    """Sorted CPU numbers as nvidia-smi prints a CPU affinity: "0-23,48-71"."""
-    ranges: list[str] = []
-    start = previous = cpus[0]
-    for cpu in [*cpus[1:], -1]:
-        if cpu != previous + 1:
-            ranges.append(f"{start}-{previous}" if start != previous else str(start))
-            start = cpu
-        previous = cpu
-    return ",".join(ranges)
-
-
 def _numa_cpus(profile: NodeProfile, numa: int, gpus: Sequence[int]) -> str | None:
     """The CPU list of NUMA node ``numa``: the CPU affinity printed for the replica's GPUs, else for any
     other GPU of the node on that NUMA node (they share it); where the printed lists differ, the CPUs
@@ -181,7 +170,7 @@ def _numa_cpus(profile: NodeProfile, numa: int, gpus: Sequence[int]) -> str | No
     if any(cpus is None for cpus in lists):
         return None
     common = set.intersection(*(set(cpus or ()) for cpus in lists))
-    return _cpu_list(sorted(common)) if common else None
+    return cpu_list(sorted(common)) if common else None
 
 
 def bind(decision: Decision, nodes: Mapping[str, NodeProfile]) -> tuple[NodeBinding, ...]:

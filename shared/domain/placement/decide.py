@@ -44,8 +44,8 @@ from shared.domain.placement.framework import (
 )
 from shared.domain.placement.hosts import GpuHost, GpuLoad, SnapshotIndex, StaticClass, TpuHost, index_of
 from shared.domain.placement.ladder import NAME as LADDER
-from shared.domain.placement.ladder import emptied, ladder_config, load_time_s, with_fallbacks
-from shared.domain.placement.perf import estimate
+from shared.domain.placement.ladder import emptied, estimate_of, ladder_config, with_fallbacks
+from shared.domain.placement.perf import perf_of
 from shared.domain.placement.registry import framework_for
 from shared.domain.placement.types import (
     Decision,
@@ -293,30 +293,13 @@ def _placed(
         )
     group = candidate.binding
     assert isinstance(host, GpuHost) and isinstance(group, GpuGroup)
-    perf = estimate(
-        demand.model,
-        demand.dtype,
-        demand.kv_dtype,
-        demand.request.concurrency,
-        demand.input_tokens,
-        demand.output_tokens,
-        host.sku,
-        tp,
-    )
+    perf = perf_of(demand, host.sku, tp)
     # A shared replica joining a GPU others use gets a share of its compute: at least half with one
     # co-tenant (the simulator's charge, docs/PLACEMENT.md); the ledger knows the holders, not how busy.
     load = candidate.load
     contended = isinstance(load, GpuLoad) and any(not load.idle[p] for p in group.positions)
     slow = 2.0 if contended else 1.0
-    base = replace(
-        base,
-        estimate={
-            "ttft_ms": perf.ttft_ms * slow,
-            "tpot_ms": perf.tpot_ms * slow,
-            "tokens_per_s": perf.tokens_per_s / slow,
-            "load_time_s": load_time_s(share, host),
-        },
-    )
+    base = replace(base, estimate=estimate_of(perf, share, host, slow=slow))
     if contended:
         lines.append("shares its GPU with other shared replicas: latency estimates x2 (at least)")
     positions = group.positions

@@ -28,7 +28,7 @@ from shared.domain.placement.filters.pcie_budget import GB_PER_S_PER_LANE
 from shared.domain.placement.filters.pcie_load import NAME as PCIE_LOAD
 from shared.domain.placement.framework import GB, Candidate, CycleState, Demand, Framework, typed_config
 from shared.domain.placement.hosts import GpuHost, GpuLoad, HostKind, SnapshotIndex
-from shared.domain.placement.perf import estimate
+from shared.domain.placement.perf import Perf, perf_of
 from shared.domain.placement.types import FALLBACKS, Decision, ErrorCode, FleetSnapshot, PlacementRequest
 from shared.domain.topology import best_tp_group
 from shared.domain.topology.tpu import TpuGrid
@@ -320,16 +320,7 @@ def _staged(
     batch = demand.request.concurrency
     hop_bytes = batch * demand.model.hidden * ACTIVATION_BYTES
     hop_ms = hop_bytes / link * 1e3 + HOP_OVERHEAD_MS
-    perf = estimate(
-        demand.model,
-        demand.dtype,
-        demand.kv_dtype,
-        batch,
-        demand.input_tokens,
-        demand.output_tokens,
-        first_host.sku,
-        tp,
-    )
+    perf = perf_of(demand, first_host.sku, tp)
     added = (pp - 1) * hop_ms
     where = ", ".join(dict.fromkeys(domains))
     line = (
@@ -344,7 +335,6 @@ def _staged(
         f"{share.activation / GB:.1f} GB + workspace {share.workspace / GB:.1f} GB = {share.total / GB:.1f} GB "
         f"(each stage holds 1/{pp} of the layers)"
     )
-    tpot = perf.tpot_ms + added
     return Decision(
         request_id=demand.request.request_id,
         status="placed",
@@ -365,13 +355,22 @@ def _staged(
         pp=pp,
         stages=ids,
         fallback="pipeline",
-        estimate={
-            "ttft_ms": perf.ttft_ms + added,
-            "tpot_ms": tpot,
-            "tokens_per_s": batch * 1e3 / max(tpot, 1e-9),
-            "load_time_s": load_time_s(share, first_host),
-        },
+        estimate=estimate_of(perf, share, first_host, added_ms=added),
     )
+
+
+def estimate_of(
+    perf: Perf, share: MemoryShare, host: GpuHost, *, added_ms: float = 0.0, slow: float = 1.0
+) -> dict[str, float]:
+    """``Decision.estimate``: the latency model's figures, ``slow`` times slower (a shared GPU) plus
+    ``added_ms`` per token (stage hops), and the cold load of the weights."""
+    tpot = perf.tpot_ms * slow + added_ms
+    return {
+        "ttft_ms": perf.ttft_ms * slow + added_ms,
+        "tpot_ms": tpot,
+        "tokens_per_s": perf.tokens_per_s * perf.tpot_ms / tpot if tpot > 0 else perf.tokens_per_s,
+        "load_time_s": load_time_s(share, host),
+    }
 
 
 def load_time_s(share: MemoryShare, host: GpuHost) -> float:
@@ -396,16 +395,7 @@ def cross_fraction(domains: int, per_domain: int) -> float:
 def tp_traffic_bytes_per_s(demand: Demand, host: GpuHost, tp: int) -> float:
     """All-reduce bytes per second of a TP group: two all-reduces of the hidden state per layer and
     token (16-bit), 2(tp-1) times that over all ring links, at the latency model's decode tokens/s."""
-    perf = estimate(
-        demand.model,
-        demand.dtype,
-        demand.kv_dtype,
-        demand.request.concurrency,
-        demand.input_tokens,
-        demand.output_tokens,
-        host.sku,
-        tp,
-    )
+    perf = perf_of(demand, host.sku, tp)
     per_token = demand.model.layers * 2 * 2 * (tp - 1) * demand.model.hidden * ACTIVATION_BYTES
     return per_token * perf.tokens_per_s
 
@@ -502,16 +492,7 @@ def _spread(
         lines.append(
             f"warning: cluster {host.cluster} is past {config.cross_domain_warn:.0%} of its cross-domain budget"
         )
-    perf = estimate(
-        demand.model,
-        demand.dtype,
-        demand.kv_dtype,
-        demand.request.concurrency,
-        demand.input_tokens,
-        demand.output_tokens,
-        host.sku,
-        tp,
-    )
+    perf = perf_of(demand, host.sku, tp)
     model = f"{demand.model.name} ({demand.dtype} weights, {demand.kv_dtype} KV)"
     headline = f"placed {model} at TP={tp} on {', '.join(accelerators)} ({host.sku.name}, across NVLink domains)"
     return Decision(
@@ -533,13 +514,16 @@ def _spread(
         sharing="exclusive",
         fallback="cross_domain",
         cross_domain_bytes_per_s=cross,
-        estimate={
-            "ttft_ms": perf.ttft_ms,
-            "tpot_ms": perf.tpot_ms,
-            "tokens_per_s": perf.tokens_per_s,
-            "load_time_s": load_time_s(share, host),
-        },
+        estimate=estimate_of(perf, share, host),
     )
 
 
-__all__ = ["LadderConfig", "cross_fraction", "ladder_config", "load_time_s", "stage_share", "with_fallbacks"]
+__all__ = [
+    "LadderConfig",
+    "cross_fraction",
+    "estimate_of",
+    "ladder_config",
+    "load_time_s",
+    "stage_share",
+    "with_fallbacks",
+]

@@ -53,16 +53,7 @@ def perf(state: CycleState, demand: Demand, sku: Sku, tp: int) -> Perf:
     key = (sku.name, tp)
     found = cache.get(key)
     if found is None:
-        found = cache[key] = estimate(
-            demand.model,
-            demand.dtype,
-            demand.kv_dtype,
-            demand.request.concurrency,
-            demand.input_tokens,
-            demand.output_tokens,
-            sku,
-            tp,
-        )
+        found = cache[key] = perf_of(demand, sku, tp)
     return found
 
 
@@ -86,3 +77,17 @@ def estimate(
         ttft = 2.0 * shape.active_params * input_tokens / tp / flops * 1e3
         calibrated = False
     return Perf(ttft_ms=ttft, tpot_ms=tpot, tokens_per_s=batch * 1e3 / max(tpot, 1e-9), calibrated=calibrated)
+
+
+def perf_of(demand: Demand, sku: Sku, tp: int) -> Perf:
+    """``estimate`` for a demand's model, dtypes and request shape on ``sku`` at ``tp``."""
+    return estimate(
+        demand.model,
+        demand.dtype,
+        demand.kv_dtype,
+        demand.request.concurrency,
+        demand.input_tokens,
+        demand.output_tokens,
+        sku,
+        tp,
+    )
