@@ -35,7 +35,7 @@ from shared.contracts.ledger import (
 from shared.contracts.subjects import Context
 from shared.contracts.topology import GpuTelemetryEvent, NodeProfileEvent, NodeStateEvent, TpuPodEvent
 from shared.domain.capacity import AcceleratorCapacity
-from shared.domain.fleet import AcceleratorId, TpuPod, tpu_chip_ids
+from shared.domain.fleet import AcceleratorId, TpuPod, cluster_key, tpu_chip_ids
 from shared.domain.ledger import (
     MAX_LEASE_S,
     Access,
@@ -342,8 +342,10 @@ class LedgerHandlers:
     # -- TOPOLOGY events -----------------------------------------------------------------------
 
     async def on_node_profiled(self, *, uow: UnitOfWork, event: EventEnvelope, payload: NodeProfileEvent) -> None:
-        """A node's GPUs become ledger accelerators (usable = HBM x ceiling), in the node's cluster."""
-        cluster = payload.profile.cluster or None
+        """A node's GPUs become ledger accelerators (usable = HBM x ceiling), in the node's cluster (its
+        ``<region>/<cluster>`` key: names repeat across regions)."""
+        profile = payload.profile
+        cluster = cluster_key(profile.region, profile.cluster) if profile.cluster else None
         accelerators = [
             self._spec(AcceleratorId.gpu(payload.node, a.index), a.sku, a.hbm_bytes, cluster=cluster)
             for a in payload.profile.accelerators

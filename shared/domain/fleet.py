@@ -141,6 +141,12 @@ class TpuPod:
         return total
 
 
+def cluster_key(region: str, cluster: str) -> str:
+    """A cluster's identity across the fleet: ``<region>/<cluster>`` (cluster names repeat across regions,
+    as ``c1`` does in the demo fleet). What per-cluster budgets (cross-domain traffic) are keyed by."""
+    return f"{region}/{cluster}"
+
+
 def tpu_chip_id(pod: str, coord: Sequence[int]) -> str:
     """Ledger id of one TPU chip: ``<pod>/<x>.<y>`` (v5e) or ``<pod>/<x>.<y>.<z>`` (v5p)."""
     return AcceleratorId.tpu(pod, coord)

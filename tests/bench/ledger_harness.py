@@ -110,7 +110,13 @@ class LedgerHarness:
         proc = self.procs.pop(package, None)
         if proc is not None:
             proc.terminate()
-            proc.wait(timeout=30)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                log = (self.workdir / f"{package}.log").read_text(errors="replace")[-4000:]
+                proc.kill()
+                proc.wait(timeout=10)
+                raise RuntimeError(f"{package} did not stop within 30 s of SIGTERM; its log ends:\n{log}") from None
 
     async def __aenter__(self) -> LedgerHarness:
         try:

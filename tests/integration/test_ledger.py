@@ -527,7 +527,7 @@ async def test_racing_exclusive_groups_for_one_gpu_commit_exactly_one(ledger: Cl
 
 
 async def test_cross_domain_traffic_is_summed_per_cluster_and_given_back(ledger: Client, settings: Settings) -> None:
-    node = "l40s-02"  # us-west-1 / c1
+    node = "l40s-02"  # us-west-1 / c1: its cluster key is "us-west-1/c1"
     accs = [f"{node}/gpu{i}" for i in range(4)]
 
     async def crossing() -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
@@ -548,10 +548,13 @@ async def test_cross_domain_traffic_is_summed_per_cluster_and_given_back(ledger:
     plain = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit("l40s-02/gpu7", 1, sharing="shared"))
     assert kept["status"] == short["status"] == plain["status"] == "committed"
     used, listed = await crossing()
-    assert used.get("c1", 0) - before.get("c1", 0) in (50 * GB, 40 * GB)  # the short lease may be gone already
+    assert used.get("us-west-1/c1", 0) - before.get("us-west-1/c1", 0) in (
+        50 * GB,
+        40 * GB,
+    )  # the short lease may be gone already
     assert listed[kept["allocation_id"]] == {
         "allocation_id": kept["allocation_id"],
-        "cluster": "c1",
+        "cluster": "us-west-1/c1",
         "bytes_per_s": 40 * GB,
     }
     assert plain["allocation_id"] not in listed
@@ -566,23 +569,28 @@ async def test_cross_domain_traffic_is_summed_per_cluster_and_given_back(ledger:
     assert (committed["sharing"], committed["cross_domain_bytes_per_s"], committed["cluster"]) == (
         "exclusive",
         40 * GB,
-        "c1",
+        "us-west-1/c1",
     )
     shared = await wait_for(lambda: event_of("allocation_committed", plain["allocation_id"]), 15, interval_s=0.2)
-    assert (shared["sharing"], shared["cross_domain_bytes_per_s"], shared["cluster"]) == ("shared", 0, "c1")
+    assert (shared["sharing"], shared["cross_domain_bytes_per_s"], shared["cluster"]) == ("shared", 0, "us-west-1/c1")
     expired = await wait_for(lambda: event_of("allocation_expired", short["allocation_id"]), 15, interval_s=0.2)
-    assert (expired["cross_domain_bytes_per_s"], expired["cluster"]) == (10 * GB, "c1")  # what a follower takes back
+    assert (expired["cross_domain_bytes_per_s"], expired["cluster"]) == (
+        10 * GB,
+        "us-west-1/c1",
+    )  # what a follower takes back
     used, listed = await crossing()
-    assert used.get("c1", 0) - before.get("c1", 0) == 40 * GB and short["allocation_id"] not in listed
+    assert (
+        used.get("us-west-1/c1", 0) - before.get("us-west-1/c1", 0) == 40 * GB and short["allocation_id"] not in listed
+    )
     await release(ledger, settings, kept)
     released = await wait_for(lambda: event_of("allocation_released", kept["allocation_id"]), 15, interval_s=0.2)
     assert (released["sharing"], released["cross_domain_bytes_per_s"], released["cluster"]) == (
         "exclusive",
         40 * GB,
-        "c1",
+        "us-west-1/c1",
     )
     used, listed = await crossing()
-    assert used.get("c1", 0) == before.get("c1", 0) and kept["allocation_id"] not in listed
+    assert used.get("us-west-1/c1", 0) == before.get("us-west-1/c1", 0) and kept["allocation_id"] not in listed
     await release(ledger, settings, plain)
 
     async def replay_matches() -> bool:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
+from shared.domain.fleet import cluster_key
 from shared.domain.memory import MemoryShare, dtype_bytes, per_accelerator_share
 from shared.domain.placement.filters.demand import tp_fits_heads
 from shared.domain.placement.filters.hbm import with_room
@@ -452,11 +453,12 @@ def cross_domain(
                 )
                 continue
             cross = tp_traffic_bytes_per_s(demand, host, tp) * fraction
-            used = snapshot.cross_domain_used.get(host.cluster, 0.0)
+            cluster = cluster_key(host.region, host.cluster)
+            used = snapshot.cross_domain_used.get(cluster, 0.0)
             cap = budget * slo_weight(request, config)
             if used + cross > cap:
                 reasons.append(
-                    f"cluster {host.cluster}'s cross-domain budget is spent: {used / 1e9:.1f} GB/s in use + "
+                    f"cluster {cluster}'s cross-domain budget is spent: {used / 1e9:.1f} GB/s in use + "
                     f"{cross / 1e9:.1f} GB/s > {cap / 1e9:.0f} GB/s ({slo_weight(request, config):.0%} of "
                     f"{budget / 1e9:.0f} GB/s for this SLO class)"
                 )
@@ -485,7 +487,7 @@ def _spread(
     line = (
         f"fallback cross_domain: TP={tp} across {len(domains)} NVLink domains of {host.id} "
         f"({', '.join(domains)}): {cross / 1e9:.2f} GB/s crosses domains ({fraction:.0%} of its TP traffic); "
-        f"cluster {host.cluster} at {after / 1e9:.1f} of {budget / 1e9:.0f} GB/s"
+        f"cluster {cluster_key(host.region, host.cluster)} at {after / 1e9:.1f} of {budget / 1e9:.0f} GB/s"
     )
     lines = [line]
     if after > config.cross_domain_warn * budget:

@@ -13,7 +13,7 @@ from typing import Literal
 
 from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.errors import ErrorCode
-from shared.domain.fleet import Fleet, NodeProfile, Rack, TpuPod, tpu_chip_id
+from shared.domain.fleet import Fleet, NodeProfile, Rack, TpuPod, cluster_key, tpu_chip_id
 from shared.domain.hardware import Sku
 from shared.domain.memory import DEFAULT_CEILING, MemoryShare, usable_hbm
 from shared.domain.models import ModelSpec
@@ -101,7 +101,8 @@ class FleetSnapshot:
     skus: Mapping[str, Sku]
     models: Mapping[str, ModelSpec]
     # PCIe utilisation per node (0..1, from GPU telemetry; absent: unknown, taken as idle) and the TP
-    # traffic already crossing NVLink domains per cluster (bytes/s, from the allocations that do).
+    # traffic already crossing NVLink domains per cluster (bytes/s, from the allocations that do), keyed
+    # by ``fleet.cluster_key`` (``<region>/<cluster>``).
     pcie_util: Mapping[str, float] = field(default_factory=dict)
     cross_domain_used: Mapping[str, float] = field(default_factory=dict)
     _memo: _Memo = field(default_factory=_Memo, init=False, repr=False, compare=False)
@@ -410,9 +411,10 @@ def apply(snapshot: FleetSnapshot, decision: Decision) -> FleetSnapshot:
         touched = frozenset(decision.accelerators)
         touched_pods = frozenset()
     cross_domain = snapshot.cross_domain_used
-    if decision.cross_domain_bytes_per_s and decision.cluster is not None:
+    if decision.cross_domain_bytes_per_s and decision.cluster is not None and decision.region is not None:
+        crossing = cluster_key(decision.region, decision.cluster)
         cross_domain = dict(cross_domain)
-        cross_domain[decision.cluster] = cross_domain.get(decision.cluster, 0.0) + decision.cross_domain_bytes_per_s
+        cross_domain[crossing] = cross_domain.get(crossing, 0.0) + decision.cross_domain_bytes_per_s
     after = FleetSnapshot(
         nodes=snapshot.nodes,
         capacity=capacity,

@@ -88,7 +88,7 @@ def test_kv_quantisation_comes_first_and_is_named() -> None:
 
 def _cross_domain_fleet(used: float) -> FleetSnapshot:
     # One 4+4 node: TP=8 is no clique; with pipelines ruled out, only a cross-domain group is left.
-    return snapshot(node("hgx").four_plus_four()).evolve(cross_domain_used={"c1": used})
+    return snapshot(node("hgx").four_plus_four()).evolve(cross_domain_used={"us-west-1/c1": used})
 
 
 def test_a_cross_domain_placement_is_refused_once_the_budget_is_spent_and_allowed_after_release() -> None:
@@ -104,11 +104,11 @@ def test_a_cross_domain_placement_is_refused_once_the_budget_is_spent_and_allowe
     assert not refused.placed
     assert any("cross-domain budget is spent" in line for line in refused.explanation)
     # One of the replicas using it is released (its traffic leaves the cluster's sum): allowed again.
-    released = spent.evolve(cross_domain_used={"c1": others - placed.cross_domain_bytes_per_s})
+    released = spent.evolve(cross_domain_used={"us-west-1/c1": others - placed.cross_domain_bytes_per_s})
     assert decide(released, dataclasses.replace(asked, request_id="again")).placed
     # Placing it adds its traffic to the cluster's sum.
     after = apply(fresh, placed)
-    assert after.cross_domain_used["c1"] == pytest.approx(placed.cross_domain_bytes_per_s)
+    assert after.cross_domain_used["us-west-1/c1"] == pytest.approx(placed.cross_domain_bytes_per_s)
 
 
 def test_the_cross_domain_limit_is_twenty_percent_of_a_replicas_tp_traffic() -> None:

@@ -63,7 +63,7 @@ def fleets(draw: st.DrawFn) -> FleetSnapshot:
     snap = snapshot(*builders, pods=pods, power_kw=power)
     # Sometimes a node's PCIe is busy (no cold loads there), sometimes a cluster's cross-domain budget is used.
     busy = {b.name: draw(st.sampled_from([0.0, 0.3, 0.8])) for b in builders}
-    used = {"c1": draw(st.sampled_from([0.0, 0.0, 250e9]))}
+    used = {"us-west-1/c1": draw(st.sampled_from([0.0, 0.0, 250e9]))}
     return snap.evolve(pcie_util={n: u for n, u in busy.items() if u}, cross_domain_used=used)
 
 
@@ -116,7 +116,7 @@ def _check_step(
             for stage in decision.stages:
                 assert_nvlinked(before, dataclasses.replace(decision, accelerators=stage))
         elif decision.fallback == "cross_domain":
-            cluster = decision.cluster or ""
+            cluster = f"{decision.region}/{decision.cluster}"
             assert decision.cross_domain_bytes_per_s > 0
             assert after.cross_domain_used[cluster] <= 256e9
         else:

@@ -358,7 +358,8 @@ async def test_a_released_exclusive_gpu_takes_a_new_exclusive_group() -> None:
 async def test_the_events_carry_sharing_cross_domain_traffic_and_the_cluster() -> None:
     handlers, store, units = make()
     await handlers.on_node_profiled(uow=units.unit(), event=envelope(), payload=profile_event("n", 2))
-    assert store.clusters == {"n/gpu0": "c1", "n/gpu1": "c1"}  # learnt from the node's profile
+    # Learnt from the node's profile, qualified by its region (cluster names repeat across regions).
+    assert store.clusters == {"n/gpu0": "r1/c1", "n/gpu1": "r1/c1"}
     (reply,) = await handlers.apply_commits(
         [commit_request("a", ("n/gpu0", 10), ("n/gpu1", 10), cross_domain_bytes_per_s=40 * GB)]
     )
@@ -368,11 +369,11 @@ async def test_the_events_carry_sharing_cross_domain_traffic_and_the_cluster() -
     committed = [AllocationEvent.model_validate(p) for p in units.named("allocation_committed")]
     (released,) = [AllocationEvent.model_validate(p) for p in units.named("allocation_released")]
     assert [(e.sharing, e.cross_domain_bytes_per_s, e.cluster) for e in committed] == [
-        ("exclusive", 40 * GB, "c1"),
-        ("shared", 0, "c1"),
+        ("exclusive", 40 * GB, "r1/c1"),
+        ("shared", 0, "r1/c1"),
     ]
     # The end of an allocation carries what its commit added, so a follower can take it back.
-    assert (released.sharing, released.cross_domain_bytes_per_s, released.cluster) == ("exclusive", 40 * GB, "c1")
+    assert (released.sharing, released.cross_domain_bytes_per_s, released.cluster) == ("exclusive", 40 * GB, "r1/c1")
     assert shared.status == "committed"
 
 
