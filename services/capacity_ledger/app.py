@@ -44,6 +44,7 @@ def wire(runtime: Runtime) -> Ctx:
         drift=DriftDetector(threshold=settings.drift_threshold, consecutive=settings.drift_consecutive),
         max_payload=lambda: runtime.nats.max_payload,
         log=runtime.log,
+        crossing_budget=settings.ledger_cross_domain_budget_bytes_per_s,
     )
     return Ctx(handlers=handlers, batcher=batcher)
 

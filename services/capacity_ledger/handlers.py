@@ -48,6 +48,7 @@ from shared.domain.ledger import (
     ExistingAllocation,
     Refused,
     ReplicaPool,
+    allocation_cluster,
     cross_domain_used,
     lease_too_long,
     may_change,
@@ -85,6 +86,8 @@ class Store(Protocol):
         self, *, session: AsyncSession, ids: Iterable[str]
     ) -> dict[str, AcceleratorCapacity]: ...
     async def accelerator_clusters(self, *, session: AsyncSession, ids: Iterable[str]) -> dict[str, str | None]: ...
+
+    async def lock_crossing(self, *, session: AsyncSession, clusters: Iterable[str]) -> dict[str, int]: ...
     async def lock_replica_pools(self, *, session: AsyncSession, ids: Iterable[str]) -> dict[str, ReplicaPool]: ...
     async def insert_allocations(
         self, *, session: AsyncSession, allocations: Sequence[store.NewAllocation]
@@ -138,8 +141,10 @@ class LedgerHandlers:
         store: Store = store,
         new_id: Callable[[], str] = new_allocation_id,
         log: logging.Logger | None = None,
+        crossing_budget: int = 0,
     ) -> None:
         self._uow = uow
+        self._crossing_budget = crossing_budget  # bytes/s of cross-domain TP traffic per cluster; 0: none
         self._store = store
         self._clock = clock
         self._batcher = batcher
@@ -183,6 +188,16 @@ class LedgerHandlers:
                 session=uow.session, ids=[a for i in intents for a in i.accelerator_ids]
             )
             clusters = await self._store.accelerator_clusters(session=uow.session, ids=view.keys())
+            charged = {
+                c
+                for i in intents
+                if i.cross_domain_bytes_per_s > 0 and (c := allocation_cluster(i.accelerator_ids, clusters))
+            }
+            crossing = (
+                await self._store.lock_crossing(session=uow.session, clusters=charged)
+                if charged and self._crossing_budget > 0
+                else {}
+            )
             parents = await self._store.lock_replica_pools(
                 session=uow.session, ids=[i.parent_id for i in intents if i.parent_id]
             )
@@ -197,6 +212,8 @@ class LedgerHandlers:
                 now=uow.now,
                 default_lease_s=self._default_lease_s,
                 clusters=clusters,
+                crossing=crossing,
+                crossing_budget=self._crossing_budget,
             )
             new = [
                 store.NewAllocation(

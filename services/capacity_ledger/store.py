@@ -161,6 +161,24 @@ async def lock_accelerators(*, session: AsyncSession, ids: Iterable[str]) -> dic
     return {r["id"]: _capacity(r, shared=shared.get(r["id"], False)) for r in rows}
 
 
+async def lock_crossing(*, session: AsyncSession, clusters: Iterable[str]) -> dict[str, int]:
+    """The cross-domain traffic active replicas send per cluster, read under a transaction-scoped
+    advisory lock per cluster (sorted: one lock order), so two commits charging one cluster's budget
+    are decided one after the other."""
+    wanted = sorted(set(clusters))
+    if not wanted:
+        return {}
+    apg = await driver(session=session)
+    for cluster in wanted:
+        await apg.execute("SELECT pg_advisory_xact_lock(hashtextextended('ledger.crossing:' || $1, 0))", cluster)
+    rows = await apg.fetch(
+        "SELECT cluster, sum(cross_domain_bytes_per_s)::bigint AS used FROM ledger.allocations "
+        "WHERE state = 'active' AND cross_domain_bytes_per_s > 0 AND cluster = ANY($1) GROUP BY cluster",
+        wanted,
+    )
+    return {r["cluster"]: int(r["used"]) for r in rows}
+
+
 async def accelerator_clusters(*, session: AsyncSession, ids: Iterable[str]) -> dict[str, str | None]:
     """The cluster of each accelerator (None when its events did not say, as for a TPU pod's chips)."""
     wanted = sorted(set(ids))

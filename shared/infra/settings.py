@@ -159,6 +159,12 @@ class Settings(BaseSettings):
     ledger_max_batch: int = Field(
         default=256, gt=0, le=10_000, description="Most commits the ledger applies in one transaction (group commit)."
     )
+    ledger_cross_domain_budget_bytes_per_s: int = Field(
+        default=256_000_000_000,
+        ge=0,
+        description="Cross-domain TP traffic (bytes/s) the ledger lets the replicas of one cluster send in all "
+        "(the brief's 256 GB/s); a commit past it is `no_capacity`. 0: not enforced by the ledger.",
+    )
     ledger_sweep_ms: int = Field(default=500, gt=0, description="How often expired leases are released.")
     drift_threshold: float = Field(
         default=0.10,

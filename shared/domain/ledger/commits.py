@@ -190,13 +190,19 @@ def plan_commits(
     now: datetime,
     default_lease_s: int,
     clusters: Mapping[str, str | None] | None = None,
+    crossing: Mapping[str, int] | None = None,
+    crossing_budget: int = 0,
 ) -> CommitPlan:
     """Decide every commit of a batch in order; each is all-or-nothing, and later ones see the bytes
     earlier ones reserved and the replicas that hold each accelerator (and the KV earlier requests took
-    from a pool). ``clusters``: the cluster of each accelerator, for the allocation's ``cluster``."""
+    from a pool). ``clusters``: the cluster of each accelerator, for the allocation's ``cluster``.
+    ``crossing``: the cross-domain traffic active replicas send per cluster (bytes/s); with a
+    ``crossing_budget`` (bytes/s per cluster, 0: none), a replica whose traffic would take its cluster
+    past it is refused ``no_capacity`` (the hard limit; placement shares it out by SLO below it)."""
     outcomes: list[Outcome] = []
     pools = dict(parents)
     seen: set[tuple[str, str]] = set()
+    crossing_used = dict(crossing or {})
     for intent in intents:
         ids = intent.accelerator_ids
         if intent.key in existing or intent.key in seen:
@@ -214,10 +220,17 @@ def plan_commits(
             continue
         if intent.counts_against_hbm:
             problem = check_replica(intent, view)
+            if problem is None and crossing_budget > 0 and intent.cross_domain_bytes_per_s > 0:
+                problem = check_crossing(
+                    intent, allocation_cluster(ids, clusters or {}), crossing_used, crossing_budget
+                )
             if problem is not None:
                 outcomes.append(problem)
                 continue
             view = held_by(apply_shares(view, intent.shares), ids, intent.sharing)
+            charged = allocation_cluster(ids, clusters or {})
+            if charged is not None and intent.cross_domain_bytes_per_s > 0:
+                crossing_used[charged] = crossing_used.get(charged, 0) + intent.cross_domain_bytes_per_s
         else:
             parent = pools.get(intent.parent_id or "")
             problem = check_request(intent, parent)
@@ -233,6 +246,20 @@ def plan_commits(
         cluster = allocation_cluster(ids, clusters or {})
         outcomes.append(Accepted(lease_end(intent, now=now, default_lease_s=default_lease_s), cluster))
     return CommitPlan(tuple(outcomes), view)
+
+
+def check_crossing(intent: CommitIntent, cluster: str | None, used: Mapping[str, int], budget: int) -> Refused | None:
+    """Whether the replica's cross-domain traffic fits its cluster's budget (None when it does)."""
+    if cluster is None:
+        return None
+    now = used.get(cluster, 0)
+    if now + intent.cross_domain_bytes_per_s <= budget:
+        return None
+    return Refused(
+        ErrorCode.NO_CAPACITY,
+        f"cluster {cluster}'s cross-domain budget: {now / 1e9:.1f} GB/s in use + "
+        f"{intent.cross_domain_bytes_per_s / 1e9:.1f} GB/s > {budget / 1e9:.0f} GB/s",
+    )
 
 
 def check_replica(intent: CommitIntent, view: Mapping[str, AcceleratorCapacity]) -> Refused | None:

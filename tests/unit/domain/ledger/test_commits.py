@@ -191,3 +191,36 @@ def test_same_shares_ignores_order_but_not_bytes() -> None:
     assert same_shares(a, list(reversed(a)))
     assert not same_shares(a, [("x", hbm(1)), ("y", hbm(2))])  # same total, other kind of bytes
     assert not same_shares(a, a[:1])
+
+
+def test_a_cluster_s_cross_domain_budget_is_a_hard_limit_within_a_batch() -> None:
+    """Replicas whose TP traffic crosses NVLink domains are charged to their cluster; past the budget
+    the commit is refused, and a batch's earlier commits count for its later ones."""
+    accelerators = view(*(gpu(f"n/gpu{i}") for i in range(4)))
+    clusters: dict[str, str | None] = {a: "r1/c1" for a in accelerators}
+
+    def crossing(rid: str, index: int, gbps: int) -> CommitIntent:
+        return builders.intent((f"n/gpu{index}", hbm(1)), rid=rid, cross_domain_bytes_per_s=gbps * GB)
+
+    def decided(*intents: CommitIntent, budget: int) -> CommitPlan:
+        return plan_commits(
+            intents,
+            view=accelerators,
+            existing={},
+            parents={},
+            now=NOW,
+            default_lease_s=LEASE_S,
+            clusters=clusters,
+            crossing={"r1/c1": 50 * GB},
+            crossing_budget=budget,
+        )
+
+    batch = decided(
+        crossing("a", 0, 100), crossing("b", 1, 100), crossing("c", 2, 100), crossing("d", 3, 0), budget=256 * GB
+    )
+    assert [type(o).__name__ for o in batch.outcomes] == ["Accepted", "Accepted", "Refused", "Accepted"]
+    refused = batch.outcomes[2]
+    assert isinstance(refused, Refused) and refused.code is ErrorCode.NO_CAPACITY
+    assert "r1/c1's cross-domain budget: 250.0 GB/s in use + 100.0 GB/s > 256 GB/s" in refused.message
+    # Without a budget (0) the ledger only records the traffic.
+    assert type(decided(crossing("e", 2, 1000), budget=0).outcomes[0]).__name__ == "Accepted"

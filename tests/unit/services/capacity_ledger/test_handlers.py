@@ -94,6 +94,14 @@ class FakeStore:
     async def accelerator_clusters(self, *, session: Any, ids: Iterable[str]) -> dict[str, str | None]:
         return {i: self.clusters.get(i) for i in ids}
 
+    async def lock_crossing(self, *, session: Any, clusters: Iterable[str]) -> dict[str, int]:
+        self._called("lock_crossing", clusters=sorted(clusters))
+        used: dict[str, int] = {}
+        for a in self.allocations.values():
+            if a.state is AllocationState.ACTIVE and a.cluster and a.cross_domain_bytes_per_s:
+                used[a.cluster] = used.get(a.cluster, 0) + a.cross_domain_bytes_per_s
+        return {c: used[c] for c in clusters if c in used}
+
     async def lock_replica_pools(self, *, session: Any, ids: Iterable[str]) -> dict[str, ReplicaPool]:
         return {}
 
@@ -201,7 +209,11 @@ def gpu(acc_id: str, *, reserved_gb: float = 0, available: bool = True) -> Accel
 
 
 def make(
-    *accelerators: AcceleratorCapacity, now: datetime = NOW, batcher: Any = None, max_payload: int = 1 << 20
+    *accelerators: AcceleratorCapacity,
+    now: datetime = NOW,
+    batcher: Any = None,
+    max_payload: int = 1 << 20,
+    crossing_budget: int = 0,
 ) -> tuple[LedgerHandlers, FakeStore, FakeUnits]:
     store = FakeStore(accelerators={a.id: a for a in accelerators})
     units = FakeUnits(lambda: now)
@@ -217,6 +229,7 @@ def make(
         store=store,
         new_id=lambda: next(ids),
         max_payload=lambda: max_payload,
+        crossing_budget=crossing_budget,
     )
     return handlers, store, units
 
@@ -606,3 +619,21 @@ async def test_a_snapshot_page_too_big_for_one_message_is_cut_and_says_where_to_
     # 400 views are ~100 kB of JSON; the page is halved until it fits 90% of the 20 kB payload limit.
     assert 1 <= len(reply.accelerators) < 400 and len(reply.model_dump_json()) <= 18_000
     assert reply.next_cursor == reply.accelerators[-1].id  # the next page starts after the last one sent
+
+
+async def test_the_ledger_refuses_cross_domain_traffic_past_the_cluster_budget() -> None:
+    """The budget is the ledger's hard limit, read under the cluster's lock, so placement replicas
+    racing for the last of it cannot overshoot it together."""
+    handlers, store, units = make(crossing_budget=100 * GB)
+    await handlers.on_node_profiled(uow=units.unit(), event=envelope(), payload=profile_event("n", 2))
+    (first,) = await handlers.apply_commits([commit_request("a", ("n/gpu0", 10), cross_domain_bytes_per_s=60 * GB)])
+    (second,) = await handlers.apply_commits([commit_request("b", ("n/gpu1", 10), cross_domain_bytes_per_s=60 * GB)])
+    assert first.status == "committed" and second.status == "rejected"
+    assert second.error is not None and second.error.code == "no_capacity"
+    assert "r1/c1's cross-domain budget: 60.0 GB/s in use" in second.error.message
+    assert store.called("lock_crossing")[-1] == {"clusters": ["r1/c1"]}
+    # Released, its traffic no longer counts.
+    assert first.allocation_id is not None
+    await handlers.release(LedgerReleaseRequest(allocation_id=first.allocation_id, tenant="acme"))
+    (third,) = await handlers.apply_commits([commit_request("c", ("n/gpu1", 10), cross_domain_bytes_per_s=60 * GB)])
+    assert third.status == "committed"
