@@ -65,10 +65,17 @@ OnEmpty = Callable[[PlacementRequest], Decision]
 
 def emptied(snapshot: FleetSnapshot) -> FleetSnapshot:
     """The same fleet with nothing reserved, no rack power drawn, no TPU chip taken, no cross-domain
-    traffic and quiet PCIe: what "it would fit once capacity frees" is judged against."""
-    capacity = {a: replace(c, reserved=0, shared=False) for a, c in snapshot.capacity.items()}
-    pods = {n: replace(p, grid=TpuGrid.empty(p.grid.tpu_type, p.pod.shape)) for n, p in snapshot.tpu_pods.items()}
-    return snapshot.evolve(capacity=capacity, rack_power_used_w={}, tpu_pods=pods, cross_domain_used={}, pcie_util={})
+    traffic and quiet PCIe: what "it would fit once capacity frees" is judged against. Kept with the
+    snapshot (and the snapshots ``apply`` and ``evolve`` derive from it while the fleet's frame stays):
+    a refusal under load does not rebuild it."""
+    memo = snapshot._memo
+    if memo.empty is None:
+        capacity = {a: replace(c, reserved=0, shared=False) for a, c in snapshot.capacity.items()}
+        pods = {n: replace(p, grid=TpuGrid.empty(p.grid.tpu_type, p.pod.shape)) for n, p in snapshot.tpu_pods.items()}
+        memo.empty = FleetSnapshot(
+            snapshot.nodes, capacity, snapshot.racks, {}, pods, snapshot.skus, snapshot.models, {}, {}
+        )
+    return memo.empty
 
 
 def with_fallbacks(

@@ -72,10 +72,13 @@ def chip_id(pod: str, coord: Iterable[int]) -> str:
 class _Memo:
     """Derived data a snapshot computes once (the placement index); never part of equality."""
 
-    __slots__ = ("index", "parent", "touched")
+    __slots__ = ("empty", "index", "parent", "touched")
 
     def __init__(self) -> None:
         self.index: dict[bool, object] = {}
+        # The same fleet with nothing reserved (``ladder.emptied``): kept along a chain of snapshots while
+        # no accelerator's usable bytes or availability change, so it is built once, not per refusal.
+        self.empty: FleetSnapshot | None = None
         # (parent snapshot, accelerator ids, rack keys, pod names) changed by `apply`: lets the index
         # be updated for what changed instead of rebuilt for the whole fleet.
         self.parent: FleetSnapshot | None = None
@@ -200,7 +203,12 @@ class FleetSnapshot:
         pcie_moved: frozenset[str] = frozenset()
         if pcie_util is not None:
             nodes = {n for n in pcie_util.keys() | self.pcie_util.keys() if pcie_util.get(n) != self.pcie_util.get(n)}
-            pcie_moved = frozenset(a for a, cap in capacity.items() if cap.node in nodes)
+            pcie_moved = frozenset(  # from the nodes' own GPUs: O(what moved), not O(fleet)
+                self.nodes[n].accelerator_id(a.index)
+                for n in nodes
+                if n in self.nodes
+                for a in self.nodes[n].accelerators
+            )
         after = FleetSnapshot(
             self.nodes,
             capacity,
@@ -224,10 +232,18 @@ class FleetSnapshot:
         return after
 
 
+def _same_frame(a: AcceleratorCapacity | None, b: AcceleratorCapacity | None) -> bool:
+    """Whether an accelerator offers the same capacity to an empty fleet (usable bytes, availability)."""
+    return a is not None and b is not None and (a.usable, a.available) == (b.usable, b.available)
+
+
 def _chain(
     before: FleetSnapshot, after: FleetSnapshot, touched: tuple[frozenset[str], frozenset[RackKey], frozenset[str]]
 ) -> None:
     """Let ``after``'s index be derived from ``before``'s (or its nearest ancestor's) plus ``touched``."""
+    empty = before._memo.empty
+    if empty is not None and all(_same_frame(before.capacity.get(a), after.capacity.get(a)) for a in touched[0]):
+        after._memo.empty = empty
     # Point at the nearest ancestor whose index exists (or will be built), merging what changed since:
     # a chain of snapshots without decisions in between then holds one ancestor, not all of them.
     memo = before._memo

@@ -160,3 +160,18 @@ def test_only_what_would_fit_once_capacity_frees_is_queued() -> None:
     full = apply(full, decide(full, request("llama3-70b", tp=2, request_id="y")))
     waits = decide(full, request("llama3-70b", tp=4, request_id="z", fallbacks=None))
     assert not waits.placed and waits.queueable
+
+
+def test_the_empty_fleet_a_refusal_is_judged_against_is_built_once_per_frame() -> None:
+    """Deciding whether to queue asks an empty copy of the fleet: it is kept while only reservations
+    change, and made again when an accelerator's availability does."""
+    from shared.domain.placement.ladder import emptied
+
+    snap = snapshot(node("a").nvswitch(8), node("b").nvswitch(8))
+    empty = emptied(snap)
+    assert all(c.reserved == 0 for c in empty.capacity.values())
+    placed = apply(snap, decide(snap, request("llama3-70b", tp=4)))
+    assert emptied(placed) is empty
+    lost = placed.capacity["b/gpu0"]
+    down = placed.evolve(capacity={**placed.capacity, "b/gpu0": dataclasses.replace(lost, available=False)})
+    assert emptied(down) is not empty and not emptied(down).capacity["b/gpu0"].available
