@@ -135,6 +135,7 @@ def _search(framework: Framework, state: CycleState, demand: Demand, index: Snap
             open_classes.append((static, notes))
         else:
             tally.add(verdict, len(static.hosts), rep.kind)
+    classes_of = index.classes_for(request.sharing)
     tried: list[int] = []
     for level in demand.levels:
         tried.append(level)
@@ -143,7 +144,9 @@ def _search(framework: Framework, state: CycleState, demand: Demand, index: Snap
             share = demand.share_for(static.rep, level)
             if share is None:
                 continue
-            classes, rejected = framework.filter_bulk(state, static.rep, level, share, index.classes[static.key])
+            classes, rejected = framework.filter_bulk(
+                state, static.rep, level, share, classes_of[static.key], index.screens, static.key
+            )
             for verdict, count in rejected:
                 tally.add(verdict, count, static.rep.kind)
             if classes:

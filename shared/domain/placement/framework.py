@@ -214,6 +214,12 @@ def demand_of(state: CycleState) -> Demand:
     return state.read(DEMAND)
 
 
+def sharing_of_state(state: CycleState) -> str:
+    """The request's sharing mode (``exclusive`` unless it asked for ``shared``)."""
+    demand = state.get(DEMAND)
+    return demand.request.sharing if demand is not None else "exclusive"
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """One way to place the replica: a host (speaking for its class), its load, the TP degree
@@ -258,7 +264,9 @@ class BulkFilter(Protocol):
     def filter_bulk(
         self, state: CycleState, host: Host, tp: int, share: MemoryShare, classes: Sequence[LoadClass]
     ) -> tuple[list[LoadClass], list[tuple[Status, int]]]:
-        """The surviving classes, and (status, hosts) per group of rejected classes."""
+        """The surviving classes, and (status, hosts) per group of rejected classes. A filter whose
+        outcome depends on nothing but ``tp``, ``share.total``, the request's sharing mode and the
+        classes says so with ``capacity = True``: the runner may then reuse it for the next request."""
         ...
 
 
@@ -373,6 +381,7 @@ class Framework:
     placement_filters: tuple[Filter, ...]
     scores: tuple[tuple[Score, float], ...]
     bulk_filters: tuple[BulkFilter, ...] = ()  # the leading placement filters that judge classes in bulk
+    capacity_filters: int = 0  # how many of ``bulk_filters`` lead with ``capacity = True`` (memoisable)
 
     def run_prefilter(self, state: CycleState, snapshot: FleetSnapshot, request: PlacementRequest) -> Status:
         state.write(SNAPSHOT, snapshot)
@@ -404,11 +413,37 @@ class Framework:
         return SUCCESS, candidate, tuple(notes)
 
     def filter_bulk(
-        self, state: CycleState, host: Host, tp: int, share: MemoryShare, classes: Sequence[LoadClass]
+        self,
+        state: CycleState,
+        host: Host,
+        tp: int,
+        share: MemoryShare,
+        classes: Sequence[LoadClass],
+        screens: dict[tuple[object, ...], object] | None = None,
+        static_key: tuple[object, ...] = (),
     ) -> tuple[Sequence[LoadClass], list[tuple[Status, int]]]:
-        """Narrow ``classes`` through the bulk filters; the rejected groups, in filter order."""
+        """Narrow ``classes`` through the bulk filters; the rejected groups, in filter order.
+
+        The leading filters that declare ``capacity = True`` judge only the TP degree, the share's
+        total, the sharing mode and the classes: their outcome is kept in ``screens`` (the index's,
+        under ``static_key``) and reused by the next request of the same shape."""
         rejected: list[tuple[Status, int]] = []
-        for plugin in self.bulk_filters:
+        plugins = self.bulk_filters
+        if screens is not None and self.capacity_filters:
+            key = (static_key, tp, share.total, sharing_of_state(state))
+            screened = cast("tuple[Sequence[LoadClass], list[tuple[Status, int]]] | None", screens.get(key))
+            if screened is None:
+                for plugin in plugins[: self.capacity_filters]:
+                    classes, out = plugin.filter_bulk(state, host, tp, share, classes)
+                    rejected.extend(out)
+                screens[key] = (classes, rejected[:])
+            else:
+                classes = screened[0]
+                rejected.extend(screened[1])
+            plugins = plugins[self.capacity_filters :]
+        for plugin in plugins:
+            if not classes:
+                break
             classes, out = plugin.filter_bulk(state, host, tp, share, classes)
             rejected.extend(out)
         return classes, rejected
@@ -523,6 +558,9 @@ def build_framework(profile: Profile, registry: Mapping[str, PluginFactory]) -> 
         if not callable(getattr(plugin, "filter_bulk", None)):
             break
         bulk.append(cast(BulkFilter, plugin))
+    capacity = 0
+    while capacity < len(bulk) and getattr(bulk[capacity], "capacity", False) is True:
+        capacity += 1
     framework = Framework(
         profile=profile,
         prefilter=cast(PreFilter, prefilter),
@@ -530,6 +568,7 @@ def build_framework(profile: Profile, registry: Mapping[str, PluginFactory]) -> 
         placement_filters=placement,
         scores=tuple(scores),
         bulk_filters=tuple(bulk),
+        capacity_filters=capacity,
     )
     profile._built[id(registry)] = framework
     return framework

@@ -20,7 +20,7 @@ the keys. ``Profile.group_classes=False`` judges every host on its own (a test c
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import lru_cache
@@ -110,7 +110,12 @@ class GpuLoad:
     # What a `shared` (TP=1) replica may use: free bytes of GPUs idle or held by shared replicas only.
     shared_free: tuple[int, ...] = field(init=False, repr=False, compare=False)
     shared_desc: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # What an exclusive group may use: free bytes of idle GPUs (0 elsewhere), and the available ones
+    # largest first. Computed once: the bulk HBM screen reads them per load class and TP degree.
+    exclusive_free: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    exclusive_desc: tuple[int, ...] = field(init=False, repr=False, compare=False)
     key: tuple[object, ...] = field(init=False, repr=False, compare=False)
+    exclusive_key: tuple[object, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         up = (f for f, a in zip(self.free, self.available, strict=True) if a)
@@ -123,8 +128,14 @@ class GpuLoad:
         )
         object.__setattr__(self, "shared_free", shared_free)
         object.__setattr__(self, "shared_desc", tuple(sorted((f for f in shared_free if f > 0), reverse=True)))
+        exclusive_free = tuple(f if i else 0 for f, i in zip(self.free, self.idle, strict=True))
+        object.__setattr__(self, "exclusive_free", exclusive_free)
+        object.__setattr__(self, "exclusive_desc", tuple(sorted((self.free[p] for p in idle_up), reverse=True)))
         key = (self.free, self.usable, self.available, self.idle, self.power_gpus, self.shared, self.pcie_util)
         object.__setattr__(self, "key", key)
+        # An exclusive group sees idle GPUs only: hosts whose busy GPUs differ look alike to it.
+        exclusive_key = (self.exclusive_free, self.available, self.idle, self.power_gpus, self.pcie_util)
+        object.__setattr__(self, "exclusive_key", exclusive_key)
 
     def room(self, sharing: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(free bytes per member, the available ones largest first) as a replica of ``sharing`` sees
@@ -133,8 +144,7 @@ class GpuLoad:
         are all shared replicas."""
         if sharing == "shared":
             return self.shared_free, self.shared_desc
-        exclusive = tuple(f if i else 0 for f, i in zip(self.free, self.idle, strict=True))
-        return exclusive, tuple(sorted((self.free[p] for p in self.idle_up), reverse=True))
+        return self.exclusive_free, self.exclusive_desc
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +153,10 @@ class TpuLoad:
 
     @property
     def key(self) -> tuple[object, ...]:
+        return (self.grid.occupancy,)
+
+    @property
+    def exclusive_key(self) -> tuple[object, ...]:
         return (self.grid.occupancy,)
 
 
@@ -176,6 +190,16 @@ class SnapshotIndex:
     loads: Mapping[str, Load]
     classes: Mapping[tuple[object, ...], tuple[LoadClass, ...]]  # static key -> its load classes
     grouped: bool
+    # static key -> its load classes as an exclusive group sees them (``GpuLoad.exclusive_key``): on a
+    # loaded fleet a few dozen where ``classes`` holds hundreds, since busy GPUs' figures do not matter.
+    exclusive: Mapping[tuple[object, ...], tuple[LoadClass, ...]] = field(default_factory=dict)
+    # Capacity screens already judged on this index, keyed by (static key, ...) (``Framework.filter_bulk``):
+    # requests of one shape ask the same screen again; an update keeps those of unchanged static classes.
+    screens: dict[tuple[object, ...], object] = field(default_factory=dict, compare=False, repr=False)
+
+    def classes_for(self, sharing: str) -> Mapping[tuple[object, ...], tuple[LoadClass, ...]]:
+        """The load classes a replica of ``sharing`` is judged by (plugins read only what its key holds)."""
+        return self.classes if sharing == "shared" else self.exclusive
 
 
 def index_of(snapshot: FleetSnapshot, *, grouped: bool = True) -> SnapshotIndex:
@@ -361,12 +385,23 @@ def _static_key(host: Host, grouped: bool) -> tuple[object, ...]:
     return host.static_key if grouped else (host.id,)
 
 
+def _full_key(load: Load) -> tuple[object, ...]:
+    return load.key
+
+
+def _exclusive_key(load: Load) -> tuple[object, ...]:
+    return load.exclusive_key
+
+
 def _classes_of(
-    hosts: Iterable[Host], loads: Mapping[str, Load], grouped: bool
+    hosts: Iterable[Host],
+    loads: Mapping[str, Load],
+    grouped: bool,
+    key_of: Callable[[Load], tuple[object, ...]] = _full_key,
 ) -> dict[tuple[object, ...], tuple[LoadClass, ...]]:
     by_key: dict[tuple[object, ...], dict[tuple[object, ...], list[Host]]] = {}
     for host in sorted(hosts, key=lambda h: h.id):
-        by_key.setdefault(_static_key(host, grouped), {}).setdefault(loads[host.id].key, []).append(host)
+        by_key.setdefault(_static_key(host, grouped), {}).setdefault(key_of(loads[host.id]), []).append(host)
     return {
         key: tuple(
             LoadClass(hosts=tuple(h.id for h in members), rep=members[0], load=loads[members[0].id])
@@ -400,6 +435,7 @@ def _built(snapshot: FleetSnapshot, grouped: bool) -> SnapshotIndex:
         loads=loads,
         classes=_classes_of(all_hosts, loads, grouped),
         grouped=grouped,
+        exclusive=_classes_of(all_hosts, loads, grouped, _exclusive_key),
     )
 
 
@@ -421,8 +457,13 @@ def _updated(
             loads[host_id] = load
             moved.setdefault(_static_key(base.hosts[host_id], base.grouped), []).append(host_id)
     classes = dict(base.classes)
+    exclusive = dict(base.exclusive)
     for key, host_ids in moved.items():
-        classes[key] = _regrouped(base, loads, base.classes[key], host_ids)
+        classes[key] = _regrouped(base, loads, base.classes[key], host_ids, _full_key)
+        # Regrouped on any change (not only of the exclusive key) so each class holds its
+        # representative's current load, as a fresh build would.
+        exclusive[key] = _regrouped(base, loads, base.exclusive[key], host_ids, _exclusive_key)
+    screens = {k: v for k, v in base.screens.items() if k[0] not in moved} if len(base.screens) < SCREENS_KEPT else {}
     return SnapshotIndex(
         hosts=base.hosts,
         host_of=base.host_of,
@@ -431,23 +472,34 @@ def _updated(
         loads=loads,
         classes=classes,
         grouped=base.grouped,
+        exclusive=exclusive,
+        screens=screens,
     )
 
 
+SCREENS_KEPT: Final = 4096
+"""Screens carried from an index to its update at most (beyond, the update starts afresh)."""
+
+
 def _regrouped(
-    base: SnapshotIndex, loads: Mapping[str, Load], before: tuple[LoadClass, ...], moved: list[str]
+    base: SnapshotIndex,
+    loads: Mapping[str, Load],
+    before: tuple[LoadClass, ...],
+    moved: list[str],
+    key_of: Callable[[Load], tuple[object, ...]],
 ) -> tuple[LoadClass, ...]:
     """One static class's load classes after ``moved`` hosts changed load: only the classes they
-    leave or join are rebuilt, so a big class of idle nodes costs a tuple copy, not a regroup."""
+    leave or join are rebuilt, so a big class of idle nodes costs a tuple copy, not a regroup.
+    ``key_of`` is the grouping (the full load key, or what an exclusive group sees)."""
     leaving = set(moved)
     groups: dict[tuple[object, ...], LoadClass | list[str]] = {}
     for cls in before:
         if any(h in leaving for h in cls.hosts):
-            groups[cls.load.key] = [h for h in cls.hosts if h not in leaving]
+            groups[key_of(cls.load)] = [h for h in cls.hosts if h not in leaving]
         else:
-            groups[cls.load.key] = cls
+            groups[key_of(cls.load)] = cls
     for host_id in moved:
-        key = loads[host_id].key
+        key = key_of(loads[host_id])
         group = groups.get(key)
         if group is None:
             groups[key] = [host_id]

@@ -27,7 +27,7 @@ from shared.domain.placement.filters.hbm import with_room
 from shared.domain.placement.filters.nvlink_group import fabric_group
 from shared.domain.placement.filters.pcie_budget import GB_PER_S_PER_LANE
 from shared.domain.placement.filters.pcie_load import NAME as PCIE_LOAD
-from shared.domain.placement.framework import GB, Candidate, CycleState, Demand, Framework, typed_config
+from shared.domain.placement.framework import GB, Candidate, Code, CycleState, Demand, Framework, typed_config
 from shared.domain.placement.hosts import GpuHost, GpuLoad, HostKind, SnapshotIndex
 from shared.domain.placement.perf import Perf, perf_of
 from shared.domain.placement.types import FALLBACKS, Decision, ErrorCode, FleetSnapshot, PlacementRequest
@@ -58,6 +58,18 @@ class LadderConfig:
 def ladder_config(raw: Mapping[str, object]) -> LadderConfig:
     return typed_config(LadderConfig, NAME, raw)
 
+
+FIXED_REASONS: Final = frozenset(
+    code.value
+    for code in (
+        Code.BACKEND_UNSUPPORTED,
+        Code.SKU_NOT_ALLOWED,
+        Code.REGION_MISMATCH,
+        Code.FORBIDDEN,
+        Code.NO_TPU_SHAPE,
+    )
+)
+"""Refusals of the host-scope filters: a host's fixed facts, which neither a fallback nor time changes."""
 
 Exact = Callable[[PlacementRequest], Decision]
 OnEmpty = Callable[[PlacementRequest], Decision]
@@ -99,6 +111,11 @@ def with_fallbacks(
         steps = list(FALLBACKS if request.fallbacks is None else request.fallbacks)
     if first.placed or first.error_code is not ErrorCode.NO_CAPACITY:
         return first
+    if first.rejections and all(r.reason in FIXED_REASONS for r in first.rejections):
+        # Every host is refused for what it is (backend, SKU, region, rights, TPU shape), not for what
+        # it holds: no fallback changes that, and an empty fleet would refuse it alike.
+        line = "fallbacks: none can help, every host is refused for its fixed facts, not for capacity"
+        return replace(first, explanation=(*first.explanation, line))
     tried: list[str] = []
     for step in steps:
         if step == "kv_quantize":
@@ -210,14 +227,19 @@ def _gpu_hosts(framework: Framework, state: CycleState, index: SnapshotIndex) ->
     """GPU hosts that pass every host-scope filter (backend, SKU, region, tenant, PCIe generation) and
     the PCIe budget (``pcie_load``: a fallback is a cold load too)."""
     pcie = [f for f in framework.placement_filters if f.name == PCIE_LOAD]
-    hosts = []
-    for host_id in sorted(index.hosts):
-        host, load = index.hosts[host_id], index.loads[host_id]
-        if not isinstance(host, GpuHost) or not isinstance(load, GpuLoad):
+    passing: list[str] = []
+    for static in index.statics:  # host-scope filters read a host's fixed facts: once per static class
+        rep = static.rep
+        if not isinstance(rep, GpuHost):
             continue
+        if framework.filter_host(state, Candidate(rep, index.loads[rep.id], 0, None))[0].ok:
+            passing.extend(static.hosts)
+    hosts = []
+    for host_id in sorted(passing):
+        host, load = index.hosts[host_id], index.loads[host_id]
+        assert isinstance(host, GpuHost) and isinstance(load, GpuLoad)
         candidate = Candidate(host, load, 0, None)
-        verdict, _notes = framework.filter_host(state, candidate)
-        if verdict.ok and all(f.filter(state, candidate).ok for f in pcie):
+        if all(f.filter(state, candidate).ok for f in pcie):
             hosts.append((host, load))
     return hosts
 

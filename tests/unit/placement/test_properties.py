@@ -173,6 +173,21 @@ def test_the_index_after_apply_equals_a_fresh_one(snap: FleetSnapshot, requests:
         fresh = index_of(FleetSnapshot(**{f: getattr(snap, f) for f in _FIELDS}))
         assert incremental.loads == fresh.loads
         assert incremental.classes == fresh.classes
+        assert incremental.exclusive == fresh.exclusive
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fleets(), streams())
+def test_decisions_on_an_updated_index_with_kept_screens_equal_fresh_ones(
+    snap: FleetSnapshot, requests: list[PlacementRequest]
+) -> None:
+    # The index carries capacity screens from one snapshot to the next (``SnapshotIndex.screens``) and
+    # groups hosts as exclusive groups see them: a decision must not tell either apart from a fresh index.
+    for req in [*requests, *requests]:  # the second round asks the same shapes again: screens are reused
+        kept = decide(snap, req)
+        fresh = decide(FleetSnapshot(**{f: getattr(snap, f) for f in _FIELDS}), req)
+        assert kept == fresh
+        snap = apply(snap, kept)
 
 
 _FIELDS = (

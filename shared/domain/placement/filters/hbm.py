@@ -11,10 +11,21 @@ from collections.abc import Mapping, Sequence
 from typing import Final, cast
 
 from shared.domain.memory import MemoryShare
-from shared.domain.placement.framework import DEMAND, SUCCESS, Candidate, Code, CycleState, Scope, Status, no_config
+from shared.domain.placement.framework import (
+    SUCCESS,
+    Candidate,
+    Code,
+    CycleState,
+    Scope,
+    Status,
+    no_config,
+    sharing_of_state,
+)
 from shared.domain.placement.hosts import GpuHost, GpuLoad, Host, LoadClass
 
 NAME: Final = "hbm"
+
+sharing_of = sharing_of_state  # the request's sharing mode; here for the plugins that import it from hbm
 
 
 def with_room(load: GpuLoad, need: int, sharing: str = "exclusive") -> list[int]:
@@ -23,15 +34,10 @@ def with_room(load: GpuLoad, need: int, sharing: str = "exclusive") -> list[int]
     return [p for p, (f, up) in enumerate(zip(free, load.available, strict=True)) if up and f >= need]
 
 
-def sharing_of(state: CycleState) -> str:
-    """The request's sharing mode (``exclusive`` unless it asked for ``shared``)."""
-    demand = state.get(DEMAND)
-    return demand.request.sharing if demand is not None else "exclusive"
-
-
 class HbmFilter:
     name: Final = NAME
     scope: Final = Scope.PLACEMENT
+    capacity: Final = True  # bulk outcome: a function of TP, the share's total, sharing and the classes
 
     def filter(self, state: CycleState, candidate: Candidate) -> Status:
         load = candidate.load

@@ -59,6 +59,7 @@ def fabric_group(host: GpuHost, positions: list[int], tp: int) -> tuple[int, ...
 class NvlinkGroupFilter:
     name: Final = NAME
     scope: Final = Scope.PLACEMENT
+    capacity: Final = True  # bulk outcome: a function of TP, the share's total, sharing and the classes
 
     def filter(self, state: CycleState, candidate: Candidate) -> Status:
         host, load = candidate.host, candidate.load
