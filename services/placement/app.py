@@ -100,6 +100,7 @@ SERVICE = ServiceDefinition(
                 LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.on_allocation_expired,
                 LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.on_allocation_released,
             },
+            together=True,  # one per placement: a batch per transaction (the handlers only write rows)
         ),
     ),
     loops=(

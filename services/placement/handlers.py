@@ -272,6 +272,9 @@ class PlacementHandlers:
             return _caller_gone()
         async with self.ids.hold((request.tenant, request.request_id)):
             body = body_hash(request)
+            fast = await self._first(request, body)
+            if fast is not None:
+                return fast
             waited_s = 0.0
             while True:
                 claim = await self._uow.run(lambda uow: self._claim(uow, request, body))
@@ -317,7 +320,7 @@ class PlacementHandlers:
                 tenant=request.tenant,
             )
 
-        await self._uow.run(work)
+        await self._uow.run_grouped(work)
         return ReleaseReply(status="released")
 
     async def renew(self, request: RenewRequest) -> BaseModel:
@@ -655,8 +658,88 @@ class PlacementHandlers:
         """An attempt holds its request id for one ledger round trip, or until its caller's deadline."""
         return min(self._ownership.claim_s, deadline.remaining_s(default_s=self._ownership.claim_s) or 0.0) or 0.001
 
-    async def _attempt(self, request: PlaceRequest, claim: _Claimed) -> BaseModel | _Lost:
-        """Place once for this request id: recover an interrupted commit, else decide and commit."""
+    async def _first(self, request: PlaceRequest, body: str) -> BaseModel | None:
+        """The fast path of a new request id: decide on the view first, then write its intent in one
+        statement, grouped with concurrent requests' (``run_grouped``): ``committing`` with the commit it
+        is about to send, or ``rejected``. None when the id has an intent already, or the decision
+        would queue: the ordinary path (claim, then decide) takes over, nothing having been reserved.
+        The commit still leaves only after its intent is durable, as on the ordinary path."""
+        snapshot = self._view.snapshot
+        decision, decision_ms = self._decide(snapshot, request)
+        if not decision.placed:
+            if decision.queueable and may_queue(request):
+                return None
+            reply = to_reply(decision)
+
+            async def refuse(uow: UnitOfWork) -> bool:
+                if not await self._store.insert_decided(
+                    session=uow.session,
+                    tenant=request.tenant,
+                    request_id=request.request_id,
+                    body_hash=body,
+                    status=DecisionStatus.REJECTED,
+                    claimed_until=None,
+                    commit=None,
+                    pending=None,
+                    now=uow.now,
+                ):
+                    return False
+                self._emit(uow, request, reply, PlacementEventName.PLACEMENT_REJECTED, decision_ms, 1)
+                return True
+
+            if not await self._uow.run_grouped(refuse):
+                return None
+            self._metrics.count(decision)
+            return reply
+        if deadline.expired():
+            return _caller_gone()
+        commit = to_commit(request, decision, snapshot, lease_s=request.lease_s or self._default_lease_s)
+        pending = to_reply(decision, snapshot=snapshot, request=to_domain(request))
+        token = self._view.assume(
+            ledger_key(request),
+            held_bytes(snapshot, decision),
+            shared=decision.sharing == "shared",
+            crossing=crossing(decision),
+        )
+
+        async def intend(uow: UnitOfWork) -> bool:
+            return await self._store.insert_decided(
+                session=uow.session,
+                tenant=request.tenant,
+                request_id=request.request_id,
+                body_hash=body,
+                status=DecisionStatus.COMMITTING,
+                claimed_until=uow.now + timedelta(seconds=self._claim_s()),
+                commit=commit,
+                pending=pending,
+                now=uow.now,
+            )
+
+        try:
+            intended = await self._uow.run_grouped(intend)
+        except BaseException:
+            self._view.forget(token)
+            raise
+        if not intended:
+            self._view.forget(token)
+            return None
+        claim = _Claimed(attempt=1)
+        outcome = await self._committed(request, claim, decision, commit, pending, token, decision_ms, 1)
+        if isinstance(outcome, dict):  # the view was stale: the ordinary loop decides again on the fresher figures
+            outcome = await self._attempt(request, claim, fresher=outcome, decision_ms=decision_ms, first=2)
+        return None if isinstance(outcome, _Lost) else outcome
+
+    async def _attempt(
+        self,
+        request: PlaceRequest,
+        claim: _Claimed,
+        *,
+        fresher: dict[str, LedgerAccelerator] | None = None,
+        decision_ms: float = 0.0,
+        first: int = 1,
+    ) -> BaseModel | _Lost:
+        """Place once for this request id: recover an interrupted commit, else decide and commit
+        (``fresher``, ``first``: what earlier attempts of this call learnt from the ledger, and how many)."""
         if deadline.expired():  # it waited its turn past the caller's deadline
             if claim.commit is not None:  # keep an interrupted commit recoverable by the next retry
                 await self._unclaim(request, claim)
@@ -667,9 +750,8 @@ class PlacementHandlers:
             recovered = await self._recover(request, claim, claim.commit, claim.pending)
             if recovered is not None:
                 return recovered
-        fresher: dict[str, LedgerAccelerator] = {}
-        decision_ms = 0.0
-        for attempt in range(1, self._max_attempts + 1):
+        fresher = {} if fresher is None else fresher
+        for attempt in range(first, self._max_attempts + 1):
             snapshot = overlay(self._view.snapshot, fresher)
             decision, elapsed_ms = self._decide(snapshot, request)
             decision_ms += elapsed_ms
@@ -701,35 +783,53 @@ class PlacementHandlers:
             if not saved:
                 self._view.forget(token)
                 return LOST
-            committed = await self._reserve(commit, token)
-            if isinstance(committed, RpcError):
-                await self._unclaim(request, claim)
-                return _ledger_silent(committed)
-            allocation_id = _committed(committed)
-            if allocation_id is not None:
-                assert isinstance(committed, CommitReply)
-                self._after_commit()
-                self._metrics.count(decision)
-                note = f"reserved in the ledger after {attempt} attempt(s)"
-                if committed.duplicate:
-                    note = "the ledger already held this request id (an earlier attempt's answer was lost)"
-                reply = pending.model_copy(
-                    update={"allocation_id": allocation_id, "explanation": [*pending.explanation, note]}
-                )
-                return await self._record(
-                    request, claim, reply, PlacementEventName.PLACEMENT_DECIDED, decision_ms, attempt
-                )
-            error = _ledger_error(committed)
-            if error.code not in (ErrorCode.CONFLICT, ErrorCode.NO_CAPACITY):
-                await self._finish_rejected(request, claim)
-                return rejected(error.code, f"ledger: {error.message}")
-            # The view was stale: decide again with the ledger's figures for the GPUs it refused.
-            for balance in committed.view if isinstance(committed, CommitReply) else ():
-                fresher[balance.id] = balance_to_domain(None, balance)
+            outcome = await self._committed(request, claim, decision, commit, pending, token, decision_ms, attempt)
+            if not isinstance(outcome, dict):
+                return outcome
+            fresher.update(outcome)
         if claim.queued:  # the queue tries it again on its next pass
             return await self._enqueue(request, claim, decision)
         await self._finish_rejected(request, claim)
         return rejected(ErrorCode.CONFLICT, f"the fleet kept changing under {self._max_attempts} attempts; retry")
+
+    async def _committed(
+        self,
+        request: PlaceRequest,
+        claim: _Claimed,
+        decision: Decision,
+        commit: CommitRequest,
+        pending: PlaceReply,
+        token: int,
+        decision_ms: float,
+        attempt: int,
+    ) -> BaseModel | _Lost | dict[str, LedgerAccelerator]:
+        """Send the saved ``commit`` and record what the ledger said; on ``conflict``/``no_capacity`` the
+        ledger's fresher figures for the GPUs it refused (the caller decides again on them)."""
+        committed = await self._reserve(commit, token)
+        if isinstance(committed, RpcError):
+            await self._unclaim(request, claim)
+            return _ledger_silent(committed)
+        allocation_id = _committed(committed)
+        if allocation_id is not None:
+            assert isinstance(committed, CommitReply)
+            self._after_commit()
+            self._metrics.count(decision)
+            note = f"reserved in the ledger after {attempt} attempt(s)"
+            if committed.duplicate:
+                note = "the ledger already held this request id (an earlier attempt's answer was lost)"
+            reply = pending.model_copy(
+                update={"allocation_id": allocation_id, "explanation": [*pending.explanation, note]}
+            )
+            return await self._record(request, claim, reply, PlacementEventName.PLACEMENT_DECIDED, decision_ms, attempt)
+        error = _ledger_error(committed)
+        if error.code not in (ErrorCode.CONFLICT, ErrorCode.NO_CAPACITY):
+            await self._finish_rejected(request, claim)
+            return rejected(error.code, f"ledger: {error.message}")
+        # The view was stale: decide again with the ledger's figures for the GPUs it refused.
+        return {
+            balance.id: balance_to_domain(None, balance)
+            for balance in (committed.view if isinstance(committed, CommitReply) else ())
+        }
 
     async def _recover(
         self, request: PlaceRequest, claim: _Claimed, commit: CommitRequest, pending: PlaceReply
@@ -789,7 +889,7 @@ class PlacementHandlers:
                 now=uow.now,
             )
 
-        return await self._uow.run(work)
+        return await self._uow.run_grouped(work)
 
     async def _unclaim(self, request: PlaceRequest, claim: _Claimed) -> None:
         async def work(uow: UnitOfWork) -> None:
@@ -801,7 +901,7 @@ class PlacementHandlers:
                 now=uow.now,
             )
 
-        await self._uow.run(work)
+        await self._uow.run_grouped(work)
 
     async def _finish_rejected(self, request: PlaceRequest, claim: _Claimed) -> None:
         """Nothing placed and nothing reserved: the same id (and body) may be retried."""
@@ -818,7 +918,7 @@ class PlacementHandlers:
                 now=uow.now,
             )
 
-        await self._uow.run(work)
+        await self._uow.run_grouped(work)
 
     async def _record(
         self,
@@ -850,7 +950,7 @@ class PlacementHandlers:
             self._emit(uow, request, reply, event, decision_ms, attempts)
             return True
 
-        return reply if await self._uow.run(work) else LOST
+        return reply if await self._uow.run_grouped(work) else LOST
 
     @staticmethod
     def _emit(

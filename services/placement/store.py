@@ -115,6 +115,41 @@ class DecisionStore:
         )
         return inserted.scalar_one_or_none() is not None
 
+    async def insert_decided(
+        self,
+        *,
+        session: AsyncSession,
+        tenant: str,
+        request_id: str,
+        body_hash: str,
+        status: DecisionStatus,
+        claimed_until: datetime | None,
+        commit: CommitRequest | None,
+        pending: PlaceReply | None,
+        now: datetime,
+    ) -> bool:
+        """A new request id decided before its intent was written (the fast path): its intent at attempt 1,
+        ``committing`` with the commit about to be sent, or ``rejected``, in one statement. False when the
+        id has an intent already (the caller then takes the ordinary path)."""
+        inserted = await session.execute(
+            insert(DECISIONS)
+            .values(
+                tenant=tenant,
+                request_id=request_id,
+                status=status.value,
+                body_hash=body_hash,
+                attempt=1,
+                claimed_until=claimed_until,
+                ledger_commit=commit.model_dump(mode="json") if commit is not None else None,
+                reply=pending.model_dump(mode="json") if pending is not None else None,
+                created_at=now,
+                updated_at=now,
+            )
+            .on_conflict_do_nothing()
+            .returning(DECISIONS.c.attempt)
+        )
+        return inserted.scalar_one_or_none() is not None
+
     async def take(
         self,
         *,

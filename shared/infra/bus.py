@@ -11,6 +11,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, ValidationError
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from shared.contracts.base import (
     CONTRACT_MAJOR_VERSION,
@@ -216,7 +217,8 @@ def consume(
     publisher: str | None = None,
 ) -> Callable[..., Awaitable[None]]:
     """Apply one context's events by name, each event id once, with its effects and their events in
-    one transaction; the payload reaches the handler as its contract model (``EVENTS``).
+    one transaction; the payload reaches the handler as its contract model (``EVENTS``). Given an open
+    ``session``, the event joins that transaction instead (a batch of events applied together).
 
     Nothing on the bus is trusted: a message that is not an envelope, whose ``type`` is not of this
     context, whose ``source`` is not the context's publisher (``publisher``, by default
@@ -228,7 +230,7 @@ def consume(
     expected_source = publisher or EVENT_PUBLISHERS[context]
     scoped = set(NODE_SCOPED_EVENTS.get(context, ()))
 
-    async def on_message(raw: bytes, subject: str | None = None) -> None:
+    async def on_message(raw: bytes, subject: str | None = None, session: AsyncSession | None = None) -> None:
         try:
             event = EventEnvelope.model_validate_json(raw)
         except ValidationError as exc:
@@ -251,15 +253,21 @@ def consume(
             if not isinstance(node, str) or not subject.endswith("." + token(node)):
                 raise UnappliableEvent(f"{event.type} names node {echo(node)} but came on {echo(subject)}")
         emitted = False
-        async with uow.sessions() as session, session.begin():
-            if await claim(session=session, schema=schema, consumer=consumer, event_id=event.event_id):
 
-                async def work(unit: UnitOfWork) -> None:
-                    nonlocal emitted
-                    await handler(uow=unit, event=event, payload=payload)
-                    emitted = bool(unit.events)
+        async def work(unit: UnitOfWork) -> None:
+            nonlocal emitted
+            await handler(uow=unit, event=event, payload=payload)
+            emitted = bool(unit.events)
 
-                await uow.run(work, session=session)
+        async def claimed(open_session: AsyncSession) -> None:
+            if await claim(session=open_session, schema=schema, consumer=consumer, event_id=event.event_id):
+                await uow.run(work, session=open_session)
+
+        if session is not None:  # part of a batch's transaction: the caller commits (and wakes the relay)
+            await claimed(session)
+            return
+        async with uow.sessions() as own, own.begin():
+            await claimed(own)
         if emitted:
             uow.wake()
 

@@ -154,11 +154,18 @@ class Consumer:
     ``handler(uow=..., event=envelope, payload=<the contract model of that event>)`` inside the
     transaction that records the event as processed. Events of other names are acknowledged and
     skipped. One consumer per context keeps the context's order (a node lost, then recovered).
+
+    ``together=True`` applies each fetched batch in one transaction (one commit for many events, for a
+    consumer on a hot path). Each event's effects still happen once (the inbox), but a handler may then
+    run more than once for one event: when a later event of its batch fails, the batch rolls back and
+    the events before the failing one are applied again. Only for handlers whose work is their
+    transaction (no effect outside it that must not repeat).
     """
 
     context: Context
     durable: str
     on: Mapping[str, Callable[[Any], TypedEventHandler]]
+    together: bool = False
 
 
 @dataclass(frozen=True)
@@ -288,7 +295,8 @@ class _EventLoop:
     subject: str
     stream: str
     durable: str
-    apply: Callable[[bytes, str], Awaitable[None]]
+    apply: Callable[..., Awaitable[None]]  # (data, subject, session=None): ``bus.consume``'s handler
+    together: bool = False  # ``Consumer.together``
     deadletter_subject: str = ""
     max_deliveries: int = 5
     backoff_s: float = 0.5
@@ -340,40 +348,94 @@ class _EventLoop:
                 await asyncio.sleep(EVENT_FETCH_TIMEOUT_S)
 
     async def apply_in_order(self, runtime: Runtime, messages: list[Msg]) -> None:
-        for position, message in enumerate(messages):
-            sequence = message.metadata.sequence.stream
+        """Apply a fetched batch in order: together in one transaction while that works, else one by one."""
+        position = 0
+        while position < len(messages):
+            if self.together and len(messages) - position > 1:
+                applied, failure = await self._apply_together(runtime, messages[position:])
+                position += applied
+                if failure is not None:  # messages[position] failed, its handler having run once
+                    if not await self._failed(runtime, messages, position, failure):
+                        return
+                    position += 1
+                    continue
+                if applied:
+                    continue
+                # the transaction itself failed: this event goes alone
+            message = messages[position]
             try:
                 await self.apply(message.data, message.subject)
-            except UnappliableEvent as exc:
-                if not await self._dead_letter(runtime, message, str(exc)):
-                    await self._retry_later(messages[position:], failures=self.failures.get(sequence, 1))
-                    return
-                continue
             except Exception as exc:
-                failures = self.failures.get(sequence, 0) + 1
-                self.failures[sequence] = failures
-                error = f"{type(exc).__name__}: {exc}"
-                # The server's count bounds it across restarts (this process's count starts again at 0).
-                server_deliveries = message.metadata.num_delivered or 0
-                if failures >= self.max_deliveries or server_deliveries >= self.max_deliveries * RESTART_SLACK:
-                    if await self._dead_letter(runtime, message, error):
-                        continue
-                    await self._retry_later(messages[position:], failures=failures)
+                if not await self._failed(runtime, messages, position, exc):
                     return
-                delay = redelivery_delay_s(failures, base_s=self.backoff_s, max_s=self.backoff_max_s)
-                extra = {"durable": self.durable, "sequence": sequence, "failures": failures, "retry_in_s": delay}
-                if failures == 1:
-                    runtime.log.exception("event handler failed; the event is redelivered", extra=extra)
-                else:
-                    runtime.log.warning(
-                        "event handler failed again; the event is redelivered", extra=extra | {"error": error[:300]}
-                    )
-                self.redelivered += 1
-                await self._retry_later(messages[position:], failures=failures)
-                return
-            self.failures.pop(sequence, None)
+            else:
+                self.failures.pop(message.metadata.sequence.stream, None)
+                with contextlib.suppress(Exception):  # NATS away: redelivered after the ack wait, the inbox skips it
+                    await message.ack()
+            position += 1
+
+    async def _failed(self, runtime: Runtime, messages: list[Msg], position: int, exc: Exception) -> bool:
+        """``messages[position]`` raised ``exc`` (its handler ran once): dead-letter it (True: go on with the
+        next) or nak it with the rest of the batch and wait the backoff out (False: stop this batch)."""
+        message = messages[position]
+        sequence = message.metadata.sequence.stream
+        if isinstance(exc, UnappliableEvent):
+            if not await self._dead_letter(runtime, message, str(exc)):
+                await self._retry_later(messages[position:], failures=self.failures.get(sequence, 1))
+                return False
+            return True
+        failures = self.failures.get(sequence, 0) + 1
+        self.failures[sequence] = failures
+        error = f"{type(exc).__name__}: {exc}"
+        # The server's count bounds it across restarts (this process's count starts again at 0).
+        server_deliveries = message.metadata.num_delivered or 0
+        if failures >= self.max_deliveries or server_deliveries >= self.max_deliveries * RESTART_SLACK:
+            if await self._dead_letter(runtime, message, error):
+                return True
+            await self._retry_later(messages[position:], failures=failures)
+            return False
+        delay = redelivery_delay_s(failures, base_s=self.backoff_s, max_s=self.backoff_max_s)
+        extra = {"durable": self.durable, "sequence": sequence, "failures": failures, "retry_in_s": delay}
+        if failures == 1:
+            runtime.log.error("event handler failed; the event is redelivered", exc_info=exc, extra=extra)
+        else:
+            runtime.log.warning(
+                "event handler failed again; the event is redelivered", extra=extra | {"error": error[:300]}
+            )
+        self.redelivered += 1
+        await self._retry_later(messages[position:], failures=failures)
+        return False
+
+    async def _apply_together(self, runtime: Runtime, messages: list[Msg]) -> tuple[int, Exception | None]:
+        """Apply ``messages`` in one transaction (each event still once, through the inbox), then ack them:
+        one commit for the batch instead of one per event. Returns how many were applied and acked, and
+        the exception of the event that failed after them (its handler ran once, as one by one), or None
+        with 0 applied when the transaction failed otherwise (the caller then applies one by one)."""
+        uow = runtime.uow
+        failed_at: int | None = None
+        failure: Exception | None = None
+        try:
+            async with uow.sessions() as session, session.begin():
+                for position, message in enumerate(messages):
+                    try:
+                        await self.apply(message.data, message.subject, session=session)
+                    except Exception as exc:
+                        failed_at, failure = position, exc
+                        raise
+        except Exception:
+            if failed_at is None or failure is None:
+                return 0, None
+            if failed_at == 0:
+                return 0, failure
+            # The events before the failing one were fine: apply them together again, then report it.
+            applied, again = await self._apply_together(runtime, messages[:failed_at])
+            return (applied, failure) if again is None and applied == failed_at else (0, None)
+        uow.wake()
+        for message in messages:
+            self.failures.pop(message.metadata.sequence.stream, None)
             with contextlib.suppress(Exception):  # NATS away: redelivered after the ack wait, the inbox skips it
                 await message.ack()
+        return len(messages), None
 
     async def _retry_later(self, messages: list[Msg], *, failures: int) -> None:
         """Nak ``messages`` (the failing one first, the rest of its batch in order) and wait the delay out."""
@@ -418,10 +480,13 @@ class _EventLoop:
         return True
 
 
-def _event_loop(runtime: Runtime, *, subject: str, context: Context, durable: str, apply: Any) -> _EventLoop:
+def _event_loop(
+    runtime: Runtime, *, subject: str, context: Context, durable: str, apply: Any, together: bool = False
+) -> _EventLoop:
     settings = runtime.settings
     return _EventLoop(
         subject=subject,
+        together=together,
         stream=stream_name(context, stream_prefix=settings.stream_prefix),
         durable=durable,
         apply=apply,
@@ -449,6 +514,7 @@ def _subscribe_consumer(runtime: Runtime, consumer: Consumer, ctx: Any) -> _Even
         context=consumer.context,
         durable=_durable(runtime, consumer.durable),
         apply=apply,
+        together=consumer.together,
     )
 
 

@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 from asyncio.subprocess import PIPE
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -43,7 +44,7 @@ from shared.infra.db import make_engine, make_sessions
 from shared.infra.outbox import QUARANTINED_MESSAGE, OutboxRelay, RelayStalled, enqueue, event_body
 from shared.infra.service import DEAD_LETTERED_MESSAGE, Consumer, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
-from shared.infra.tables import outbox_table
+from shared.infra.tables import inbox_table, outbox_table
 from shared.infra.uow import EventTooLarge, UnitOfWork
 from tests.waiting import wait_for
 
@@ -69,7 +70,7 @@ class Probe:
         return sum(1 for seen, _ in self.calls if seen == event_id)
 
 
-def probe_service(probe: Probe, *, durable: str) -> ServiceDefinition:
+def probe_service(probe: Probe, *, durable: str, together: bool = False) -> ServiceDefinition:
     def wire(_runtime: Runtime) -> Probe:
         return probe
 
@@ -82,6 +83,7 @@ def probe_service(probe: Probe, *, durable: str) -> ServiceDefinition:
                 Context.TOPOLOGY,
                 durable,
                 on={TopologyEvent.NODE_LOST: lambda p: p.on_node, TopologyEvent.NODE_RECOVERED: lambda p: p.on_node},
+                together=together,
             ),
         ),
         wire=wire,
@@ -294,6 +296,45 @@ async def test_row5_a_failing_event_is_redelivered_with_backoff_then_dead_letter
     assert len(failed) == max_deliveries
     assert [bool(r.exc_info) for r in failed] == [True] + [False] * (max_deliveries - 1)
     assert failed[-1].getMessage() == DEAD_LETTERED_MESSAGE and failed[-1].levelno == logging.ERROR
+
+
+async def test_a_consumer_applying_batches_together_parks_a_failing_event_and_commits_the_others_once(
+    settings: Settings, js: JetStreamContext, admin: AsyncEngine
+) -> None:
+    # Consumer(together=True): a batch in one transaction; a failing event in the middle rolls the batch
+    # back, the events before it are applied again (together), the failing one is redelivered with
+    # backoff and then dead-lettered, and the events after it follow. Each event is recorded once.
+    tuned = settings.model_copy(
+        update={"event_max_deliveries": 2, "event_redelivery_backoff_ms": 100, "event_redelivery_backoff_max_ms": 200}
+    )
+    subjects = Subjects(settings.subject_prefix)
+    events = [node_event(f"batch{n}-{uuid.uuid4().hex[:6]}") for n in range(6)]
+    poisoned = events[3]
+    probe = Probe(poison={poisoned.event_id})
+    durable = f"together-{uuid.uuid4().hex[:8]}"
+    app, _runtime = build_app(probe_service(probe, durable=durable, together=True), tuned)
+    server_durable = f"{settings.subject_prefix}-{SCHEMA}-{durable}"
+    for event in events:  # published before the consumer starts: its first fetch takes them as one batch
+        await js.publish(
+            subjects.event(Context.TOPOLOGY, TopologyEvent.NODE_LOST),
+            event.model_dump_json().encode(),
+            headers={"Nats-Msg-Id": str(event.event_id)},
+        )
+    async with app:
+
+        async def settled() -> bool:
+            letters = await letters_of(js, settings, server_durable)
+            return poisoned.event_id in letters and all(probe.applied(e.event_id) for e in events)
+
+        await wait_for(settled, 30, what="the batch applied around the dead-lettered event")
+    inbox = inbox_table(SCHEMA)
+    async with admin.connect() as conn:
+        rows = (await conn.execute(select(inbox.c.event_id).where(inbox.c.consumer == durable))).scalars().all()
+    recorded = Counter(rows)
+    assert {e.event_id for e in events if e is not poisoned} <= set(recorded), "every good event is committed"
+    assert poisoned.event_id not in recorded, "the failing event's rolled-back work is not"
+    assert all(count == 1 for count in recorded.values())
+    assert probe.applied(poisoned.event_id) == 2, "redelivered up to the limit, then dead-lettered"
 
 
 async def test_a_dead_letter_can_be_replayed_onto_its_original_subject(

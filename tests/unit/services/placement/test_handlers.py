@@ -99,6 +99,7 @@ class FakeUnitOfWork:
         self.events.extend(event for _subject, event in uow.events)
         return result
 
+    run_grouped = run  # a group shares a transaction; alone, each work is its own
     async def read(self, work: Callable[[Any], Awaitable[T]]) -> T:
         return await work(None)
 
@@ -155,6 +156,31 @@ class FakeStore(DecisionStore):
             "commit": None,
             "reply": None,
         }
+        return True
+
+    async def insert_decided(
+        self,
+        *,
+        session: Any,
+        tenant: str,
+        request_id: str,
+        body_hash: str,
+        status: DecisionStatus,
+        claimed_until: datetime | None,
+        commit: CommitRequest | None,
+        pending: PlaceReply | None,
+        now: datetime,
+    ) -> bool:
+        if not await self.insert(
+            session=session,
+            tenant=tenant,
+            request_id=request_id,
+            body_hash=body_hash,
+            claimed_until=claimed_until,  # type: ignore[arg-type]  # None for a rejected intent
+            now=now,
+        ):
+            return False
+        self.rows[(tenant, request_id)].update(status=status.value, commit=commit, reply=pending)
         return True
 
     async def take(
