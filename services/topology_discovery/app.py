@@ -84,6 +84,7 @@ SERVICE = ServiceDefinition(
                 LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.on_allocation_ended,
                 LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.on_allocation_ended,
             },
+            together=True,  # one per placement and release: a batch per transaction (the handlers only write rows)
         ),
     ),
     loops=(Loop("liveness", lambda ctx: ctx.handlers.liveness_loop),),

@@ -100,7 +100,10 @@ class Settings(BaseSettings):
     )
     db_pool_size: int = Field(default=10, gt=0, description="SQLAlchemy pool size per service.")
     request_workers: int = Field(
-        default=16, gt=0, le=1024, description="Requests a service serves at once, per subject."
+        default=64,
+        gt=0,
+        le=1024,
+        description="Requests a service serves at once, per subject (concurrent requests share group commits).",
     )
     model_catalog: Path | None = Field(
         default=None, description="A model catalog file (YAML) merged over the shipped one: add or override models."

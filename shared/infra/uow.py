@@ -131,9 +131,8 @@ class UnitOfWorkFactory:
         inbox claim): no retry and no commit here, the caller's transaction decides.
         """
         if session is not None:
-            uow = self._open(session)
-            result = await work(uow)
-            await enqueue_many(session=session, schema=self.schema, events=uow.events)
+            result, events = await self.run_within(work, session)
+            await enqueue_many(session=session, schema=self.schema, events=events)
             return result
         for attempt in range(self._attempts):
             try:
@@ -149,6 +148,15 @@ class UnitOfWorkFactory:
                     raise
                 await asyncio.sleep(0.002 * (attempt + 1))
         raise AssertionError("unreachable")
+
+    async def run_within(
+        self, work: Callable[[UnitOfWork], Awaitable[T]], session: AsyncSession
+    ) -> tuple[T, list[tuple[str, EventEnvelope]]]:
+        """Run ``work`` in the caller's open transaction and hand back its events for the caller to
+        write to the outbox (a group writes all its works' events in one statement)."""
+        uow = self._open(session)
+        result = await work(uow)
+        return result, uow.events
 
     def _open(self, session: AsyncSession) -> UnitOfWork:
         return UnitOfWork(
@@ -178,7 +186,7 @@ class _GroupCommit:
     ``max_group`` of them form the next group, on at most ``lanes`` concurrent transactions (a lane
     lives while there is work for it)."""
 
-    def __init__(self, factory: UnitOfWorkFactory, *, max_group: int = 64, lanes: int = 2) -> None:
+    def __init__(self, factory: UnitOfWorkFactory, *, max_group: int = 16, lanes: int = 6) -> None:
         self._factory = factory
         self._max = max_group
         self._lanes = lanes
@@ -211,9 +219,13 @@ class _GroupCommit:
         if len(group) > 1:
             try:
                 results: list[object] = []
+                events: list[tuple[str, EventEnvelope]] = []
                 async with factory.sessions() as session, session.begin():
                     for work, _ in group:
-                        results.append(await factory.run(work, session=session))
+                        result, emitted = await factory.run_within(work, session)
+                        results.append(result)
+                        events.extend(emitted)
+                    await enqueue_many(session=session, schema=factory.schema, events=events)
             except Exception:  # the group failed: each work runs alone and meets its own outcome
                 pass
             else:

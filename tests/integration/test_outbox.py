@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from typing import Any
 
 import nats
 import pytest
@@ -215,3 +217,56 @@ async def test_relay_process_killed_after_publish_yields_exactly_one_event(
         pass
     stream = stream_name(Context.LEDGER, stream_prefix=settings.stream_prefix)
     assert await _count_in_stream(js, stream, subject, event.event_id) == 1
+
+
+async def test_grouped_units_of_work_share_transactions_and_one_failure_fails_only_its_caller(
+    sessions: async_sessionmaker[AsyncSession], settings: Settings
+) -> None:
+    # `run_grouped`: works submitted together run in one transaction; each caller gets its own result
+    # (or its own exception); the others' state and events commit, the failing one's do not.
+    factory = UnitOfWorkFactory(sessions=sessions, schema=SCHEMA, source="probe", subjects=Subjects("grp"))
+    table = outbox_table(SCHEMA)
+
+    async def round_of(count: int, doomed: int | None) -> tuple[list[object], set[int], set[uuid.UUID], set[uuid.UUID]]:
+        ids = [uuid.uuid4() for _ in range(count)]
+        events = [_event() for _ in ids]
+        transactions: set[int] = set()
+
+        def work_for(n: int) -> Any:
+            async def work(uow: UnitOfWork) -> int:
+                xid = (await uow.session.execute(text("SELECT txid_current()"))).scalar_one()
+                transactions.add(int(xid))
+                await uow.session.execute(
+                    text("INSERT INTO public.probe_state (id, n) VALUES (:id, :n)"), {"id": ids[n], "n": n}
+                )
+                uow.events.append(("grp.probe", events[n]))
+                if n == doomed:
+                    raise ValueError("this one fails")
+                return n
+
+            return work
+
+        # Submitted in one go: the first lane to run takes them all as one group.
+        outcomes = await asyncio.gather(
+            *(factory.run_grouped(work_for(n)) for n in range(count)), return_exceptions=True
+        )
+        async with sessions() as session:
+            found = text("SELECT id FROM public.probe_state WHERE id = ANY(:ids)")
+            stored = set((await session.execute(found, {"ids": ids})).scalars())
+            wanted = [e.event_id for e in events]
+            queued = set(
+                (await session.execute(select(table.c.event_id).where(table.c.event_id.in_(wanted)))).scalars()
+            )
+        expected = {e.event_id for n, e in enumerate(events) if n != doomed}
+        assert stored == {i for n, i in enumerate(ids) if n != doomed}
+        assert queued == expected
+        return list(outcomes), transactions, stored, queued
+
+    outcomes, transactions, _, _ = await round_of(12, None)
+    assert outcomes == list(range(12))
+    assert len(transactions) == 1, "twelve works, one transaction"
+
+    outcomes, transactions, _, _ = await round_of(12, 5)
+    assert [o for o in outcomes if not isinstance(o, BaseException)] == [n for n in range(12) if n != 5]
+    assert isinstance(outcomes[5], ValueError)
+    assert len(transactions) == 1 + 12, "the failed group, then each work alone"
