@@ -257,6 +257,9 @@ async def test_grouped_units_of_work_share_transactions_and_one_failure_fails_on
             queued = set(
                 (await session.execute(select(table.c.event_id).where(table.c.event_id.in_(wanted)))).scalars()
             )
+            # Gone again before any relay of this schema tries a subject no stream takes.
+            await session.execute(table.delete().where(table.c.event_id.in_(wanted)))
+            await session.commit()
         expected = {e.event_id for n, e in enumerate(events) if n != doomed}
         assert stored == {i for n, i in enumerate(ids) if n != doomed}
         assert queued == expected
