@@ -29,7 +29,7 @@ from typing import Any, Final, Generic, Protocol, TypeVar, cast
 
 from shared.domain.memory import MemoryShare
 from shared.domain.models import ModelSpec
-from shared.domain.placement.hosts import GpuHost, Host, HostKind, Load, LoadClass
+from shared.domain.placement.hosts import SCREENS_KEPT, GpuHost, Host, HostKind, Load, LoadClass
 from shared.domain.placement.types import FleetSnapshot, PlacementRequest, RejectionClass
 from shared.domain.topology.tpu import TpuSlice, TpuType
 
@@ -363,8 +363,18 @@ DEFAULT_PROFILE: Final = Profile(
         "rack_power",
         "pcie_load",
     ),
-    # Packing weighs double: a fleet that keeps whole NVLink domains free places more replicas later.
-    scores=(("sku_fit", 1.0), ("link", 1.0), ("packing", 2.0), ("cost", 1.0), ("energy", 0.5), ("pcie_budget", 0.25)),
+    # Reserve weighs most (a model that also runs on TPU leaves the GPUs to GPU-only models), then cost
+    # per served token and SKU fit (with a TTFT target: headroom for long prompts); packing keeps twice
+    # link's weight. Measured under load with `hetsched sim --sweep` (docs/PERFORMANCE.md).
+    scores=(
+        ("sku_fit", 1.0),
+        ("link", 0.25),
+        ("packing", 0.5),
+        ("cost", 1.0),
+        ("energy", 0.25),
+        ("pcie_budget", 0.25),
+        ("reserve", 3.0),
+    ),
 )
 
 
@@ -419,7 +429,7 @@ class Framework:
         tp: int,
         share: MemoryShare,
         classes: Sequence[LoadClass],
-        screens: dict[tuple[object, ...], object] | None = None,
+        screens: dict[tuple[object, ...], dict[tuple[object, ...], object]] | None = None,
         static_key: tuple[object, ...] = (),
     ) -> tuple[Sequence[LoadClass], list[tuple[Status, int]]]:
         """Narrow ``classes`` through the bulk filters; the rejected groups, in filter order.
@@ -430,13 +440,16 @@ class Framework:
         rejected: list[tuple[Status, int]] = []
         plugins = self.bulk_filters
         if screens is not None and self.capacity_filters:
-            key = (static_key, tp, share.total, sharing_of_state(state))
-            screened = cast("tuple[Sequence[LoadClass], list[tuple[Status, int]]] | None", screens.get(key))
+            kept = screens.get(static_key)
+            if kept is None or len(kept) >= SCREENS_KEPT:
+                kept = screens[static_key] = {}
+            key = (tp, share.total, sharing_of_state(state))
+            screened = cast("tuple[Sequence[LoadClass], list[tuple[Status, int]]] | None", kept.get(key))
             if screened is None:
                 for plugin in plugins[: self.capacity_filters]:
                     classes, out = plugin.filter_bulk(state, host, tp, share, classes)
                     rejected.extend(out)
-                screens[key] = (classes, rejected[:])
+                kept[key] = (classes, rejected[:])
             else:
                 classes = screened[0]
                 rejected.extend(screened[1])

@@ -195,7 +195,9 @@ class SnapshotIndex:
     exclusive: Mapping[tuple[object, ...], tuple[LoadClass, ...]] = field(default_factory=dict)
     # Capacity screens already judged on this index, keyed by (static key, ...) (``Framework.filter_bulk``):
     # requests of one shape ask the same screen again; an update keeps those of unchanged static classes.
-    screens: dict[tuple[object, ...], object] = field(default_factory=dict, compare=False, repr=False)
+    screens: dict[tuple[object, ...], dict[tuple[object, ...], object]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def classes_for(self, sharing: str) -> Mapping[tuple[object, ...], tuple[LoadClass, ...]]:
         """The load classes a replica of ``sharing`` is judged by (plugins read only what its key holds)."""
@@ -463,7 +465,9 @@ def _updated(
         # Regrouped on any change (not only of the exclusive key) so each class holds its
         # representative's current load, as a fresh build would.
         exclusive[key] = _regrouped(base, loads, base.exclusive[key], host_ids, _exclusive_key)
-    screens = {k: v for k, v in base.screens.items() if k[0] not in moved} if len(base.screens) < SCREENS_KEPT else {}
+    screens = dict(base.screens)  # per static class: those whose classes moved start afresh
+    for key in moved:
+        screens.pop(key, None)
     return SnapshotIndex(
         hosts=base.hosts,
         host_of=base.host_of,
@@ -477,8 +481,8 @@ def _updated(
     )
 
 
-SCREENS_KEPT: Final = 4096
-"""Screens carried from an index to its update at most (beyond, the update starts afresh)."""
+SCREENS_KEPT: Final = 256
+"""Screens one static class keeps at most (request shapes; beyond, it starts afresh)."""
 
 
 def _regrouped(
@@ -492,12 +496,11 @@ def _regrouped(
     leave or join are rebuilt, so a big class of idle nodes costs a tuple copy, not a regroup.
     ``key_of`` is the grouping (the full load key, or what an exclusive group sees)."""
     leaving = set(moved)
+    left = {key_of(base.loads[h]) for h in moved}  # the classes the moved hosts were in (by their old load)
     groups: dict[tuple[object, ...], LoadClass | list[str]] = {}
     for cls in before:
-        if any(h in leaving for h in cls.hosts):
-            groups[key_of(cls.load)] = [h for h in cls.hosts if h not in leaving]
-        else:
-            groups[key_of(cls.load)] = cls
+        key = key_of(cls.load)
+        groups[key] = [h for h in cls.hosts if h not in leaving] if key in left else cls
     for host_id in moved:
         key = key_of(loads[host_id])
         group = groups.get(key)
