@@ -326,6 +326,24 @@ def sim(
             'both ways, side by side (--json: {"sharing": {"exclusive": KPIS, "shared": KPIS}}).',
         ),
     ] = "exclusive",
+    load: Annotated[
+        float | None,
+        typer.Option(
+            "--load",
+            help="Scale the arrivals so the fleet runs at this load (e.g. 0.8). Load = the sum over models of "
+            "the model's arrival rate / the requests per second the whole fleet completes of that model alone, "
+            "every replica full (placed by hetsched on the empty fleet until it refuses; docs/PERFORMANCE.md).",
+        ),
+    ] = None,
+    sweep: Annotated[
+        bool,
+        typer.Option(
+            "--sweep",
+            help="Run the policies at each of --loads: one table (rows policy x load), ours against the best "
+            'baseline per load; --plots writes cost-vs-SLO PNGs (sim_<trace>_<policy>.png); --json: {"sweep": ...}.',
+        ),
+    ] = False,
+    loads: Annotated[str, typer.Option("--loads", help="Loads for --sweep, comma separated.")] = "0.6,0.8,0.95",
     data_dir: DataDirOption = None,
 ) -> None:
     """Replay a workload trace against a fleet under each placement policy and print the KPIs."""
@@ -345,6 +363,27 @@ def sim(
     if sharing != "exclusive" and live:
         err.print("[red]--sharing: only exclusive with --live (the live path does not ask for sharing)[/red]")
         raise typer.Exit(2)
+    if (sweep or load is not None) and (live or sharing == "compare"):
+        err.print("[red]--load and --sweep: not with --live or --sharing compare[/red]")
+        raise typer.Exit(2)
+    if load is not None and not load > 0:
+        err.print(f"[red]--load: expected a positive load, got {load}[/red]")
+        raise typer.Exit(2)
+    if sweep or load is not None:
+        _sim_sweep(
+            fleet,
+            trace,
+            policy,
+            loads=loads if load is None else str(load),
+            seed=seed,
+            bad_rows=bad_rows,
+            limit=limit,
+            share_small=sharing == "shared",
+            as_json=as_json,
+            plots=plots,
+            sweep=sweep,
+        )
+        return
     if sharing == "compare":
         if policy not in (None, "hetsched"):
             err.print("[red]--sharing compare runs hetsched only: the baselines do not read `sharing`[/red]")
@@ -396,6 +435,79 @@ def sim(
         render_table(results, console)
     if plots is not None:
         for path in write_plots(results, plots):
+            err.print(f"wrote {path}")
+
+
+def _sim_sweep(
+    fleet: Path,
+    trace: Path,
+    policy: str | None,
+    *,
+    loads: str,
+    seed: int,
+    bad_rows: str,
+    limit: int | None,
+    share_small: bool,
+    as_json: bool,
+    plots: Path | None,
+    sweep: bool,
+) -> None:
+    """`hetsched sim --sweep`: every policy at each load, one table, margins, cost-vs-SLO plots. Without
+    ``sweep`` (`--load X`): the one load's KPI table, time-series plots, and the scaling on stderr."""
+    from hetsched.sim_cli import (
+        dump_json,
+        dump_sweep_json,
+        parse_loads,
+        render_sweep,
+        render_table,
+        run_sweep,
+        write_plots,
+        write_sweep_plots,
+    )
+    from shared.domain.sim import SimConfig
+    from shared.domain.traces import TraceError
+
+    try:
+        targets = parse_loads(loads)
+        result, loaded = run_sweep(
+            fleet,
+            trace,
+            targets,
+            policy,
+            seed=seed,
+            on_bad_rows="skip" if bad_rows == "skip" else "reject",
+            limit=limit,
+            config=SimConfig(share_small=share_small),
+        )
+    except TraceError as exc:
+        err.print(f"[red]{trace}: {exc}[/red]")
+        raise typer.Exit(1) from exc
+    except (OSError, ValueError) as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    if loaded.skipped_total:
+        counts = ", ".join(f"{reason}={n}" for reason, n in sorted(loaded.skipped.items()))
+        err.print(f"skipped {loaded.skipped_total} bad rows ({counts})")
+    if not sweep:
+        (point,) = result.points
+        err.print(
+            f"load {point.load:g}: arrivals {point.factor:.1f}x as fast as the trace's own "
+            f"(its load {result.native.load:.4f}), over {point.span_s:.0f} s"
+        )
+        if as_json:
+            print(dump_json(point.results, point))
+        else:
+            render_table(point.results, console)
+        if plots is not None:
+            for path in write_plots(point.results, plots):
+                err.print(f"wrote {path}")
+        return
+    if as_json:
+        print(dump_sweep_json([result]))
+    else:
+        render_sweep(result, console)
+    if plots is not None:
+        for path in write_sweep_plots(result, plots):
             err.print(f"wrote {path}")
 
 

@@ -6,6 +6,11 @@ policy of the per-minute time series (active replicas, queue length, SLO attainm
 
 Default model mix (all fit the demo fleet): llama3-8b 50 %, llama3-70b 30 %, mixtral-8x7b 20 %.
 
+``--load X`` scales the trace's arrivals so the fleet runs at load X (``shared.domain.sim.load``:
+the sum over models of arrival rate / the rate the whole fleet serves that model alone, every
+replica full); ``--sweep`` runs every policy at each of ``--loads`` and prints one table per trace,
+ours against the best baseline per load, and with ``--plots`` a cost-vs-SLO PNG per policy.
+
 ``--sharing compare`` replays the trace twice with ``hetsched``: every replica exclusive, then the small
 models (``shared.domain.sim.sharing.small_models``) asking ``sharing: shared``, and prints both KPI
 sets side by side, for the whole workload and for the small models' requests alone.
@@ -16,15 +21,17 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from shared.domain.placement import FleetSnapshot
 from shared.domain.sim import POLICIES, Kpis, Policy, SimConfig, SimResult, compute_kpis, make_policy, simulate
+from shared.domain.sim.load import FleetLoad, fleet_load, scale_arrivals
 from shared.domain.sim.sharing import small_models
 from shared.domain.traces import AssignedRequest, OnError, Trace, assign_workload, detect_format, read_trace
 from shared.infra.catalog import load_inventory, load_models, load_skus
@@ -70,22 +77,251 @@ def run_sim(
     live: Policy | None = None,
 ) -> tuple[dict[str, SimResult], Trace]:
     """Run one policy (or all of ``POLICIES``, or only ``live``) over the trace on the fleet; results by
-    policy name."""
+    policy name. ``run_sweep`` runs them at chosen loads instead."""
     snapshot, assigned, trace = _load(
         fleet_path, trace_path, seed=seed, on_bad_rows=on_bad_rows, model_mix=model_mix, limit=limit
     )
     if live is not None:
         return {live.name: simulate(snapshot, assigned, live, config=config, timer=time.perf_counter)}, trace
+    return _run_policies(snapshot, assigned, policy, seed=seed, config=config), trace
+
+
+def _run_policies(
+    snapshot: FleetSnapshot,
+    assigned: Sequence[AssignedRequest],
+    policy: str | None,
+    *,
+    seed: int,
+    config: SimConfig | None,
+) -> dict[str, SimResult]:
     names: Sequence[str] = POLICIES if policy is None else (policy,)
-    results = {
+    return {
         name: simulate(snapshot, assigned, make_policy(name, seed=seed), config=config, timer=time.perf_counter)
         for name in names
     }
-    return results, trace
 
 
-def results_json(results: Mapping[str, SimResult]) -> dict[str, Any]:
-    return {"policies": {name: r.kpis.to_dict() for name, r in results.items()}}
+# -- `--load` and `--sweep` -------------------------------------------------------------------------
+
+DEFAULT_LOADS: tuple[float, ...] = (0.6, 0.8, 0.95)
+LOAD_HELP = (
+    "load = the sum over models of (the model's arrival rate / the requests per second the whole fleet "
+    "completes of that model alone, every replica full); arrivals are scaled by target / load"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    """Every policy over the trace scaled to one load."""
+
+    load: float
+    factor: float  # the arrivals came this many times faster than in the trace
+    span_s: float  # first to last arrival of the scaled trace
+    results: Mapping[str, SimResult]
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """The same trace at several loads: the trace's own load, and each point."""
+
+    trace: str
+    native: FleetLoad
+    points: tuple[SweepPoint, ...]
+
+
+def run_sweep(
+    fleet_path: Path,
+    trace_path: Path,
+    loads: Sequence[float] = DEFAULT_LOADS,
+    policy: str | None = None,
+    *,
+    seed: int = 0,
+    on_bad_rows: OnError = "reject",
+    model_mix: Mapping[str, float] | None = None,
+    limit: int | None = None,
+    config: SimConfig | None = None,
+) -> tuple[Sweep, Trace]:
+    """Each policy (or one) over the trace scaled to each of ``loads``; ValueError for a load <= 0."""
+    snapshot, assigned, trace = _load(
+        fleet_path, trace_path, seed=seed, on_bad_rows=on_bad_rows, model_mix=model_mix, limit=limit
+    )
+    native = fleet_load(snapshot, assigned, config or SimConfig())
+    points = []
+    for load in loads:
+        factor = native.factor(load)
+        scaled = scale_arrivals(assigned, factor)
+        points.append(
+            SweepPoint(
+                load=load,
+                factor=factor,
+                span_s=native.span_s / factor,
+                results=_run_policies(snapshot, scaled, policy, seed=seed, config=config),
+            )
+        )
+    return Sweep(trace=trace_path.stem, native=native, points=tuple(points)), trace
+
+
+def parse_loads(text: str) -> tuple[float, ...]:
+    """``"0.6,0.8,0.95"`` -> (0.6, 0.8, 0.95); ValueError naming a value that is not a positive number."""
+    loads = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"--loads: {part.strip()!r} is not a number") from None
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"--loads: {part.strip()} is not a positive load")
+        loads.append(value)
+    return tuple(loads)
+
+
+def margins(point: SweepPoint, ours: str = "hetsched") -> dict[str, float | None] | None:
+    """Ours against the baselines at one load: SLO attainment minus the best baseline's, and $/M tokens
+    minus the cheapest baseline's (negative: ours is cheaper; None where a cost is missing); None
+    without ours or a baseline."""
+    if ours not in point.results or len(point.results) < 2:
+        return None
+    mine = point.results[ours].kpis
+    others = [r.kpis for name, r in point.results.items() if name != ours]
+    costs = [k.cost_per_million_tokens for k in others if k.cost_per_million_tokens is not None]
+    own_cost = mine.cost_per_million_tokens
+    return {
+        "slo_attainment": mine.slo_attainment - max(k.slo_attainment for k in others),
+        "cost_per_million_tokens": own_cost - min(costs) if costs and own_cost is not None else None,
+    }
+
+
+def sweep_json(sweep: Sweep) -> dict[str, Any]:
+    """``{"trace", "load_definition", "native_load", "models", "sweep": [{"load", "factor", "span_s",
+    "policies": {NAME: KPIS}, "margin"}]}``."""
+    return {
+        "trace": sweep.trace,
+        "load_definition": LOAD_HELP,
+        "native_load": sweep.native.load,
+        "models": [{**asdict(m), "utilisation": m.utilisation} for m in sweep.native.models],
+        "sweep": [
+            {
+                "load": p.load,
+                "factor": p.factor,
+                "span_s": p.span_s,
+                "policies": {name: r.kpis.to_dict() for name, r in p.results.items()},
+                "margin": margins(p),
+            }
+            for p in sweep.points
+        ],
+    }
+
+
+def dump_sweep_json(sweeps: Sequence[Sweep]) -> str:
+    """One trace: its sweep object; several: ``{"traces": [...]}``."""
+    body = sweep_json(sweeps[0]) if len(sweeps) == 1 else {"traces": [sweep_json(s) for s in sweeps]}
+    return json.dumps(body, indent=2)
+
+
+_SWEEP_COLUMNS = (
+    ("slo_attainment", "SLO att."),
+    ("cost_per_million_tokens", "$/M tok"),
+    ("placed", "placed"),
+    ("success_rate", "success"),
+    ("replicas", "replicas"),
+    ("p99_queue_wait_ms", "wait p99 ms"),
+    ("decision_p50_ms", "dec p50 ms"),
+    ("decision_p99_ms", "dec p99 ms"),
+)
+
+
+_SWEEP_WIDTH = 132
+
+
+def render_sweep(sweep: Sweep, console: Console) -> None:
+    """One table for the trace: a row per load and policy; then ours against the best baseline per load."""
+    table = Table(
+        title=f"hetsched sim --sweep: {sweep.trace} (its own load {sweep.native.load:.4f})",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    table.add_column("load", justify="right", no_wrap=True)
+    table.add_column("x rate", justify="right", no_wrap=True)  # how much faster than the trace
+    table.add_column("policy", no_wrap=True)
+    for _, header in _SWEEP_COLUMNS:
+        table.add_column(header, justify="right", no_wrap=True)
+    for point in sweep.points:
+        for i, (name, result) in enumerate(point.results.items()):
+            row = result.kpis.to_dict()
+            table.add_row(
+                f"{point.load:g}" if i == 0 else "",
+                f"{point.factor:.1f}" if i == 0 else "",
+                name,
+                *(_fmt(row[key]) for key, _ in _SWEEP_COLUMNS),
+                end_section=i == len(point.results) - 1,
+            )
+    # Rows of 11 columns: never squeeze them into an 80-column pipe (the rows are what docs quote).
+    wide = console if console.width >= _SWEEP_WIDTH else Console(file=console.file, width=_SWEEP_WIDTH)
+    wide.print(table)
+    for point in sweep.points:
+        margin = margins(point)
+        if margin is not None:
+            slo, cost = margin["slo_attainment"], margin["cost_per_million_tokens"]
+            cost_text = "-" if cost is None else f"{cost:+.3f}"
+            wide.print(
+                f"load {point.load:g}: hetsched SLO attainment {slo:+.3f} vs the best baseline, "
+                f"$/M tokens {cost_text} vs the cheapest"
+            )
+
+
+def write_sweep_plots(sweep: Sweep, plots_dir: Path) -> list[Path]:
+    """Cost against SLO attainment, one point per load: ``sim_<trace>_<policy>.png`` per policy and
+    ``sim_<trace>_all.png`` with a line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    names = list(sweep.points[0].results) if sweep.points else []
+    series = {
+        name: [
+            (p.load, p.results[name].kpis.cost_per_million_tokens, p.results[name].kpis.slo_attainment)
+            for p in sweep.points
+        ]
+        for name in names
+    }
+    written = []
+
+    def draw(ax: Any, name: str) -> None:
+        points = [(load, cost, slo) for load, cost, slo in series[name] if cost is not None]
+        ax.plot([c for _, c, _ in points], [s for _, _, s in points], marker="o", label=name)
+        for load, cost, slo in points:
+            ax.annotate(f"{load:g}", (cost, slo), textcoords="offset points", xytext=(4, 4), fontsize=8)
+
+    def finish(fig: Any, ax: Any, title: str, path: Path) -> None:
+        ax.set_xlabel("$ per million tokens")
+        ax.set_ylabel("SLO attainment")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        written.append(path)
+
+    for name in names:
+        fig, ax = plt.subplots(figsize=(5, 3.6))
+        draw(ax, name)
+        finish(fig, ax, f"{sweep.trace}: {name} (labels: load)", plots_dir / f"sim_{sweep.trace}_{name}.png")
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for name in names:
+        draw(ax, name)
+    ax.legend(fontsize=8)
+    finish(fig, ax, f"{sweep.trace}: every policy (labels: load)", plots_dir / f"sim_{sweep.trace}_all.png")
+    return written
+
+
+def results_json(results: Mapping[str, SimResult], point: SweepPoint | None = None) -> dict[str, Any]:
+    """``{"policies": {NAME: KPIS}}``; at a chosen load also ``"load": {"target", "factor", "span_s"}``."""
+    body: dict[str, Any] = {"policies": {name: r.kpis.to_dict() for name, r in results.items()}}
+    if point is not None:
+        body["load"] = {"target": point.load, "factor": point.factor, "span_s": point.span_s}
+    return body
 
 
 SHARING_MODES: tuple[str, ...] = ("exclusive", "shared")
@@ -250,8 +486,8 @@ def write_plots(results: Mapping[str, SimResult], plots_dir: Path) -> list[Path]
     return written
 
 
-def dump_json(results: Mapping[str, SimResult]) -> str:
-    return json.dumps(results_json(results), indent=2)
+def dump_json(results: Mapping[str, SimResult], point: SweepPoint | None = None) -> str:
+    return json.dumps(results_json(results, point), indent=2)
 
 
 def dump_sharing_json(comparison: SharingComparison) -> str:

@@ -18,12 +18,19 @@ from shared.domain.placement.framework import CycleState, Demand, StateKey
 @dataclass(frozen=True, slots=True)
 class Perf:
     """Milliseconds to the first token and per output token, and decode tokens per second of the
-    replica holding ``concurrency`` sequences; ``calibrated`` is False for the bandwidth proxy."""
+    replica holding ``concurrency`` sequences; ``calibrated`` is False for the bandwidth proxy.
+
+    ``served_tokens_per_s`` is what the replica gets through, prompt and output tokens together (what
+    ``$/M tokens`` counts), at ``requests_per_s``: ``concurrency`` requests in flight, each for
+    ``ttft + (output - 1) x tpot``, and no faster than one prefill at a time (prefill is
+    compute-bound: long prompts bind before the KV slots do)."""
 
     ttft_ms: float
     tpot_ms: float
     tokens_per_s: float
     calibrated: bool
+    requests_per_s: float
+    served_tokens_per_s: float
 
 
 _PROXY_MFU: Final = 0.5  # prefill share of peak flops assumed where no calibration exists
@@ -76,7 +83,16 @@ def estimate(
         flops = max(sku.bf16_tflops * 1e12 * _PROXY_MFU, 1.0)
         ttft = 2.0 * shape.active_params * input_tokens / tp / flops * 1e3
         calibrated = False
-    return Perf(ttft_ms=ttft, tpot_ms=tpot, tokens_per_s=batch * 1e3 / max(tpot, 1e-9), calibrated=calibrated)
+    e2e = ttft + (output_tokens - 1) * tpot
+    requests_per_s = min(batch / max(e2e, 1e-9), 1.0 / max(ttft, 1e-9)) * 1e3
+    return Perf(
+        ttft_ms=ttft,
+        tpot_ms=tpot,
+        tokens_per_s=batch * 1e3 / max(tpot, 1e-9),
+        calibrated=calibrated,
+        requests_per_s=requests_per_s,
+        served_tokens_per_s=requests_per_s * (input_tokens + output_tokens),
+    )
 
 
 def perf_of(demand: Demand, sku: Sku, tp: int) -> Perf:

@@ -22,7 +22,7 @@ from shared.domain.placement.filters import (
     tpu_slice,
 )
 from shared.domain.placement.framework import Framework, PluginFactory, Profile, build_framework
-from shared.domain.placement.scores import cost, energy, link, packing, sku_fit
+from shared.domain.placement.scores import cost, energy, link, packing, reserve, sku_fit
 
 DEFAULT_REGISTRY: Final[Mapping[str, PluginFactory]] = MappingProxyType(
     {
@@ -46,6 +46,7 @@ DEFAULT_REGISTRY: Final[Mapping[str, PluginFactory]] = MappingProxyType(
             packing,
             cost,
             energy,
+            reserve,
         )
     }
 )

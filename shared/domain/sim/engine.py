@@ -7,14 +7,25 @@ Rules (``SimConfig`` holds every number):
 
 * A replica of a model is placed by the policy with ``context_tokens`` of context and ``slots`` KV
   slots (its concurrency). Each request holds one slot for its lifetime (its e2e time).
-* Scale up: a request arrives (or waits) for a model whose every replica has all slots taken -> the
-  policy is asked for a new replica. If it refuses, the request queues (FIFO per model) and the model
-  is not asked again until some replica is released (capacity changed).
+* Routing and scale up: a request goes to the model's replica with a free slot and the shortest
+  prefill backlog. When every replica has all slots taken, or the chosen one has ``scale_backlog_ms``
+  of prefill queued (long prompts bind before slots do), the policy is asked for a new replica; if it
+  refuses, a replica with a free slot still takes the request; with none, the request queues (FIFO
+  per model) and the model is not asked again until some replica is released (capacity changed).
+  The replica request carries the model's mean prompt and output so far (``tell_shape``) and the
+  SLO (``tell_slo``), what an operator would tell the placement service.
 * Scale down: a replica with no request for ``idle_release_s`` is released (its HBM/TPU slice freed).
+  The run ends when the last request completes or fails: replicas still up are released then (the
+  idle time they would run on after the workload is not charged to it).
 * A queued request is admitted when a slot frees; one that waited more than ``queue_timeout_s`` fails.
-* Latency: ``latency.estimate(model, replica SKU, TP, prompt, output, batch)`` with batch = the
-  replica's occupied slots at admission (held for the request's life: a static-batch approximation).
-  TTFT as seen by the user = queue wait + estimated TTFT.
+* Latency (``request_latency``, continuous batching to first order, as vLLM and SGLang serve): a
+  request is prefilled on its own when it joins its replica, and a replica prefills one prompt at a
+  time (prefill is compute-bound), so a prompt waits for the prefills admitted before it on the same
+  replica: TTFT as seen by the user = queue wait + that prefill wait + ``latency.prefill_ms`` of its
+  own prompt. Then it decodes in the replica's running batch: TPOT = ``latency.decode_step_ms`` at
+  batch = the replica's occupied slots at admission (held for the request's life) and the request's
+  mean context (prompt + output / 2); e2e = TTFT + (output - 1) x TPOT. ASSUMPTION: decode steps
+  are not slowed by the prefills that run beside them (optimistic by the replica's prefill duty cycle).
 * Sharing (``sim.sharing``): a replica whose GPU ``k`` replicas are busy on at admission gets 1/k of
   it: the estimate's times x k (any co-located replicas, whatever the policy called them; exclusive
   placements by ``hetsched`` never are). Replicas sharing a GPU split its cost and energy. With
@@ -32,8 +43,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.domain.hardware import Sku
-from shared.domain.latency import ModelShape, estimate
-from shared.domain.placement import AcceleratorCapacity, Decision, FleetSnapshot, PlacementRequest, TpuPodState, apply
+from shared.domain.latency import LatencyEstimate, ModelShape, decode_step_ms, prefill_ms
+from shared.domain.placement import (
+    AcceleratorCapacity,
+    Decision,
+    FleetSnapshot,
+    PlacementRequest,
+    Slo,
+    TpuPodState,
+    apply,
+)
 from shared.domain.placement.perf import model_shape
 from shared.domain.sim.kpis import Kpis, ReplicaLife, RequestOutcome, Sample, compute_kpis, nvlinked_group
 from shared.domain.sim.policies import Policy, ReleasingPolicy
@@ -67,6 +86,9 @@ class SimConfig:
     tenant: str = "sim"
     share_small: bool = False  # small models (``small_fraction``) ask ``sharing: shared``
     small_fraction: float = SMALL_WEIGHT_FRACTION
+    scale_backlog_ms: float = 1000.0  # a replica with this much prefill queued counts as full
+    tell_shape: bool = True  # the replica request carries the model's mean prompt and output so far
+    tell_slo: bool = True  # the replica request carries the SLO (``slo_ttft_ms``, ``slo_tpot_ms``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +113,46 @@ class _Replica:
     gpus: tuple[str, ...] = ()  # the GPUs it holds (empty on a TPU slice)
     active: int = 0
     empty_since: float | None = None
+    prefill_free_ms: float = 0.0  # when the prompts admitted so far are all prefilled
+
+
+def replica_request(
+    model: str, n: int, config: SimConfig, *, shared: bool, shape: tuple[float, float] | None = None
+) -> PlacementRequest:
+    """What the simulator asks the policy for its ``n``-th replica, of ``model``: ``slots`` KV slots of
+    ``context_tokens``; with ``tell_shape`` the typical request ``shape`` (mean prompt and output
+    tokens) fitted into the context (``fitted_shape``); with ``tell_slo`` the simulator's SLO."""
+    typical = fitted_shape(shape, config.context_tokens) if config.tell_shape and shape is not None else None
+    return PlacementRequest(
+        request_id=f"{model}-replica-{n}",
+        tenant=config.tenant,
+        model=model,
+        context_tokens=config.context_tokens,
+        concurrency=config.slots,
+        input_tokens=typical[0] if typical else None,
+        output_tokens=typical[1] if typical else None,
+        slo=Slo(ttft_ms=config.slo_ttft_ms, tpot_ms=config.slo_tpot_ms) if config.tell_slo else None,
+        sharing="shared" if shared else "exclusive",
+    )
+
+
+def fitted_shape(shape: tuple[float, float], context_tokens: int) -> tuple[int, int]:
+    """(prompt, output) tokens rounded, at least 1 each, scaled down together when they exceed the
+    context (a request states a shape its KV slot can hold)."""
+    prompt, output = max(1.0, shape[0]), max(1.0, shape[1])
+    scale = min(1.0, context_tokens / (prompt + output))
+    fitted_prompt = max(1, min(context_tokens - 1, round(prompt * scale)))
+    return fitted_prompt, max(1, min(context_tokens - fitted_prompt, round(output * scale)))
+
+
+def request_latency(shape: ModelShape, sku: Sku, tp: int, request: AssignedRequest, batch: int) -> LatencyEstimate:
+    """``request`` on a replica of ``shape`` on ``tp`` accelerators of ``sku`` that holds ``batch``
+    requests (itself included), alone on its GPUs, with no prefill ahead of it: TTFT is the prefill of
+    its own prompt, TPOT one decode step of the batch at its mean context (module docstring)."""
+    output = max(1, request.output_tokens)
+    ttft = prefill_ms(shape, sku, tp, request.input_tokens)
+    tpot = decode_step_ms(shape, sku, tp, batch, request.input_tokens + output / 2)
+    return LatencyEstimate(ttft_ms=ttft, tpot_ms=tpot, e2e_ms=ttft + (output - 1) * tpot)
 
 
 def release(snapshot: FleetSnapshot, decision: Decision) -> FleetSnapshot:
@@ -151,6 +213,7 @@ class _Sim:
     next_replica: int = 0
     tpu_used: bool = False
     frag_cache: dict[str, tuple[object, float]] = field(default_factory=dict)
+    seen: dict[str, tuple[int, float, float]] = field(default_factory=dict)  # model -> (n, prompt, output sums)
     residency: Residency = field(init=False)
     small: frozenset[str] = field(init=False)
 
@@ -168,14 +231,9 @@ class _Sim:
         if model in self.blocked:
             return None
         self.next_replica += 1
-        request = PlacementRequest(
-            request_id=f"{model}-replica-{self.next_replica}",
-            tenant=self.config.tenant,
-            model=model,
-            context_tokens=self.config.context_tokens,
-            concurrency=self.config.slots,
-            sharing="shared" if model in self.small else "exclusive",
-        )
+        n, prompts, outputs = self.seen[model]
+        shape = (prompts / n, outputs / n)
+        request = replica_request(model, self.next_replica, self.config, shared=model in self.small, shape=shape)
         start = self.timer()
         decision = self.policy.decide(self.snapshot, request)
         self.decision_ms.append((self.timer() - start) * 1000.0)
@@ -225,13 +283,25 @@ class _Sim:
             )
         )
 
-    def free_replica(self, model: str) -> _Replica | None:
+    def free_replica(self, model: str, now: float) -> _Replica | None:
+        """The replica of ``model`` with a free slot whose prefill backlog is shortest (then the fewest
+        requests, then the oldest)."""
         best: _Replica | None = None
+        best_key = (0.0, 0, 0)
         for replica in self.replicas.values():
             if replica.model == model and replica.active < self.config.slots:
-                if best is None or (replica.active, replica.id) < (best.active, best.id):
-                    best = replica
+                key = (max(0.0, replica.prefill_free_ms - now), replica.active, replica.id)
+                if best is None or key < best_key:
+                    best, best_key = replica, key
         return best
+
+    def route(self, model: str, now: float) -> _Replica | None:
+        """Where a request of ``model`` goes now: the ``free_replica``, unless it has none or its prefill
+        backlog reaches ``scale_backlog_ms``, in which case a new replica if the policy places one."""
+        replica = self.free_replica(model, now)
+        if replica is None or replica.prefill_free_ms - now >= self.config.scale_backlog_ms:
+            return self.scale_up(model, now) or replica
+        return replica
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -240,14 +310,11 @@ class _Sim:
         replica.active += 1
         replica.empty_since = None
         k = self.co_tenants(replica)
-        est = contended(
-            estimate(
-                replica.shape, replica.sku, replica.tp, req.input_tokens, max(1, req.output_tokens), replica.active
-            ),
-            k,
-        )
+        est = contended(request_latency(replica.shape, replica.sku, replica.tp, req, replica.active), k)
+        behind = max(0.0, replica.prefill_free_ms - now)  # prefills admitted before it on this replica
+        replica.prefill_free_ms = now + behind + est.ttft_ms
         wait = now - req.arrival_ms
-        ttft = wait + est.ttft_ms
+        ttft = wait + behind + est.ttft_ms
         met = ttft <= self.config.slo_ttft_ms and est.tpot_ms <= self.config.slo_tpot_ms
         outcome = RequestOutcome(
             row=req.row,
@@ -257,14 +324,14 @@ class _Sim:
             wait_ms=wait,
             ttft_ms=ttft,
             tpot_ms=est.tpot_ms,
-            done_ms=now + est.e2e_ms,
+            done_ms=now + behind + est.e2e_ms,
             slo_met=met,
             tokens=req.input_tokens + req.output_tokens,
             co_tenants=k,
             replica_tokens_per_s=decode_tokens_per_s(replica.active, est.tpot_ms),
         )
         self.running[index] = (replica.id, outcome)
-        self.push(now + est.e2e_ms, _DONE, index)
+        self.push(now + behind + est.e2e_ms, _DONE, index)
 
     def co_tenants(self, replica: _Replica) -> int:
         """Busy replicas on ``replica``'s busiest GPU, itself included (it is busy: it is admitting)."""
@@ -282,7 +349,7 @@ class _Sim:
             if index not in self.waiting:
                 queue.popleft()
                 continue
-            replica = self.free_replica(model) or self.scale_up(model, now)
+            replica = self.route(model, now)
             if replica is None:
                 return
             queue.popleft()
@@ -343,7 +410,10 @@ class _Sim:
                 next_sample += self.config.sample_period_ms
             now = time
             if kind == _ARRIVE:
-                model = self.requests[ref].model
+                arrived = self.requests[ref]
+                model = arrived.model
+                n, prompts, outputs = self.seen.get(model, (0, 0.0, 0.0))
+                self.seen[model] = (n + 1, prompts + arrived.input_tokens, outputs + arrived.output_tokens)
                 queue = self.queues.setdefault(model, deque())
                 queue.append(ref)
                 self.waiting.add(ref)
@@ -372,6 +442,8 @@ class _Sim:
                         self.retire(idle, now)
                         for model in sorted(m for m, q in self.queues.items() if q):
                             self.serve(model, now)
+            if len(self.outcomes) == len(self.requests):
+                break  # the workload is over: what replicas would idle through after it is not its cost
         self.sample(now)
         for replica in sorted(self.replicas.values(), key=lambda r: r.id):
             self.retire(replica, now)

@@ -1,30 +1,43 @@
 """Where a replica goes: ``hetsched`` (ours, ``placement.decide``) and the baselines it is compared with.
 
-Every policy answers a ``Decision`` that ``placement.apply`` accepts. Baselines place on GPUs only
-(TPUs are reached only through ``hetsched``); each tries TP degrees 1, 2, 4, 8 that divide the model's
-heads, smallest first, and sizes the per-GPU share with ``memory.per_accelerator_share``:
+Every policy is ``placement.decide`` itself: the same prefilter, the same hard filters (HBM, NVLink
+clique, exclusivity, TPU slice, rack power, PCIe), the same TP rule (the fewest accelerators at which
+a candidate passes every filter) and the same fallback ladder. The baselines differ from ours only in
+the choice among the candidates that pass: each runs a profile whose filters are ``DEFAULT_PROFILE``'s
+and whose scores are its own (``BASELINE_REGISTRY`` adds the baselines' score plugins):
 
-* ``gpu-index``: lowest node name, then the lowest window of *contiguous* GPU indices with room, as
-  serving engines number devices; NVLink is ignored, so a TP group may not be an NVLink clique.
-* ``random``: a seeded random node among those with room, then seeded random GPUs on it.
-* ``first-fit``: first node in name order with ``tp`` GPUs that have room (lowest indices), NVLink-oblivious.
-* ``cheapest-sku``: only the cheapest SKU that can hold the model (price_usd_per_hour x smallest TP that
-  fits an empty GPU), first-fit inside it; when that SKU is full the request is refused.
+* ``first-fit``: no score, so every candidate ties and the lowest host id wins (host ids are node
+  names, NVLink fabric domain ids, TPU pod names); inside it, the group the ``nvlink_group`` filter binds.
+* ``gpu-index``: first-fit's host; inside a node, the lowest GPU indices that form an NVLink clique of
+  idle GPUs with room, as serving engines number devices (a TPU slice or a shared GPU: first-fit's).
+* ``random``: a seeded uniform score per host (``random`` plugin), every host judged on its own: a
+  random host among those that pass. The draw depends on the seed, the request id and the host id only.
+* ``cheapest-sku``: the lowest hourly price of the accelerators at the chosen count (``hourly_price``
+  plugin), lowest host id among equals; when the cheapest SKU is full the next cheapest takes the
+  replica (a policy that refused while pricier capacity was free would lose to the fleet, not to ours).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Final, Protocol, runtime_checkable
 
-from shared.domain.errors import ErrorCode
-from shared.domain.memory import MemoryShare, per_accelerator_share
-from shared.domain.models import ModelSpec
-from shared.domain.placement import Decision, FleetSnapshot, PlacementRequest, decide
+from shared.domain.placement import DEFAULT_PROFILE, DEFAULT_REGISTRY, Decision, FleetSnapshot, PlacementRequest, decide
+from shared.domain.placement.framework import (
+    Candidate,
+    CycleState,
+    PluginFactory,
+    Profile,
+    Scope,
+    StateKey,
+    demand_of,
+    no_config,
+    typed_config,
+)
 from shared.domain.traces import seeded_uniform
-
-TP_DEGREES = (1, 2, 4, 8)
 
 
 class Policy(Protocol):
@@ -43,9 +56,79 @@ class ReleasingPolicy(Protocol):
     def released(self, decision: Decision) -> None: ...
 
 
+# -- the baselines' score plugins -------------------------------------------------------------------
+
+RANDOM: Final = "random"
+HOURLY_PRICE: Final = "hourly_price"
+
+
+def _key(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+@dataclass(frozen=True, slots=True)
+class RandomConfig:
+    seed: int = 0
+
+
+class RandomScore:
+    """A uniform number per (seed, request id, host id). It reads the host's id, which the class
+    contract of ``placement.hosts`` forbids: run it with ``group_classes=False``."""
+
+    name: Final = RANDOM
+
+    def __init__(self, config: RandomConfig) -> None:
+        self.seed = config.seed
+
+    def prescore(self, state: CycleState, candidates: Sequence[Candidate]) -> None:
+        return None
+
+    def score(self, state: CycleState, candidate: Candidate) -> float:
+        request = demand_of(state).request.request_id
+        return seeded_uniform(self.seed, _key(request), _key(candidate.host.id))
+
+
+class HourlyPriceScore:
+    """The cheapest candidate's hourly price per accelerator over this one's (1 = cheapest). Every
+    candidate of one count has as many accelerators, so this ranks the replica's price per hour."""
+
+    name: Final = HOURLY_PRICE
+    scope: Final = Scope.HOST
+    _best: Final[StateKey[float]] = StateKey(HOURLY_PRICE)
+
+    def prescore(self, state: CycleState, candidates: Sequence[Candidate]) -> None:
+        state.write(self._best, min((c.host.sku.price_usd_per_hour for c in candidates), default=0.0))
+
+    def score(self, state: CycleState, candidate: Candidate) -> float:
+        own = candidate.host.sku.price_usd_per_hour
+        return min(1.0, state.read(self._best) / own) if own > 0 else 1.0
+
+
+def _random_factory(config: Mapping[str, object] | None = None) -> RandomScore:
+    return RandomScore(typed_config(RandomConfig, RANDOM, config or {}))
+
+
+def _price_factory(config: Mapping[str, object] | None = None) -> HourlyPriceScore:
+    no_config(HOURLY_PRICE, config)
+    return HourlyPriceScore()
+
+
+BASELINE_REGISTRY: Final[Mapping[str, PluginFactory]] = MappingProxyType(
+    {**DEFAULT_REGISTRY, RANDOM: _random_factory, HOURLY_PRICE: _price_factory}
+)
+
+
+def baseline_profile(name: str, scores: tuple[tuple[str, float], ...], **kwargs: object) -> Profile:
+    """``DEFAULT_PROFILE`` with its own ``scores``: the same prefilter, filters and ladder config."""
+    return replace(DEFAULT_PROFILE, name=name, scores=scores, **kwargs)  # type: ignore[arg-type]
+
+
+# -- the policies -------------------------------------------------------------------------------------
+
+
 @dataclass
 class HetschedPolicy:
-    """Ours: the placement framework's ``decide``."""
+    """Ours: the placement framework's ``decide`` with ``DEFAULT_PROFILE``."""
 
     name: str = "hetsched"
 
@@ -53,171 +136,83 @@ class HetschedPolicy:
         return decide(snapshot, request)
 
 
-# GPU choosers: given the snapshot, node name, tp and the share, the accelerator ids or None.
-_Chooser = Callable[[FleetSnapshot, str, int, MemoryShare], tuple[str, ...] | None]
+@dataclass
+class ProfilePolicy:
+    """A baseline: ``decide`` with ``profile`` (the default filters, its own scores)."""
+
+    name: str
+    profile: Profile
+
+    def decide(self, snapshot: FleetSnapshot, request: PlacementRequest) -> Decision:
+        return decide(snapshot, request, self.profile, registry=BASELINE_REGISTRY)
 
 
-def _rejected(request: PlacementRequest, message: str) -> Decision:
-    return Decision(request_id=request.request_id, status="rejected", error_code=ErrorCode.NO_CAPACITY, message=message)
+FIRST_FIT: Final = baseline_profile("first-fit", ())
+CHEAPEST_SKU: Final = baseline_profile("cheapest-sku", ((HOURLY_PRICE, 1.0),))
 
 
-def _placed(
-    snapshot: FleetSnapshot, request: PlacementRequest, node: str, tp: int, accs: tuple[str, ...], share: MemoryShare
-) -> Decision:
-    profile = snapshot.nodes[node]
-    return Decision(
-        request_id=request.request_id,
-        status="placed",
-        backend="gpu",
-        region=profile.region,
-        cluster=profile.cluster,
-        rack=profile.rack,
-        node=node,
-        nodes=(node,),
-        sku=profile.sku,
-        tp=tp,
-        accelerators=accs,
-        share=share,
-    )
+def random_profile(seed: int) -> Profile:
+    config = (*DEFAULT_PROFILE.config, (RANDOM, {"seed": seed}))
+    return baseline_profile("random", ((RANDOM, 1.0),), config=config, group_classes=False)
 
 
-def _tps(spec: ModelSpec) -> list[int]:
-    return [tp for tp in TP_DEGREES if not (spec.heads and spec.heads % tp) and not (spec.ssm and spec.ssm.heads % tp)]
+def lowest_index_clique(snapshot: FleetSnapshot, decision: Decision) -> Decision:
+    """``decision`` moved, on its node, to the lowest GPU indices that form an NVLink clique of idle
+    GPUs each with room for its share (the same GPUs the ``hbm`` and ``nvlink_group`` filters admit);
+    a TPU slice, a shared or multi-node placement or a single GPU among several stays as it is."""
+    if not decision.placed or decision.tpu is not None or decision.share is None or decision.node is None:
+        return decision
+    if decision.sharing == "shared" or len(decision.nodes) != 1 or decision.pp > 1 or decision.fallback:
+        return decision
+    node = snapshot.nodes[decision.node]
+    need, tp = decision.share.total, len(decision.accelerators)
+    roomy = []
+    for acc in node.accelerators:
+        cap = snapshot.capacity[node.accelerator_id(acc.index)]
+        if cap.available and cap.idle and cap.free >= need:
+            roomy.append(acc.index)
+    links = node.links
 
+    def extend(group: list[int], start: int) -> list[int] | None:
+        if len(group) == tp:
+            return group
+        for k in range(start, len(roomy)):
+            index = roomy[k]
+            if all(links.is_nvlinked(index, other) for other in group):
+                found = extend([*group, index], k + 1)
+                if found is not None:
+                    return found
+        return None
 
-def _share(spec: ModelSpec, request: PlacementRequest, tp: int) -> MemoryShare:
-    return per_accelerator_share(
-        spec,
-        tp=tp,
-        dtype=request.dtype or spec.dtype,
-        kv_dtype=request.kv_dtype or spec.kv_dtype,
-        context_tokens=request.context_tokens,
-        concurrency=request.concurrency,
-    )
-
-
-def _roomy(snapshot: FleetSnapshot, node: str, need: int) -> list[tuple[int, str]]:
-    """(index, id) of the node's GPUs with ``need`` bytes free, by index."""
-    profile = snapshot.nodes[node]
-    out = []
-    for acc in profile.accelerators:
-        acc_id = profile.accelerator_id(acc.index)
-        if snapshot.capacity[acc_id].free >= need:
-            out.append((acc.index, acc_id))
-    return out
-
-
-def contiguous_window(snapshot: FleetSnapshot, node: str, tp: int, share: MemoryShare) -> tuple[str, ...] | None:
-    """The lowest window of ``tp`` consecutive GPU indices that all have room."""
-    roomy = dict(_roomy(snapshot, node, share.total))
-    count = len(snapshot.nodes[node].accelerators)
-    for start in range(count - tp + 1):
-        if all(i in roomy for i in range(start, start + tp)):
-            return tuple(roomy[i] for i in range(start, start + tp))
-    return None
-
-
-def lowest_roomy(snapshot: FleetSnapshot, node: str, tp: int, share: MemoryShare) -> tuple[str, ...] | None:
-    """The ``tp`` lowest-index GPUs with room, contiguous or not."""
-    roomy = _roomy(snapshot, node, share.total)
-    return tuple(acc_id for _, acc_id in roomy[:tp]) if len(roomy) >= tp else None
-
-
-def _gpu_nodes(snapshot: FleetSnapshot, skus: Sequence[str] | None = None) -> list[str]:
-    return sorted(
-        name
-        for name, node in snapshot.nodes.items()
-        if not snapshot.skus[node.sku].is_tpu and (skus is None or node.sku in skus)
-    )
-
-
-def _node_major(
-    snapshot: FleetSnapshot, request: PlacementRequest, chooser: _Chooser, skus: Sequence[str] | None = None
-) -> Decision:
-    spec = snapshot.models.get(request.model)
-    if spec is None:
-        return Decision(request_id=request.request_id, status="rejected", error_code=ErrorCode.UNKNOWN_MODEL)
-    shares = {tp: _share(spec, request, tp) for tp in _tps(spec)}
-    for node in _gpu_nodes(snapshot, skus):
-        for tp, share in shares.items():
-            accs = chooser(snapshot, node, tp, share)
-            if accs is not None:
-                return _placed(snapshot, request, node, tp, accs, share)
-    return _rejected(request, "no node has room")
+    group = extend([], 0) if tp > 1 else roomy[:1]
+    if not group:
+        return decision
+    return replace(decision, accelerators=tuple(node.accelerator_id(i) for i in group))
 
 
 @dataclass
 class GpuIndexPolicy:
+    """First-fit's host; on a node, the lowest-index NVLink clique (``lowest_index_clique``)."""
+
     name: str = "gpu-index"
 
     def decide(self, snapshot: FleetSnapshot, request: PlacementRequest) -> Decision:
-        return _node_major(snapshot, request, contiguous_window)
-
-
-@dataclass
-class FirstFitPolicy:
-    name: str = "first-fit"
-
-    def decide(self, snapshot: FleetSnapshot, request: PlacementRequest) -> Decision:
-        return _node_major(snapshot, request, lowest_roomy)
-
-
-@dataclass
-class CheapestSkuPolicy:
-    name: str = "cheapest-sku"
-
-    def decide(self, snapshot: FleetSnapshot, request: PlacementRequest) -> Decision:
-        spec = snapshot.models.get(request.model)
-        if spec is None:
-            return Decision(request_id=request.request_id, status="rejected", error_code=ErrorCode.UNKNOWN_MODEL)
-        best: tuple[float, str] | None = None
-        for sku_name in sorted({snapshot.nodes[n].sku for n in _gpu_nodes(snapshot)}):
-            sku = snapshot.skus[sku_name]
-            usable = next(c.usable for c in snapshot.capacity.values() if c.sku == sku_name)
-            width = max(len(node.accelerators) for node in snapshot.nodes.values() if node.sku == sku_name)
-            for tp in _tps(spec):
-                if tp <= width and _share(spec, request, tp).total <= usable:
-                    cost = sku.price_usd_per_hour * tp
-                    if best is None or cost < best[0]:
-                        best = (cost, sku_name)
-                    break
-        if best is None:
-            return _rejected(request, "no SKU can hold the model")
-        return _node_major(snapshot, request, lowest_roomy, skus=(best[1],))
+        return lowest_index_clique(snapshot, decide(snapshot, request, FIRST_FIT, registry=BASELINE_REGISTRY))
 
 
 @dataclass
 class RandomPolicy:
-    """Seeded: the n-th decision draws from ``seeded_uniform(seed, n, k)``."""
+    """A seeded random host among those that pass every filter (the ``random`` score)."""
 
     seed: int = 0
     name: str = "random"
-    _draws: int = field(default=0, repr=False)
+    profile: Profile = field(init=False, repr=False)
 
-    def _uniform(self, k: int) -> float:
-        return seeded_uniform(self.seed, self._draws, k)
+    def __post_init__(self) -> None:
+        self.profile = random_profile(self.seed)
 
     def decide(self, snapshot: FleetSnapshot, request: PlacementRequest) -> Decision:
-        self._draws += 1
-        spec = snapshot.models.get(request.model)
-        if spec is None:
-            return Decision(request_id=request.request_id, status="rejected", error_code=ErrorCode.UNKNOWN_MODEL)
-        for tp in _tps(spec):
-            share = _share(spec, request, tp)
-            feasible = [
-                (node, roomy)
-                for node in _gpu_nodes(snapshot)
-                if len(roomy := _roomy(snapshot, node, share.total)) >= tp
-            ]
-            if not feasible:
-                continue
-            node, roomy = feasible[int(self._uniform(0) * len(feasible))]
-            pool = [acc_id for _, acc_id in roomy]
-            for i in range(tp):  # partial Fisher-Yates
-                j = i + int(self._uniform(i + 1) * (len(pool) - i))
-                pool[i], pool[j] = pool[j], pool[i]
-            return _placed(snapshot, request, node, tp, tuple(pool[:tp]), share)
-        return _rejected(request, "no node has room")
+        return decide(snapshot, request, self.profile, registry=BASELINE_REGISTRY)
 
 
 POLICIES: tuple[str, ...] = ("hetsched", "gpu-index", "random", "first-fit", "cheapest-sku")
@@ -229,8 +224,8 @@ def make_policy(name: str, *, seed: int = 0) -> Policy:
         "hetsched": HetschedPolicy,
         "gpu-index": GpuIndexPolicy,
         "random": lambda: RandomPolicy(seed=seed),
-        "first-fit": FirstFitPolicy,
-        "cheapest-sku": CheapestSkuPolicy,
+        "first-fit": lambda: ProfilePolicy("first-fit", FIRST_FIT),
+        "cheapest-sku": lambda: ProfilePolicy("cheapest-sku", CHEAPEST_SKU),
     }
     if name not in factories:
         raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")

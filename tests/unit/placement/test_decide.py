@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from shared.domain.placement import Decision, FleetSnapshot, Slo, apply, decide, explain
+from shared.domain.placement import DEFAULT_PROFILE, Decision, FleetSnapshot, Slo, apply, decide, explain
 from shared.domain.placement.types import PlacementRequest
 from shared.domain.topology import link_rank
 from shared.domain.topology.tpu import is_legal_shape
@@ -195,7 +195,7 @@ def test_decisions_are_deterministic_and_explain_is_decide() -> None:
 def test_scores_are_in_range_and_total_is_their_weighted_mean() -> None:
     snap = snapshot(node("a").nvswitch(8), node("b").sku("L40S-48GB").pcie(8))
     decision = decide(snap, request("llama3-8b", input_tokens=512, output_tokens=512))
-    weights = {"sku_fit": 1.0, "link": 1.0, "packing": 2.0, "cost": 1.0, "energy": 0.5, "pcie_budget": 0.25}
+    weights = dict(DEFAULT_PROFILE.scores)
     assert set(decision.score) == {*weights, "total"}
     assert all(0.0 <= v <= 1.0 for v in decision.score.values())
     expected = sum(decision.score[k] * w for k, w in weights.items()) / sum(weights.values())

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
 from shared.domain.placement import FleetSnapshot
+from shared.domain.placement.perf import model_shape
 from shared.domain.sim import SimConfig, make_policy, simulate
+from shared.domain.sim.engine import fitted_shape, replica_request, request_latency
 from shared.domain.sim.policies import POLICIES
 from shared.domain.traces import AssignedRequest, TraceRequest, assign_workload
 from shared.infra.catalog import demo_fleet_path, load_inventory, load_models, load_skus
@@ -99,21 +102,21 @@ def test_different_seeds_may_differ(demo: FleetSnapshot) -> None:
     assert len(results) > 1
 
 
-def test_gpu_index_makes_a_tp_group_that_is_not_an_nvlink_clique(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_keeps_tp_groups_inside_an_nvlink_clique(tmp_path: Path, policy: str) -> None:
+    # GPU 0 of a 4+4 node is full: the lowest window of four indices (1-4) crosses the two NVLink
+    # groups. Every policy runs the same filters, so a TP=4 group lands on 4-7 for all of them.
     path = _fleet(tmp_path, FLEET_4P4)
     usable = _snapshot(path).capacity["n1/gpu0"].usable
-    snapshot = _snapshot(path, reserved={"n1/gpu0": usable})  # GPU 0 is full: the 4-window starts at 1
+    snapshot = _snapshot(path, reserved={"n1/gpu0": usable})
     requests = [
         AssignedRequest(arrival_ms=0.0, input_tokens=500, output_tokens=50, row=1, model="llama3-70b", tenant="t")
     ]
-    ours = simulate(snapshot, requests, make_policy("hetsched"))
-    theirs = simulate(snapshot, requests, make_policy("gpu-index"))
-    assert theirs.kpis.tp_groups == 1
-    assert theirs.kpis.tp_groups_not_nvlinked == 1
-    assert theirs.kpis.nvlink_affinity == 0.0
-    assert ours.kpis.placed == 1
-    assert ours.kpis.tp_groups_not_nvlinked == 0
-    assert ours.kpis.nvlink_affinity in (None, 1.0)
+    result = simulate(snapshot, requests, make_policy(policy))
+    assert result.kpis.placed == 1
+    assert result.kpis.tp_groups == 1
+    assert result.kpis.tp_groups_not_nvlinked == 0
+    assert result.kpis.nvlink_affinity == 1.0
 
 
 def test_queueing_and_timeouts_are_counted(tmp_path: Path) -> None:
@@ -140,3 +143,60 @@ def test_queueing_and_timeouts_are_counted(tmp_path: Path) -> None:
     assert kpis.mean_queue_wait_ms > 0
     assert kpis.success_rate == kpis.placed / 46
     assert kpis.replicas == 2  # released after 1 s idle, placed again for the late request
+
+
+def _request(row: int, at: float, prompt: int = 2000, output: int = 100) -> AssignedRequest:
+    return AssignedRequest(
+        arrival_ms=at, input_tokens=prompt, output_tokens=output, row=row, model="llama3-8b", tenant="t"
+    )
+
+
+def test_a_replica_prefills_one_prompt_at_a_time(tmp_path: Path) -> None:
+    snapshot = _snapshot(_fleet(tmp_path, FLEET_ONE_GPU))
+    config = SimConfig(scale_backlog_ms=math.inf)  # one replica takes both
+    result = simulate(snapshot, [_request(1, 0.0), _request(2, 0.0)], make_policy("hetsched"), config=config)
+    first, second = result.outcomes
+    spec = snapshot.models["llama3-8b"]
+    shape = model_shape(spec, spec.dtype, spec.kv_dtype)
+    sku = snapshot.skus["H100-SXM-80GB"]
+    own = request_latency(shape, sku, 1, _request(2, 0.0), 2).ttft_ms  # its own prompt, not the batch's
+    assert first.wait_ms == second.wait_ms == 0.0
+    assert first.ttft_ms is not None and second.ttft_ms is not None
+    assert first.ttft_ms == pytest.approx(request_latency(shape, sku, 1, _request(1, 0.0), 1).ttft_ms)
+    assert second.ttft_ms == pytest.approx(first.ttft_ms + own)  # waited for the first prompt's prefill
+    assert result.kpis.replicas == 1
+
+
+def test_a_prefill_backlog_asks_for_another_replica(tmp_path: Path) -> None:
+    snapshot = _snapshot(_fleet(tmp_path, FLEET_4P4))
+    requests = [_request(i + 1, float(i), prompt=6000) for i in range(6)]
+    patient = simulate(snapshot, requests, make_policy("hetsched"), config=SimConfig(scale_backlog_ms=math.inf))
+    eager = simulate(snapshot, requests, make_policy("hetsched"), config=SimConfig(scale_backlog_ms=100.0))
+    assert patient.kpis.replicas == 1  # slots were free all along
+    assert eager.kpis.replicas > 1
+    assert max(o.ttft_ms or 0.0 for o in eager.outcomes) < max(o.ttft_ms or 0.0 for o in patient.outcomes)
+
+
+def test_the_run_ends_with_the_last_request(tmp_path: Path) -> None:
+    snapshot = _snapshot(_fleet(tmp_path, FLEET_ONE_GPU))
+    result = simulate(snapshot, [_request(1, 0.0)], make_policy("hetsched"), config=SimConfig(idle_release_s=600.0))
+    (life,) = result.replicas
+    (outcome,) = result.outcomes
+    assert life.end_ms == outcome.done_ms  # not 600 s of idling after the workload
+
+
+def test_the_replica_request_states_the_typical_shape_and_the_slo() -> None:
+    config = SimConfig()
+    request = replica_request("llama3-8b", 3, config, shared=False, shape=(1200.4, 210.0))
+    assert (request.request_id, request.input_tokens, request.output_tokens) == ("llama3-8b-replica-3", 1200, 210)
+    assert request.slo is not None and (request.slo.ttft_ms, request.slo.tpot_ms) == (2000.0, 100.0)
+    assert request.concurrency == config.slots and request.sharing == "exclusive"
+    quiet = replica_request("llama3-8b", 1, SimConfig(tell_shape=False, tell_slo=False), shared=True, shape=(5, 5))
+    assert quiet.input_tokens is None and quiet.slo is None and quiet.sharing == "shared"
+
+
+def test_a_typical_shape_longer_than_the_context_is_scaled_into_it() -> None:
+    assert fitted_shape((100.0, 50.0), 8192) == (100, 50)
+    prompt, output = fitted_shape((15_000.0, 150.0), 8192)
+    assert prompt + output <= 8192 and prompt / output == pytest.approx(100.0, rel=0.02)
+    assert fitted_shape((0.2, 0.0), 8192) == (1, 1)

@@ -4,6 +4,8 @@ small, and `hetsched sim --sharing compare` showing what sharing costs."""
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -141,9 +143,10 @@ def _burst(n: int, model: str = "llama3-8b") -> list[AssignedRequest]:
 
 def test_shared_replicas_on_one_gpu_run_at_half_speed_and_split_its_cost(tmp_path: Path) -> None:
     snapshot = _snapshot(_fleet(tmp_path, FLEET_TWO_H100))
-    requests = _burst(32)  # 16 slots per replica: two replicas
-    exclusive = simulate(snapshot, requests, make_policy("hetsched"))
-    shared = simulate(snapshot, requests, make_policy("hetsched"), config=SimConfig(share_small=True))
+    requests = _burst(32)  # 16 slots per replica: two replicas (slots, not the prefill backlog, bind)
+    slots_only = SimConfig(scale_backlog_ms=math.inf)
+    exclusive = simulate(snapshot, requests, make_policy("hetsched"), config=slots_only)
+    shared = simulate(snapshot, requests, make_policy("hetsched"), config=replace(slots_only, share_small=True))
 
     assert exclusive.kpis.placed == shared.kpis.placed == 32
     assert exclusive.kpis.shared_replicas == 0 and exclusive.kpis.contended_requests == 0
@@ -158,8 +161,9 @@ def test_shared_replicas_on_one_gpu_run_at_half_speed_and_split_its_cost(tmp_pat
         assert together.replica_tokens_per_s == pytest.approx(alone.replica_tokens_per_s / together.co_tenants)
     assert shared.kpis.replica_tokens_per_s is not None and exclusive.kpis.replica_tokens_per_s is not None
     assert shared.kpis.replica_tokens_per_s < exclusive.kpis.replica_tokens_per_s
-    # One GPU held instead of two: fewer GPU-hours and a fuller GPU, each replica charged its share.
-    assert shared.kpis.accelerator_hours < exclusive.kpis.accelerator_hours
+    # One GPU held instead of two, at half speed: no more GPU-hours (both replicas busy until the run
+    # ends, so exactly as many), a fuller GPU, each replica charged its share.
+    assert shared.kpis.accelerator_hours == pytest.approx(exclusive.kpis.accelerator_hours)
     assert (shared.kpis.gpu_hbm_fill or 0) > (exclusive.kpis.gpu_hbm_fill or 0)
     assert all(life.charged_hours < life.hours for life in shared.replicas)
     assert all(life.charged_hours == pytest.approx(life.hours) for life in exclusive.replicas)

@@ -1,5 +1,8 @@
-"""Score ``cost``: price per generated token, price_usd_per_hour x accelerators / decode tokens per
-second (``placement.perf``), as the cheapest feasible candidate's over this one's (1 = cheapest)."""
+"""Score ``cost``: price per served token, price_usd_per_hour x accelerators / the prompt and output
+tokens per second the replica gets through (``Perf.served_tokens_per_s``: its KV slots full, one
+prefill at a time), as the cheapest feasible candidate's over this one's (1 = cheapest). Prompt
+tokens count as ``$/M tokens`` counts them: with long prompts the prefill, not the decode, sets the
+price."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ NAME: Final = "cost"
 def usd_per_million_tokens(state: CycleState, candidate: Candidate) -> float:
     sku = candidate.host.sku
     estimate = perf(state, demand_of(state), sku, candidate.tp)
-    return sku.price_usd_per_hour * candidate.tp / 3600 / estimate.tokens_per_s * 1e6
+    return sku.price_usd_per_hour * candidate.tp / 3600 / estimate.served_tokens_per_s * 1e6
 
 
 class CostScore(RelativeFigureScore):

@@ -1,5 +1,6 @@
-"""Score ``energy``: joules per generated token, TDP x accelerators / decode tokens per second
-(``placement.perf``), as the most frugal feasible candidate's over this one's (1 = most frugal)."""
+"""Score ``energy``: joules per served token, TDP x accelerators / the prompt and output tokens per
+second the replica gets through (``Perf.served_tokens_per_s``, as ``cost`` counts them), as the most
+frugal feasible candidate's over this one's (1 = most frugal)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ NAME: Final = "energy"
 def joules_per_token(state: CycleState, candidate: Candidate) -> float:
     sku = candidate.host.sku
     estimate = perf(state, demand_of(state), sku, candidate.tp)
-    return sku.tdp_w * candidate.tp / estimate.tokens_per_s
+    return sku.tdp_w * candidate.tp / estimate.served_tokens_per_s
 
 
 class EnergyScore(RelativeFigureScore):
