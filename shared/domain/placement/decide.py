@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Final
 
 from shared.domain.memory import MemoryShare
 from shared.domain.placement.framework import (
@@ -118,7 +119,17 @@ def decide(
     config = ladder_config(profile.config_for(LADDER))
 
     def on_empty(asked: PlacementRequest) -> Decision:
-        return decide(emptied(snapshot), asked, profile, registry=registry)
+        empty = emptied(snapshot)  # kept along the snapshot chain: so are its verdicts, per request shape
+        key = (replace(asked, request_id=""), profile.name, id(registry))
+        verdicts = empty._memo.verdicts
+        known = verdicts.get(key)
+        if isinstance(known, Decision):
+            return known
+        decision = decide(empty, asked, profile, registry=registry)
+        if len(verdicts) >= VERDICTS_KEPT:
+            verdicts.clear()
+        verdicts[key] = decision
+        return decision
 
     return with_fallbacks(snapshot, request, exact, framework, state, demand, index, config, on_empty)
 
@@ -187,6 +198,9 @@ def _demand_lines(demand: Demand) -> list[str]:
             lines.append(f"needs a {tpu_type.value} {shape} slice, per chip: {_share_text(tpu.share)}")
     return lines
 
+
+VERDICTS_KEPT: Final = 1024
+"""Request shapes whose empty-fleet verdict a snapshot keeps at most (beyond, it starts afresh)."""
 
 explain = decide
 """``placement.explain``: the same decision; the caller simply does not reserve it."""

@@ -294,6 +294,8 @@ def pipeline(
     """The smallest TP x PP (fewest GPUs, then fewest stages) whose stages fit as NVLink cliques of idle
     GPUs on one node, else on nodes of one cluster (fewest nodes, lowest names); why not, in words."""
     request = demand.request
+    if "gpu" not in demand.backends:
+        return "the request runs on TPU only (pipelines are for GPU hosts)"
     hosts = _gpu_hosts(framework, state, index)
     if not hosts:
         return "no GPU host passes the host filters"
@@ -451,6 +453,8 @@ def cross_domain(
     """A TP group over the fewest NVLink domains of one node (whole domains, the fullest first) whose
     cross-domain traffic fits the rules; why not, in words."""
     request = demand.request
+    if "gpu" not in demand.backends:
+        return "the request runs on TPU only (cross-domain groups are for GPU hosts)"
     hosts = [(h, load) for h, load in _gpu_hosts(framework, state, index) if h.kind is HostKind.NODE]
     reasons: list[str] = []
     budget = config.cross_domain_budget_bytes_per_s

@@ -72,10 +72,13 @@ def chip_id(pod: str, coord: Iterable[int]) -> str:
 class _Memo:
     """Derived data a snapshot computes once (the placement index); never part of equality."""
 
-    __slots__ = ("empty", "index", "parent", "touched")
+    __slots__ = ("empty", "index", "parent", "touched", "verdicts")
 
     def __init__(self) -> None:
         self.index: dict[bool, object] = {}
+        # Decisions already taken on this snapshot, by request less its id (the empty fleet's "would it
+        # ever fit", asked by every refusal that may queue: one answer per request shape).
+        self.verdicts: dict[object, object] = {}
         # The same fleet with nothing reserved (``ladder.emptied``): kept along a chain of snapshots while
         # no accelerator's usable bytes or availability change, so it is built once, not per refusal.
         self.empty: FleetSnapshot | None = None

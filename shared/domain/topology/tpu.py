@@ -394,6 +394,8 @@ def find_free_slice(grid: TpuGrid, shape: Shape) -> TpuSlice | None:
     """
     if not is_legal_shape(grid.tpu_type, shape):
         raise ValueError(f"{'x'.join(map(str, shape))} is not a legal {grid.tpu_type.value} slice")
+    if grid.free_chips < prod(shape):  # no search can find what is not there
+        return None
     candidates = _Candidates(grid, tuple(shape))
     fallback = next(iter(candidates), None)
     if fallback is None:
