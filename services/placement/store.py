@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, delete, func, select, update
+from sqlalchemy import and_, delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -65,6 +65,25 @@ def _intent(row: Any) -> Intent:
         updated_at=row.updated_at,
         allocation_id=row.allocation_id,
     )
+
+
+# The hot path's statements, built once (a statement built per call costs more than its round trip).
+_INSERT_DECIDED = text(
+    f"INSERT INTO {DECISIONS.fullname} (tenant, request_id, status, body_hash, attempt, claimed_until, "
+    "ledger_commit, reply, created_at, updated_at) VALUES (:tenant, :request_id, :status, :body_hash, 1, "
+    ":claimed_until, CAST(:commit AS jsonb), CAST(:reply AS jsonb), :now, :now) "
+    "ON CONFLICT DO NOTHING RETURNING attempt"
+)
+_FINISH = text(
+    f"UPDATE {DECISIONS.fullname} SET status = :status, reply = CAST(:reply AS jsonb), allocation_id = :allocation_id, "
+    "claimed_until = NULL, updated_at = :now "
+    "WHERE tenant = :tenant AND request_id = :request_id AND attempt = :attempt "
+    f"AND status = '{DecisionStatus.COMMITTING.value}' RETURNING attempt"
+)
+_ALLOCATION_SEEN = text(
+    f"INSERT INTO {ALLOCATIONS.fullname} (allocation_id, tenant, request_id, state, seen_at) "
+    "VALUES (:allocation_id, :tenant, :request_id, 'active', :now) ON CONFLICT DO NOTHING"
+)
 
 
 def _key(tenant: str, request_id: str) -> Any:
@@ -132,21 +151,17 @@ class DecisionStore:
         ``committing`` with the commit about to be sent, or ``rejected``, in one statement. False when the
         id has an intent already (the caller then takes the ordinary path)."""
         inserted = await session.execute(
-            insert(DECISIONS)
-            .values(
-                tenant=tenant,
-                request_id=request_id,
-                status=status.value,
-                body_hash=body_hash,
-                attempt=1,
-                claimed_until=claimed_until,
-                ledger_commit=commit.model_dump(mode="json") if commit is not None else None,
-                reply=pending.model_dump(mode="json") if pending is not None else None,
-                created_at=now,
-                updated_at=now,
-            )
-            .on_conflict_do_nothing()
-            .returning(DECISIONS.c.attempt)
+            _INSERT_DECIDED,
+            {
+                "tenant": tenant,
+                "request_id": request_id,
+                "status": status.value,
+                "body_hash": body_hash,
+                "claimed_until": claimed_until,
+                "commit": commit.model_dump_json() if commit is not None else None,
+                "reply": pending.model_dump_json() if pending is not None else None,
+                "now": now,
+            },
         )
         return inserted.scalar_one_or_none() is not None
 
@@ -213,20 +228,16 @@ class DecisionStore:
     ) -> bool:
         """Record an attempt's outcome (``placed`` or ``rejected``); False if the attempt lost the intent."""
         finished = await session.execute(
-            update(DECISIONS)
-            .where(
-                _key(tenant, request_id),
-                DECISIONS.c.attempt == attempt,
-                DECISIONS.c.status == DecisionStatus.COMMITTING.value,
-            )
-            .values(
-                status=status.value,
-                reply=reply.model_dump(mode="json") if reply is not None else None,
-                allocation_id=allocation_id,
-                claimed_until=None,
-                updated_at=now,
-            )
-            .returning(DECISIONS.c.attempt)
+            _FINISH,
+            {
+                "tenant": tenant,
+                "request_id": request_id,
+                "attempt": attempt,
+                "status": status.value,
+                "reply": reply.model_dump_json() if reply is not None else None,
+                "allocation_id": allocation_id,
+                "now": now,
+            },
         )
         return finished.scalar_one_or_none() is not None
 
@@ -297,9 +308,7 @@ class DecisionStore:
         self, *, session: AsyncSession, allocation_id: str, tenant: str, request_id: str, now: datetime
     ) -> None:
         await session.execute(
-            insert(ALLOCATIONS)
-            .values(allocation_id=allocation_id, tenant=tenant, request_id=request_id, state="active", seen_at=now)
-            .on_conflict_do_nothing()
+            _ALLOCATION_SEEN, {"allocation_id": allocation_id, "tenant": tenant, "request_id": request_id, "now": now}
         )
 
     async def committing(self, *, session: AsyncSession, touched_before: datetime, limit: int) -> list[Intent]:
