@@ -1,11 +1,16 @@
 """Score ``packing``: keep whole NVLink domains and large TPU blocks free (DESIGN §2).
 
-GPUs, the mean of three fits in [0, 1]:
+GPUs, the mean of four fits in [0, 1]:
 
 * bytes: mean over the group of share / free HBM before (best fit: for a shared replica, fill GPUs
   other shared replicas use first; an exclusive group sees only idle GPUs, so this is SKU fit);
 * domain: 1 - idle GPUs left in the group's NVLink domain / the domain's size (use busy domains);
-* node: 1 - idle GPUs left on the host / its size (use busy nodes; PCIe-only nodes have one-GPU domains).
+* node: 1 - idle GPUs left on the host / its size (use busy nodes; PCIe-only nodes have one-GPU domains);
+* group (look-ahead): the largest TP degree the host's idle GPUs still hold after the placement / the
+  largest they held before (TP degrees are powers of two; a group is an NVLink clique). A TP=2
+  replica on an idle NVSwitch node of 8 leaves TP=4 at most there (0.5); in one quad of an idle 4+4
+  node it leaves the other quad, TP=4 as before (1.0): the node that alone could take a TP=8 replica
+  keeps it. A shared replica joining a GPU already shared takes no idle GPU (1.0).
 
 TPU: the mean of 1 - fragmentation of the pod after taking the slice (``topology.fragmentation``) and
 the slice's chips / the pod's free chips before (best fit: use the fullest pod).
@@ -18,7 +23,8 @@ from typing import Final
 
 from shared.domain.placement.filters.hbm import sharing_of
 from shared.domain.placement.framework import Candidate, CycleState, GpuGroup, no_config
-from shared.domain.placement.hosts import GpuHost, GpuLoad, TpuLoad
+from shared.domain.placement.hosts import GpuHost, GpuLoad, HostKind, TpuLoad
+from shared.domain.topology import largest_free_clique
 from shared.domain.topology.tpu import TpuSlice, allocate, fragmentation
 
 NAME: Final = "packing"
@@ -33,7 +39,26 @@ def gpu_packing(host: GpuHost, load: GpuLoad, positions: Sequence[int], need: in
     idle_left = [p for p in load.idle_up if p not in positions]
     domain_fit = 1 - sum(1 for p in idle_left if domains[p] == domain) / host.domain_size[positions[0]]
     node_fit = 1 - len(idle_left) / host.size
-    return min(1.0, (byte_fit + domain_fit + node_fit) / 3)
+    before = _largest_tp_before(load)
+    if before == 0 or len(idle_left) == len(load.idle_up):
+        group_fit = 1.0  # no idle GPU taken
+    elif host.kind is HostKind.FABRIC or host.matrix is None:  # every pair NVLinked through the fabric
+        group_fit = min(1.0, _power_of_two(len(idle_left)) / before)
+    else:
+        after = largest_free_clique(host.matrix, [host.indices[p] for p in idle_left])
+        group_fit = min(1.0, _power_of_two(after) / before)
+    return min(1.0, (byte_fit + domain_fit + node_fit + group_fit) / 4)
+
+
+def _power_of_two(size: int) -> int:
+    """The largest TP degree (a power of two) a group of ``size`` GPUs holds; 0 for none."""
+    return 1 << (size.bit_length() - 1) if size > 0 else 0
+
+
+def _largest_tp_before(load: GpuLoad) -> int:
+    """The largest TP degree an NVLink clique of the host's idle GPUs holds (``group_cap`` has a
+    positive entry per group size such a clique reaches)."""
+    return _power_of_two(sum(1 for cap in load.group_cap if cap > 0))
 
 
 def tpu_packing(load: TpuLoad, block: TpuSlice) -> float:
@@ -58,7 +83,9 @@ class PackingScore:
 
     def bound(self, state: CycleState, candidate: Candidate) -> float:
         """Before binding: bytes fit at most share / the tightest GPU with room; domain fit at most 1;
-        node fit at most 1 - (idle GPUs - TP) / size, since the group takes at most TP idle GPUs."""
+        node fit at most 1 - (idle GPUs - TP) / size, since the group takes at most TP idle GPUs; group
+        fit at most the largest TP degree of (idle GPUs - TP) GPUs / the largest before, when the
+        group takes TP idle GPUs (a shared replica may take none: 1)."""
         host, load = candidate.host, candidate.load
         if not isinstance(host, GpuHost) or not isinstance(load, GpuLoad) or candidate.share is None:
             return 1.0
@@ -68,7 +95,10 @@ class PackingScore:
         byte_fit = need / tightest if tightest > 0 else 1.0
         idle = len(load.idle_up)
         node_fit = 1 - (idle - tp) / host.size if idle > tp else 1.0
-        return min(1.0, (byte_fit + 1 + node_fit) / 3)
+        before = _largest_tp_before(load)
+        exclusive = sharing_of(state) != "shared"
+        group_fit = min(1.0, _power_of_two(idle - tp) / before) if exclusive and before else 1.0
+        return min(1.0, (byte_fit + 1 + node_fit + group_fit) / 4)
 
 
 def factory(config: Mapping[str, object] | None = None) -> PackingScore:
