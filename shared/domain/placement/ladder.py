@@ -223,25 +223,38 @@ def stage_share(demand: Demand, tp: int, pp: int) -> MemoryShare:
     )
 
 
-def _gpu_hosts(framework: Framework, state: CycleState, index: SnapshotIndex) -> list[tuple[GpuHost, GpuLoad]]:
-    """GPU hosts that pass every host-scope filter (backend, SKU, region, tenant, PCIe generation) and
-    the PCIe budget (``pcie_load``: a fallback is a cold load too)."""
+def _gpu_classes(framework: Framework, state: CycleState, index: SnapshotIndex) -> list[_GpuClass]:
+    """The exclusive load classes of GPU hosts that pass every host-scope filter (backend, SKU, region,
+    tenant, PCIe generation) and the PCIe budget (``pcie_load``: a fallback is a cold load too), by
+    their lowest host id. The hosts of a class are alike to an exclusive group (the same static facts,
+    idle GPUs, rack power headroom and PCIe step), so the searches below run once per class, not once
+    per host: a refusal on a full fleet costs the classes, not the fleet."""
     pcie = [f for f in framework.placement_filters if f.name == PCIE_LOAD]
-    passing: list[str] = []
+    found: list[_GpuClass] = []
     for static in index.statics:  # host-scope filters read a host's fixed facts: once per static class
         rep = static.rep
         if not isinstance(rep, GpuHost):
             continue
-        if framework.filter_host(state, Candidate(rep, index.loads[rep.id], 0, None))[0].ok:
-            passing.extend(static.hosts)
-    hosts = []
-    for host_id in sorted(passing):
-        host, load = index.hosts[host_id], index.loads[host_id]
-        assert isinstance(host, GpuHost) and isinstance(load, GpuLoad)
-        candidate = Candidate(host, load, 0, None)
-        if all(f.filter(state, candidate).ok for f in pcie):
-            hosts.append((host, load))
-    return hosts
+        if not framework.filter_host(state, Candidate(rep, index.loads[rep.id], 0, None))[0].ok:
+            continue
+        for cls in index.exclusive[static.key]:
+            host, load = cls.rep, cls.load
+            assert isinstance(host, GpuHost) and isinstance(load, GpuLoad)
+            if not load.idle_up:
+                continue  # nothing idle: no exclusive group, no stage
+            candidate = Candidate(host, load, 0, None)
+            if all(f.filter(state, candidate).ok for f in pcie):
+                found.append(_GpuClass(host, load, cls.hosts))
+    return sorted(found, key=lambda c: c.hosts[0])
+
+
+@dataclass(frozen=True, slots=True)
+class _GpuClass:
+    """GPU hosts alike to an exclusive group: ``host`` (the lowest id) and its load speak for ``hosts``."""
+
+    host: GpuHost
+    load: GpuLoad
+    hosts: tuple[str, ...]
 
 
 def _cliques(host: GpuHost, load: GpuLoad, tp: int, count: int, need: int) -> list[tuple[int, ...]]:
@@ -296,9 +309,9 @@ def pipeline(
     request = demand.request
     if "gpu" not in demand.backends:
         return "the request runs on TPU only (pipelines are for GPU hosts)"
-    hosts = _gpu_hosts(framework, state, index)
-    if not hosts:
-        return "no GPU host passes the host filters"
+    classes = _gpu_classes(framework, state, index)
+    if not classes:
+        return "no GPU host with an idle GPU passes the host filters"
     tps = (request.tp,) if request.tp is not None else tuple(sorted(demand.gpu_shares)) or (1,)
     combos: list[tuple[int, int]] = []
     for pp in pp_degrees:
@@ -312,20 +325,30 @@ def pipeline(
     combos = sorted(set(combos), key=lambda c: (c[0] * c[1], c[1]))
     for tp, pp in combos:
         share = stage_share(demand, tp, pp)
-        # One node (or one fabric domain) holding every stage.
-        for host, load in hosts:
-            groups = _cliques(host, load, tp, pp, share.total)
-            if len(groups) == pp and _power_ok(snapshot, ((host, p) for g in groups for p in g)):
-                return _staged(snapshot, demand, tp, pp, share, [(host, g) for g in groups])
-        # Several nodes of one cluster, fewest first: take each node's cliques in turn.
-        by_cluster: dict[str, list[tuple[GpuHost, GpuLoad]]] = {}
-        for host, load in hosts:
-            by_cluster.setdefault(host.cluster, []).append((host, load))
+        # Each class's disjoint cliques, searched once for all its hosts (alike: the same positions).
+        cliques = [(c, _cliques(c.host, c.load, tp, pp, share.total)) for c in classes]
+        cliques = [(c, groups) for c, groups in cliques if groups]
+        if sum(len(groups) * len(c.hosts) for c, groups in cliques) < pp:
+            continue  # not enough cliques in the whole fleet
+        # One node (or one fabric domain) holding every stage: the lowest host id of a class that can.
+        for c, groups in cliques:
+            if len(groups) == pp and _power_ok(snapshot, ((c.host, p) for g in groups for p in g)):
+                return _staged(snapshot, demand, tp, pp, share, [(c.host, g) for g in groups])
+        # Several nodes of one cluster, fewest first: take each node's cliques in turn (the nodes with
+        # the most cliques first). Only hosts with a clique take part.
+        by_cluster: dict[str, list[tuple[int, str, list[tuple[int, ...]]]]] = {}
+        for c, groups in cliques:
+            for host_id in c.hosts:
+                cluster = index.hosts[host_id].cluster or ""
+                by_cluster.setdefault(cluster, []).append((-len(groups), host_id, groups))
         for _cluster, members in sorted(by_cluster.items()):
+            if sum(len(groups) for _, _, groups in members) < pp:
+                continue
             stages: list[tuple[GpuHost, tuple[int, ...]]] = []
-            ranked = sorted(members, key=lambda hl: (-len(_cliques(hl[0], hl[1], tp, pp, share.total)), hl[0].id))
-            for host, load in ranked:
-                for group in _cliques(host, load, tp, pp - len(stages), share.total):
+            for _, host_id, groups in sorted(members):
+                host = index.hosts[host_id]
+                assert isinstance(host, GpuHost)
+                for group in groups[: pp - len(stages)]:
                     taken = [(h, p) for h, g in stages for p in g]
                     if _power_ok(snapshot, [*taken, *((host, p) for p in group)]):
                         stages.append((host, group))
@@ -455,18 +478,21 @@ def cross_domain(
     request = demand.request
     if "gpu" not in demand.backends:
         return "the request runs on TPU only (cross-domain groups are for GPU hosts)"
-    hosts = [(h, load) for h, load in _gpu_hosts(framework, state, index) if h.kind is HostKind.NODE]
+    classes = [c for c in _gpu_classes(framework, state, index) if c.host.kind is HostKind.NODE]
     reasons: list[str] = []
     budget = config.cross_domain_budget_bytes_per_s
     for tp in sorted(t for t in demand.gpu_shares if t > 1):
         share = demand.gpu_shares[tp]
-        for host, load in hosts:
+        best: tuple[GpuHost, list[int], list[str], float, float, float] | None = None  # the lowest host id
+        for c in classes:  # the group's shape is the class's; the budget is each host's cluster's
+            host, load = c.host, c.load
             positions = with_room(load, share.total, "exclusive")
             if len(positions) < tp:
                 continue
             by_domain: dict[str, list[int]] = {}
             for p in positions:
                 by_domain.setdefault(host.domains[p], []).append(p)
+            first = {d: ps[0] for d, ps in by_domain.items()}
             chosen: list[int] = []
             used_domains: list[str] = []
             for domain in sorted(by_domain, key=lambda d: (-len(by_domain[d]), d)):
@@ -486,17 +512,27 @@ def cross_domain(
                 )
                 continue
             cross = tp_traffic_bytes_per_s(demand, host, tp) * fraction
-            cluster = cluster_key(host.region, host.cluster)
-            used = snapshot.cross_domain_used.get(cluster, 0.0)
             cap = budget * slo_weight(request, config)
-            if used + cross > cap:
-                reasons.append(
-                    f"cluster {cluster}'s cross-domain budget is spent: {used / 1e9:.1f} GB/s in use + "
-                    f"{cross / 1e9:.1f} GB/s > {cap / 1e9:.0f} GB/s ({slo_weight(request, config):.0%} of "
-                    f"{budget / 1e9:.0f} GB/s for this SLO class)"
-                )
-                continue
-            return _spread(demand, host, tp, share, chosen, used_domains, fraction, cross, used, config)
+            for host_id in c.hosts:  # the class's lowest host id whose cluster's budget has room
+                member = index.hosts[host_id]
+                assert isinstance(member, GpuHost)
+                cluster = cluster_key(member.region, member.cluster)
+                used = snapshot.cross_domain_used.get(cluster, 0.0)
+                if used + cross > cap:
+                    reasons.append(
+                        f"cluster {cluster}'s cross-domain budget is spent: {used / 1e9:.1f} GB/s in use + "
+                        f"{cross / 1e9:.1f} GB/s > {cap / 1e9:.0f} GB/s ({slo_weight(request, config):.0%} of "
+                        f"{budget / 1e9:.0f} GB/s for this SLO class)"
+                    )
+                    continue
+                if best is None or host_id < best[0].id:
+                    # The member's own domain names, in the order the representative's were taken.
+                    named = [member.domains[first[d]] for d in used_domains]
+                    best = (member, chosen, named, fraction, cross, used)
+                break
+        if best is not None:
+            member, chosen, named, fraction, cross, used = best
+            return _spread(demand, member, tp, share, chosen, named, fraction, cross, used, config)
     if not reasons:
         return "no node has enough idle GPUs with room across its NVLink domains"
     return "; ".join(dict.fromkeys(reasons))
