@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -218,6 +219,16 @@ def _committed(reply: CommitReply | Rejected) -> str | None:
     return None
 
 
+FINISHING_KEPT = 256
+
+
+def _too_late_to_commit(margin_s: float) -> Rejected:
+    return rejected(
+        ErrorCode.DEADLINE_EXCEEDED,
+        f"the caller's deadline leaves less than a commit takes now (~{margin_s * 1000:.0f} ms); nothing was reserved",
+    )
+
+
 def _caller_gone() -> Rejected:
     return rejected(ErrorCode.DEADLINE_EXCEEDED, "the caller's deadline passed before the commit; nothing was reserved")
 
@@ -264,6 +275,11 @@ class PlacementHandlers:
         self._queueing = queueing or Queueing()
         self._queue_wake = asyncio.Event()
         self.ids = KeyedLocks()
+        # How long recent commits took from sending to an answer ready (ms): a commit is only sent while
+        # the caller's deadline leaves at least their 90th percentile, so an overloaded service refuses
+        # early ("deadline_exceeded", nothing reserved) instead of reserving for a caller who is gone.
+        self._finishing: deque[float] = deque(maxlen=FINISHING_KEPT)
+        self._margin_s = 0.0
 
     # -- routes ----------------------------------------------------------------------------------
 
@@ -693,6 +709,8 @@ class PlacementHandlers:
             return reply
         if deadline.expired():
             return _caller_gone()
+        if self._too_late():
+            return _too_late_to_commit(self._margin_s)
         commit = to_commit(request, decision, snapshot, lease_s=request.lease_s or self._default_lease_s)
         pending = to_reply(decision, snapshot=snapshot, request=to_domain(request))
         token = self._view.assume(
@@ -763,9 +781,9 @@ class PlacementHandlers:
                 return await self._record(
                     request, claim, reply, PlacementEventName.PLACEMENT_REJECTED, decision_ms, attempt
                 )
-            if deadline.expired():  # the caller has gone: commit nothing it would never learn of
+            if deadline.expired() or self._too_late():  # commit nothing the caller would not learn of
                 await self._finish_rejected(request, claim)
-                return _caller_gone()
+                return _caller_gone() if deadline.expired() else _too_late_to_commit(self._margin_s)
             commit = to_commit(request, decision, snapshot, lease_s=request.lease_s or self._default_lease_s)
             pending = to_reply(decision, snapshot=snapshot, request=to_domain(request))
             # Assumed before anything awaits, so decisions made meanwhile see these bytes as taken.
@@ -792,6 +810,17 @@ class PlacementHandlers:
         await self._finish_rejected(request, claim)
         return rejected(ErrorCode.CONFLICT, f"the fleet kept changing under {self._max_attempts} attempts; retry")
 
+    def _finished(self, seconds: float) -> None:
+        self._finishing.append(seconds)
+        if len(self._finishing) % 16 == 0 or len(self._finishing) < 16:
+            ordered = sorted(self._finishing)
+            self._margin_s = ordered[int(0.9 * (len(ordered) - 1))]
+
+    def _too_late(self) -> bool:
+        """The caller's deadline leaves less than recent commits took to answer (their 90th percentile)."""
+        left = deadline.remaining_s()
+        return left is not None and left < self._margin_s
+
     async def _committed(
         self,
         request: PlaceRequest,
@@ -805,6 +834,7 @@ class PlacementHandlers:
     ) -> BaseModel | _Lost | dict[str, LedgerAccelerator]:
         """Send the saved ``commit`` and record what the ledger said; on ``conflict``/``no_capacity`` the
         ledger's fresher figures for the GPUs it refused (the caller decides again on them)."""
+        started_ms = self._timer()
         committed = await self._reserve(commit, token)
         if isinstance(committed, RpcError):
             await self._unclaim(request, claim)
@@ -820,7 +850,11 @@ class PlacementHandlers:
             reply = pending.model_copy(
                 update={"allocation_id": allocation_id, "explanation": [*pending.explanation, note]}
             )
-            return await self._record(request, claim, reply, PlacementEventName.PLACEMENT_DECIDED, decision_ms, attempt)
+            recorded = await self._record(
+                request, claim, reply, PlacementEventName.PLACEMENT_DECIDED, decision_ms, attempt
+            )
+            self._finished((self._timer() - started_ms) / 1000)
+            return recorded
         error = _ledger_error(committed)
         if error.code not in (ErrorCode.CONFLICT, ErrorCode.NO_CAPACITY):
             await self._finish_rejected(request, claim)

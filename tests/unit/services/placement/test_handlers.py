@@ -33,6 +33,7 @@ from shared.domain.fleet import AcceleratorId, tpu_chip_ids
 from shared.domain.memory import usable_hbm
 from shared.domain.placement.ownership import DecisionStatus, Intent
 from shared.domain.placement.view import FleetView, LedgerAccelerator, LedgerMirror
+from shared.infra import deadline
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork
 from tests.unit.placement.builders import models, node, skus, tpu_pod
@@ -100,6 +101,7 @@ class FakeUnitOfWork:
         return result
 
     run_grouped = run  # a group shares a transaction; alone, each work is its own
+
     async def read(self, work: Callable[[Any], Awaitable[T]]) -> T:
         return await work(None)
 
@@ -339,8 +341,8 @@ class Interrupted(BaseException):
 
 
 class FakeTimer:
-    def __init__(self) -> None:
-        self.ms = itertools.count(0.0, 0.25)
+    def __init__(self, step_ms: float = 0.25) -> None:
+        self.ms = itertools.count(0.0, step_ms)
 
     def __call__(self) -> float:
         return next(self.ms)
@@ -370,7 +372,13 @@ def fleet_view(*, nodes: tuple[str, ...] = ("n1",), pods: tuple[str, ...] = ()) 
 
 
 class Rig:
-    def __init__(self, rpc: FakeRpc, view: FleetView | None = None, queueing: Queueing | None = None) -> None:
+    def __init__(
+        self,
+        rpc: FakeRpc,
+        view: FleetView | None = None,
+        queueing: Queueing | None = None,
+        timer: FakeTimer | None = None,
+    ) -> None:
         self.rpc = rpc
         self.view = view or fleet_view()
         self.now = NOW
@@ -382,7 +390,7 @@ class Rig:
             store=self.store,
             uow=self.uow,  # type: ignore[arg-type]
             rpc=rpc,
-            timer=FakeTimer(),
+            timer=timer or FakeTimer(),
             default_lease_s=3600,
             metrics=PlacementMetrics.create(metrics.get_meter("test.placement")),
             ownership=Ownership(claim_s=5, grace_s=60),
@@ -523,6 +531,27 @@ async def test_a_timeout_answers_a_typed_refusal() -> None:
     reply = await rig.handlers.place(place())
     assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.INTERNAL
     assert "did not answer" in reply.error.message
+
+
+async def test_a_commit_is_not_sent_when_the_callers_deadline_leaves_less_than_commits_take() -> None:
+    # Each timer reading is a second later: a commit "takes" a few seconds from sending to its answer.
+    rig = Rig(FakeRpc(ledger_commit=[committed("al-1"), committed("al-2")]), timer=FakeTimer(step_ms=1000))
+    first = await rig.handlers.place(place("r-1"))  # no deadline: placed, and its commit's time is learnt
+    assert isinstance(first, PlaceReply) and first.status == "placed"
+    before = rig.reserved()
+    deadline.set_deadline(deadline.now_ms() + 500)  # half a second left: less than a commit takes now
+    try:
+        late = await rig.handlers.place(place("r-2"))
+    finally:
+        deadline.set_deadline(None)
+    assert isinstance(late, Rejected) and late.error.code is ErrorCode.DEADLINE_EXCEEDED
+    assert len(rig.rpc.requests(Rpc.LEDGER_COMMIT)) == 1 and rig.reserved() == before, "nothing sent or assumed"
+    deadline.set_deadline(deadline.now_ms() + 60_000)  # time enough: the same request id is placed
+    try:
+        again = await rig.handlers.place(place("r-2"))
+    finally:
+        deadline.set_deadline(None)
+    assert isinstance(again, PlaceReply) and again.status == "placed" and again.allocation_id == "al-2"
 
 
 async def test_a_refusal_other_than_conflict_is_passed_on_without_retry() -> None:
