@@ -265,7 +265,8 @@ async def test_health_says_degraded_while_a_subjects_workers_are_all_stuck(stack
     acc = "dgx-h100-01/gpu3"
     rpc = await RpcClient.connect(settings.nats_url or "", Subjects(settings.subject_prefix), timeout_s=3)
     async with Stall(settings, acc):
-        sending = asyncio.gather(*(commit_until_timeout(rpc, commit(acc, 1)) for _ in range(20)))
+        stuck = settings.request_workers + 4  # every worker of the subject busy, and some waiting
+        sending = asyncio.gather(*(commit_until_timeout(rpc, commit(acc, 1)) for _ in range(stuck)))
 
         async def degraded() -> dict[str, Any] | None:
             health = await ask(stack, settings, Rpc.LEDGER_HEALTH, {})
