@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -349,7 +350,6 @@ def sim(
     """Replay a workload trace against a fleet under each placement policy and print the KPIs."""
     from hetsched.sim_cli import dump_json, render_table, run_sim, write_plots
     from shared.domain.sim import POLICIES, SimConfig
-    from shared.domain.traces import TraceError
 
     if bad_rows not in ("reject", "skip"):
         err.print(f"[red]--bad-rows: expected reject or skip, got {bad_rows!r}[/red]")
@@ -407,28 +407,21 @@ def sim(
             err.print(f"[red]--live: no stack at {nats_url}: {type(exc).__name__} {exc}[/red]")
             raise typer.Exit(2) from exc
     try:
-        results, loaded = run_sim(
-            fleet,
-            trace,
-            policy,
-            seed=seed,
-            on_bad_rows="skip" if bad_rows == "skip" else "reject",
-            limit=limit,
-            config=SimConfig(share_small=sharing == "shared"),
-            live=live_policy,
-        )
-    except TraceError as exc:
-        err.print(f"[red]{trace}: {exc}[/red]")
-        raise typer.Exit(1) from exc
-    except (OSError, ValueError) as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from exc
+        with _trace_errors(trace):
+            results, loaded = run_sim(
+                fleet,
+                trace,
+                policy,
+                seed=seed,
+                on_bad_rows="skip" if bad_rows == "skip" else "reject",
+                limit=limit,
+                config=SimConfig(share_small=sharing == "shared"),
+                live=live_policy,
+            )
     finally:
         if live_policy is not None:
             live_policy.close()
-    if loaded.skipped_total:
-        counts = ", ".join(f"{reason}={n}" for reason, n in sorted(loaded.skipped.items()))
-        err.print(f"skipped {loaded.skipped_total} bad rows ({counts})")
+    _report_skipped(loaded)
     if as_json:
         print(dump_json(results))
     else:
@@ -436,6 +429,28 @@ def sim(
     if plots is not None:
         for path in write_plots(results, plots):
             err.print(f"wrote {path}")
+
+
+@contextlib.contextmanager
+def _trace_errors(trace: Path) -> Iterator[None]:
+    """A trace that cannot be read exits 1 naming it; a file or value the run refuses exits 2."""
+    from shared.domain.traces import TraceError
+
+    try:
+        yield
+    except TraceError as exc:
+        err.print(f"[red]{trace}: {exc}[/red]")
+        raise typer.Exit(1) from exc
+    except (OSError, ValueError) as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+
+
+def _report_skipped(loaded: Any) -> None:
+    """With `--bad-rows skip`: how many rows were left out, and why (on stderr)."""
+    if loaded.skipped_total:
+        counts = ", ".join(f"{reason}={n}" for reason, n in sorted(loaded.skipped.items()))
+        err.print(f"skipped {loaded.skipped_total} bad rows ({counts})")
 
 
 def _sim_sweep(
@@ -465,9 +480,8 @@ def _sim_sweep(
         write_sweep_plots,
     )
     from shared.domain.sim import SimConfig
-    from shared.domain.traces import TraceError
 
-    try:
+    with _trace_errors(trace):
         targets = parse_loads(loads)
         result, loaded = run_sweep(
             fleet,
@@ -479,15 +493,7 @@ def _sim_sweep(
             limit=limit,
             config=SimConfig(share_small=share_small),
         )
-    except TraceError as exc:
-        err.print(f"[red]{trace}: {exc}[/red]")
-        raise typer.Exit(1) from exc
-    except (OSError, ValueError) as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from exc
-    if loaded.skipped_total:
-        counts = ", ".join(f"{reason}={n}" for reason, n in sorted(loaded.skipped.items()))
-        err.print(f"skipped {loaded.skipped_total} bad rows ({counts})")
+    _report_skipped(loaded)
     if not sweep:
         (point,) = result.points
         err.print(
@@ -516,21 +522,12 @@ def _sim_sharing_compare(
 ) -> None:
     """`hetsched sim --sharing compare`: the same trace with small models exclusive, then shared."""
     from hetsched.sim_cli import dump_sharing_json, render_sharing_table, run_sharing_compare, write_plots
-    from shared.domain.traces import TraceError
 
-    try:
+    with _trace_errors(trace):
         comparison, loaded = run_sharing_compare(
             fleet, trace, seed=seed, on_bad_rows="skip" if bad_rows == "skip" else "reject", limit=limit
         )
-    except TraceError as exc:
-        err.print(f"[red]{trace}: {exc}[/red]")
-        raise typer.Exit(1) from exc
-    except (OSError, ValueError) as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from exc
-    if loaded.skipped_total:
-        counts = ", ".join(f"{reason}={n}" for reason, n in sorted(loaded.skipped.items()))
-        err.print(f"skipped {loaded.skipped_total} bad rows ({counts})")
+    _report_skipped(loaded)
     if as_json:
         print(dump_sharing_json(comparison))
     else:
