@@ -214,7 +214,7 @@ def demand_of(state: CycleState) -> Demand:
     return state.read(DEMAND)
 
 
-def sharing_of_state(state: CycleState) -> str:
+def sharing_of(state: CycleState) -> str:
     """The request's sharing mode (``exclusive`` unless it asked for ``shared``)."""
     demand = state.get(DEMAND)
     return demand.request.sharing if demand is not None else "exclusive"
@@ -443,7 +443,7 @@ class Framework:
             kept = screens.get(static_key)
             if kept is None or len(kept) >= SCREENS_KEPT:
                 kept = screens[static_key] = {}
-            key = (tp, share.total, sharing_of_state(state))
+            key = (tp, share.total, sharing_of(state))
             screened = cast("tuple[Sequence[LoadClass], list[tuple[Status, int]]] | None", kept.get(key))
             if screened is None:
                 for plugin in plugins[: self.capacity_filters]:

@@ -19,13 +19,11 @@ from shared.domain.placement.framework import (
     Scope,
     Status,
     no_config,
-    sharing_of_state,
+    sharing_of,
 )
 from shared.domain.placement.hosts import GpuHost, GpuLoad, Host, LoadClass
 
 NAME: Final = "hbm"
-
-sharing_of = sharing_of_state  # the request's sharing mode; here for the plugins that import it from hbm
 
 
 def with_room(load: GpuLoad, need: int, sharing: str = "exclusive") -> list[int]:

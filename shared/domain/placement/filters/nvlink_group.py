@@ -13,7 +13,7 @@ from functools import lru_cache
 from typing import Final, cast
 
 from shared.domain.memory import MemoryShare
-from shared.domain.placement.filters.hbm import sharing_of, with_room
+from shared.domain.placement.filters.hbm import with_room
 from shared.domain.placement.framework import (
     SUCCESS,
     Candidate,
@@ -23,6 +23,7 @@ from shared.domain.placement.framework import (
     Scope,
     Status,
     no_config,
+    sharing_of,
 )
 from shared.domain.placement.hosts import GpuHost, GpuLoad, Host, HostKind, LoadClass
 from shared.domain.topology import LinkMatrix, best_tp_group, largest_free_clique

@@ -21,8 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from shared.domain.placement.filters.hbm import sharing_of
-from shared.domain.placement.framework import Candidate, CycleState, GpuGroup, no_config
+from shared.domain.placement.framework import Candidate, CycleState, GpuGroup, no_config, sharing_of
 from shared.domain.placement.hosts import GpuHost, GpuLoad, HostKind, TpuLoad
 from shared.domain.topology import largest_free_clique
 from shared.domain.topology.tpu import TpuSlice, allocate, fragmentation
