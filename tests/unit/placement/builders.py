@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Self
 
 import yaml
+from hypothesis import strategies as st
 
 from shared.domain.fleet import Accelerator, Fleet, NodeProfile, Rack, TpuPod
 from shared.domain.hardware import Sku, parse_sku_catalog
@@ -204,3 +205,39 @@ def request(model: str = "llama3-8b", **fields: object) -> PlacementRequest:
     }
     values.update(fields)
     return PlacementRequest(**values)  # type: ignore[arg-type]
+
+
+SMALL_MODELS = ["llama3-8b", "mistral-7b-v0.1", "gemma2-9b", "llama3-70b", "mixtral-8x7b"]
+_NODE_KINDS = (
+    lambda b: b.nvswitch(4),
+    lambda b: b.sku("H200-SXM-141GB").nvswitch(2),
+    lambda b: b.sku("L40S-48GB").pcie(2),
+    lambda b: b.sku("A100-PCIE-80GB").pairs(4),
+)
+
+
+@st.composite
+def small_instances(
+    draw: st.DrawFn, *, held: bool = False, pods: bool = False
+) -> tuple[FleetSnapshot, list[PlacementRequest]]:
+    """1-3 nodes of mixed layouts and 1-6 requests (some ``shared``), as the greedy-vs-MILP tests use.
+    ``held``: GPUs of the first node may already be held, by a shared replica (gpu0) or an exclusive
+    one (gpu1); ``pods``: a 4x4 TPU pod may join the fleet."""
+    builders = [draw(st.sampled_from(_NODE_KINDS))(node(f"n{i}")) for i in range(draw(st.integers(1, 3)))]
+    reqs = [
+        request(
+            draw(st.sampled_from(SMALL_MODELS)),
+            request_id=f"r{i}",
+            context_tokens=draw(st.sampled_from([1024, 4096, 8192])),
+            concurrency=draw(st.integers(1, 24)),
+            dtype=draw(st.sampled_from([None, "fp8"])),
+            **({"sharing": "shared", "tp": 1} if draw(st.booleans()) else {}),
+        )
+        for i in range(draw(st.integers(1, 6)))
+    ]
+    if held and draw(st.booleans()):
+        builders[0].reserve(0, 10 * 10**9, shared=True)
+    if held and draw(st.booleans()):
+        builders[0].reserve(1, 10 * 10**9)
+    tpu = [tpu_pod("pod", shape=(4, 4))] if pods and draw(st.booleans()) else []
+    return snapshot(*builders, pods=tpu, power_kw=draw(st.sampled_from([None, 2.0, 8.0]))), reqs

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from shared.domain.placement import Decision, FleetSnapshot, PlacementRequest, apply, decide
 from shared.domain.placement.batch import decide_batch
-from tests.unit.placement.builders import node, request, snapshot, tpu_pod
+from tests.unit.placement.builders import node, request, small_instances, snapshot
 
 
 def online(snap: FleetSnapshot, reqs: Sequence[PlacementRequest]) -> list[Decision]:
@@ -66,35 +65,8 @@ def test_no_budget_keeps_the_best_start_order() -> None:
     assert plan.decisions_made == 2 + 2 * 2 + 1  # sizes, two distinct starts of two, one refusal
 
 
-MODELS = ["llama3-8b", "mistral-7b-v0.1", "gemma2-9b", "llama3-70b", "mixtral-8x7b"]
-
-
-@st.composite
-def instances(draw: st.DrawFn) -> tuple[FleetSnapshot, list[PlacementRequest]]:
-    kinds = [
-        lambda b: b.nvswitch(4),
-        lambda b: b.sku("H200-SXM-141GB").nvswitch(2),
-        lambda b: b.sku("L40S-48GB").pcie(2),
-        lambda b: b.sku("A100-PCIE-80GB").pairs(4),
-    ]
-    builders = [draw(st.sampled_from(kinds))(node(f"n{i}")) for i in range(draw(st.integers(1, 3)))]
-    reqs = [
-        request(
-            draw(st.sampled_from(MODELS)),
-            request_id=f"r{i}",
-            context_tokens=draw(st.sampled_from([1024, 4096, 8192])),
-            concurrency=draw(st.integers(1, 24)),
-            dtype=draw(st.sampled_from([None, "fp8"])),
-            **({"sharing": "shared", "tp": 1} if draw(st.booleans()) else {}),
-        )
-        for i in range(draw(st.integers(1, 6)))
-    ]
-    pods = [tpu_pod("pod", shape=(4, 4))] if draw(st.booleans()) else []
-    return snapshot(*builders, pods=pods, power_kw=draw(st.sampled_from([None, 2.0, 8.0]))), reqs
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(instances())
+@given(small_instances(pods=True))
 def test_the_plan_is_a_valid_online_sequence_and_never_worse(
     instance: tuple[FleetSnapshot, list[PlacementRequest]],
 ) -> None:

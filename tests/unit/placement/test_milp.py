@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from shared.domain.placement import FleetSnapshot, PlacementRequest
-from tests.unit.placement.builders import node, request, snapshot, tpu_pod
+from tests.unit.placement.builders import node, request, small_instances, snapshot, tpu_pod
 
 pytest.importorskip("scipy")  # the MILP reference needs SciPy's HiGHS; everything else here does not
 
@@ -140,39 +139,8 @@ def test_the_fallback_ladder_is_not_modelled() -> None:
         candidate_options(snap, [request("llama3-8b", fallbacks=None)])
 
 
-MODELS = ["llama3-8b", "mistral-7b-v0.1", "gemma2-9b", "llama3-70b", "mixtral-8x7b"]
-
-
-@st.composite
-def instances(draw: st.DrawFn) -> tuple[FleetSnapshot, list[PlacementRequest]]:
-    kinds = [
-        lambda b: b.nvswitch(4),
-        lambda b: b.sku("H200-SXM-141GB").nvswitch(2),
-        lambda b: b.sku("L40S-48GB").pcie(2),
-        lambda b: b.sku("A100-PCIE-80GB").pairs(4),
-    ]
-    builders = [draw(st.sampled_from(kinds))(node(f"n{i}")) for i in range(draw(st.integers(1, 3)))]
-    reqs = [
-        request(
-            draw(st.sampled_from(MODELS)),
-            request_id=f"r{i}",
-            context_tokens=draw(st.sampled_from([1024, 4096, 8192])),
-            concurrency=draw(st.integers(1, 24)),
-            dtype=draw(st.sampled_from([None, "fp8"])),
-            **({"sharing": "shared", "tp": 1} if draw(st.booleans()) else {}),
-        )
-        for i in range(draw(st.integers(1, 6)))
-    ]
-    # Some GPUs of the first node already held: by a shared replica (gpu0) or an exclusive one (gpu1).
-    if draw(st.booleans()):
-        builders[0].reserve(0, 10 * 10**9, shared=True)
-    if draw(st.booleans()):
-        builders[0].reserve(1, 10 * 10**9)
-    return snapshot(*builders, power_kw=draw(st.sampled_from([None, 2.0, 8.0]))), reqs
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(instances())
+@given(small_instances(held=True))
 def test_the_milp_is_never_worse_than_the_greedy(instance: tuple[FleetSnapshot, list[PlacementRequest]]) -> None:
     snap, reqs = instance
     options = candidate_options(snap, reqs)

@@ -14,38 +14,13 @@ from shared.domain.sim.engine import fitted_shape, replica_request, request_late
 from shared.domain.sim.policies import POLICIES
 from shared.domain.traces import AssignedRequest, TraceRequest, assign_workload
 from shared.infra.catalog import demo_fleet_path, load_inventory, load_models, load_skus
+from tests.unit.sim.fleets import one_node_fleet
 
 MIX = {"llama3-8b": 0.5, "llama3-70b": 0.3, "mixtral-8x7b": 0.2}
 
-FLEET_4P4 = """
-regions:
-  - name: r
-    clusters:
-      - name: c
-        racks:
-          - name: k
-            power_kw: 30
-            nodes:
-              - name: n1
-                sku: H100-SXM-80GB
-                gpus: 8
-                topology: "4+4"
-"""
+FLEET_4P4 = one_node_fleet("n1", gpus=8, topology="4+4")
 
-FLEET_ONE_GPU = """
-regions:
-  - name: r
-    clusters:
-      - name: c
-        racks:
-          - name: k
-            power_kw: 30
-            nodes:
-              - name: solo
-                sku: H100-SXM-80GB
-                gpus: 1
-                topology: pcie
-"""
+FLEET_ONE_GPU = one_node_fleet("solo", gpus=1, topology="pcie")
 
 
 def _snapshot(path: Path, reserved: dict[str, int] | None = None) -> FleetSnapshot:

@@ -14,21 +14,9 @@ from shared.domain.sim.engine import request_latency
 from shared.domain.sim.load import fleet_load, replica_rate, scale_arrivals
 from shared.domain.traces import AssignedRequest
 from shared.infra.catalog import load_inventory, load_models, load_skus
+from tests.unit.sim.fleets import one_node_fleet
 
-FLEET_ONE_H100 = """
-regions:
-  - name: r
-    clusters:
-      - name: c
-        racks:
-          - name: k
-            power_kw: 30
-            nodes:
-              - name: solo
-                sku: H100-SXM-80GB
-                gpus: 1
-                topology: pcie
-"""
+FLEET_ONE_H100 = one_node_fleet("solo", gpus=1, topology="pcie")
 
 
 def _snapshot(tmp_path: Path, text: str = FLEET_ONE_H100) -> FleetSnapshot:

@@ -19,36 +19,11 @@ from shared.domain.sim.engine import release
 from shared.domain.sim.sharing import Residency, co_tenancy, contended, decode_tokens_per_s, small_models
 from shared.domain.traces import AssignedRequest
 from shared.infra.catalog import demo_fleet_path, load_inventory, load_models, load_skus
+from tests.unit.sim.fleets import one_node_fleet
 
-FLEET_TWO_H100 = """
-regions:
-  - name: r
-    clusters:
-      - name: c
-        racks:
-          - name: k
-            power_kw: 30
-            nodes:
-              - name: n1
-                sku: H100-SXM-80GB
-                gpus: 2
-                topology: nvswitch-8
-"""
+FLEET_TWO_H100 = one_node_fleet("n1", gpus=2, topology="nvswitch-8")
 
-FLEET_ONE_NODE = """
-regions:
-  - name: r
-    clusters:
-      - name: c
-        racks:
-          - name: k
-            power_kw: 30
-            nodes:
-              - name: n1
-                sku: H100-SXM-80GB
-                gpus: 8
-                topology: nvswitch-8
-"""
+FLEET_ONE_NODE = one_node_fleet("n1", gpus=8, topology="nvswitch-8")
 
 
 def _snapshot(path: Path) -> FleetSnapshot:
