@@ -7,6 +7,7 @@ import contextlib
 import json
 import signal
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -22,7 +23,16 @@ from hetsched.emit import EmitKind, NothingToEmit, emit_note, emit_text
 from hetsched.stack import ServerDied, Stack, operator_options, read_state, server_liveness, wait_healthy
 from services.registry import SERVICES
 from shared.contracts.base import Rejected
-from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseReply, ReleaseRequest
+from shared.contracts.placement import (
+    AdmitReply,
+    AdmitRequest,
+    PlaceReply,
+    PlaceRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    Slo,
+)
+from shared.contracts.routing import RouteRegionReply, RouteRegionRequest, RouteSelectReply, RouteSelectRequest
 from shared.contracts.subjects import Rpc, Subjects
 from shared.infra.bus import invalid_request
 from shared.infra.rpc import RpcClient
@@ -284,6 +294,156 @@ def release(
         lambda client: client.ask(Rpc.PLACEMENT_RELEASE, request, ReleaseReply, rejection_as_reply=True),
     )
     _print_reply(reply, as_json)
+
+
+def _ask_and_print(
+    data_dir: Path | None,
+    rpc: Rpc,
+    build: Callable[[], BaseModel],
+    reply_type: type[BaseModel],
+    as_json: bool,
+) -> None:
+    """Build the request (a bad option exits 2 saying why), send it, print the reply as `_print_reply`."""
+    try:
+        request = build()
+    except ValidationError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    reply = _with_rpc(data_dir, rpc.value, lambda client: client.ask(rpc, request, reply_type, rejection_as_reply=True))
+    _print_reply(reply, as_json)
+
+
+ModelOrGroupOption = Annotated[str, typer.Option(help="Catalog model or model group.")]
+TenantOption = Annotated[str, typer.Option(help="Tenant.")]
+OutputTokensOption = Annotated[int, typer.Option(help="Expected maximum output tokens.")]
+TtftOption = Annotated[float | None, typer.Option(help="TTFT SLO.")]
+RequestIdOption = Annotated[str | None, typer.Option(help="Request id (random by default).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+
+def _request_id(given: str | None) -> str:
+    return given or f"cli-{uuid.uuid4().hex[:12]}"
+
+
+@app.command()
+def admit(
+    model: ModelOrGroupOption,
+    tenant: TenantOption,
+    input_tokens: Annotated[int, typer.Option(help="Input tokens.")],
+    output_tokens: OutputTokensOption = 256,
+    region: Annotated[str | None, typer.Option(help="Region.")] = None,
+    ttft_ms: TtftOption = None,
+    hint: Annotated[str, typer.Option(help="auto, transformer, ssm or moe.")] = "auto",
+    request_id: RequestIdOption = None,
+    as_json: JsonOption = False,
+    data_dir: DataDirOption = None,
+) -> None:
+    """One `placement.admit` call: a request onto a running replica."""
+    _ask_and_print(
+        data_dir,
+        Rpc.PLACEMENT_ADMIT,
+        lambda: AdmitRequest(
+            request_id=_request_id(request_id),
+            tenant=tenant,
+            model=model,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            region=region,
+            slo=Slo(ttft_ms=ttft_ms) if ttft_ms else None,
+            hint=hint,
+        ),
+        AdmitReply,
+        as_json,
+    )
+
+
+@app.command()
+def route(
+    model: ModelOrGroupOption,
+    tenant: TenantOption,
+    origin: Annotated[str, typer.Option(help="Region the request entered (origin_region).")],
+    input_tokens: Annotated[int, typer.Option(help="Input tokens.")] = 1000,
+    output_tokens: OutputTokensOption = 256,
+    session_id: Annotated[str | None, typer.Option(help="Session (its region is kept while in flight).")] = None,
+    in_flight: Annotated[bool, typer.Option(help="A message of the session is streaming.")] = False,
+    admit: Annotated[bool, typer.Option(help="Also admit it in the chosen region.")] = True,
+    ttft_ms: TtftOption = None,
+    request_id: RequestIdOption = None,
+    as_json: JsonOption = False,
+    data_dir: DataDirOption = None,
+) -> None:
+    """One `route.select` call: which region serves this request (and, by default, its admission there)."""
+    _ask_and_print(
+        data_dir,
+        Rpc.ROUTE_SELECT,
+        lambda: RouteSelectRequest(
+            request_id=_request_id(request_id),
+            tenant=tenant,
+            origin_region=origin,
+            model=model,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            session_id=session_id,
+            in_flight=in_flight,
+            admit=admit,
+            slo=Slo(ttft_ms=ttft_ms) if ttft_ms else None,
+        ),
+        RouteSelectReply,
+        as_json,
+    )
+
+
+@app.command("route-region")
+def route_region(
+    region: Annotated[str, typer.Argument(help="Region.")],
+    state: Annotated[str, typer.Option(help="up, drain or down.")],
+    as_json: JsonOption = False,
+    data_dir: DataDirOption = None,
+) -> None:
+    """Operators: drain a region (no new tenants or sessions; in-flight sessions stay), down it, or bring it up."""
+    _ask_and_print(
+        data_dir, Rpc.ROUTE_REGION, lambda: RouteRegionRequest(region=region, state=state), RouteRegionReply, as_json
+    )
+
+
+@app.command("engine-sim")
+def engine_sim(
+    replica: Annotated[str, typer.Option("--replica", help="The replica's allocation id (placement.place's).")],
+    node: Annotated[str, typer.Option(help="Node the replica runs on (its first node).")],
+    interval_s: Annotated[float, typer.Option(help="Seconds between reports.")] = 2.0,
+    count: Annotated[int, typer.Option(help="Reports to send, then stop (0: until interrupted).")] = 0,
+    queue_depth: Annotated[int, typer.Option(help="Requests waiting in the engine.")] = 2,
+    kv_used: Annotated[float, typer.Option(help="KV in use, as a fraction of its total.")] = 0.4,
+    kv_total_gb: Annotated[float, typer.Option(help="KV capacity (GB).")] = 40.0,
+    latency_ms: Annotated[float, typer.Option(help="TTFT p50 with an empty queue.")] = 80.0,
+    unhealthy: Annotated[bool, typer.Option(help="Report a failed health check.")] = False,
+    data_dir: DataDirOption = None,
+) -> None:
+    """A simulated engine: reports one replica's status so `placement.admit` can be run without GPUs."""
+    from hetsched.engine_sim import EngineLoad, run_engine
+
+    load = EngineLoad(
+        kv_total_bytes=int(kv_total_gb * 1e9),
+        kv_used=kv_used,
+        queue_depth=queue_depth,
+        base_latency_ms=latency_ms,
+        healthy=not unhealthy,
+    )
+
+    async def work(client: RpcClient) -> int:
+        subjects = Subjects(_endpoints(_settings(data_dir))[2])
+        return await run_engine(
+            client.nc.jetstream(),
+            subjects,
+            replica_id=replica,
+            node=node,
+            load=load,
+            interval_s=interval_s,
+            count=count,
+        )
+
+    sent = _with_rpc(data_dir, "the TELEMETRY stream", work)
+    console.print(f"{sent} engine status report(s) sent for {replica} on {node}")
 
 
 @app.command()

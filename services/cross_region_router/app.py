@@ -1,18 +1,23 @@
 """Wiring of the cross-region-router service (the shape of docs/SERVICE.md): its routes, consumers and loops,
-and ``wire``, which builds its handlers once. The logic will live in `shared/domain/`."""
+and ``wire``, which builds its handlers once. The rules live in `shared/domain/routing`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from faststream import FastStream
 
 from services.cross_region_router.handlers import RoutingHandlers
 from services.cross_region_router.tables import SCHEMA
-from shared.contracts.routing import RouteSelectRequest
-from shared.contracts.subjects import Rpc
-from shared.infra.service import Route, Runtime, ServiceDefinition, build_app
+from shared.contracts.placement_events import PlacementEventName
+from shared.contracts.routing import RouteRegionRequest, RouteSelectRequest
+from shared.contracts.subjects import Context, Rpc
+from shared.domain.routing import AffinityRule, Region, RoutePolicy, Weights
+from shared.infra.catalog import load_model_groups, load_models, load_regions
+from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
 
 
@@ -21,8 +26,44 @@ class Ctx:
     handlers: RoutingHandlers
 
 
+def _watch(path: Path | None) -> Callable[[], dict[str, Region] | None]:
+    """The regions file's contents each time its modification time changes (prices move: operators edit
+    it); None while it has not. The shipped file never changes."""
+    if path is None:
+        return lambda: None
+    seen = [path.stat().st_mtime_ns if path.exists() else 0]
+
+    def changed() -> dict[str, Region] | None:
+        mtime = path.stat().st_mtime_ns
+        if mtime == seen[0]:
+            return None
+        seen[0] = mtime
+        return load_regions(path)
+
+    return changed
+
+
 def wire(runtime: Runtime) -> Ctx:
-    return Ctx(handlers=RoutingHandlers(uow=runtime.uow, rpc=runtime.rpc, clock=runtime.clock))
+    settings = runtime.settings
+    models = load_models(settings.model_catalog)
+    policy = RoutePolicy(
+        weights=Weights.parse(settings.route_weights),
+        damping_s=settings.route_damping_s,
+        affinity=AffinityRule(window_days=settings.route_affinity_days),
+    )
+    handlers = RoutingHandlers(
+        uow=runtime.uow,
+        rpc=runtime.rpc,
+        clock=runtime.clock,
+        regions=load_regions(settings.regions_file),
+        models=models,
+        groups=load_model_groups(settings.model_groups, models),
+        policy=policy,
+        log=runtime.log,
+        flush_s=settings.route_flush_ms / 1000,
+        regions_changed=_watch(settings.regions_file),
+    )
+    return Ctx(handlers=handlers)
 
 
 SERVICE = ServiceDefinition(
@@ -31,8 +72,24 @@ SERVICE = ServiceDefinition(
     schema=SCHEMA,
     wire=wire,
     routes=(
-        Route(Rpc.ROUTE_SELECT, RouteSelectRequest),  # not built yet: answers not_implemented
+        Route(Rpc.ROUTE_SELECT, RouteSelectRequest, lambda ctx: ctx.handlers.select),
+        Route(Rpc.ROUTE_REGION, RouteRegionRequest, lambda ctx: ctx.handlers.region),
     ),
+    on_start=(lambda ctx: ctx.handlers.start(),),
+    # Where replicas are (capacity per region): placement announces each placed, released or expired.
+    consumers=(
+        Consumer(
+            Context.PLACEMENT,
+            "placement",
+            on={
+                PlacementEventName.PLACEMENT_DECIDED: lambda ctx: ctx.handlers.on_placement_decided,
+                PlacementEventName.PLACEMENT_RELEASED: lambda ctx: ctx.handlers.on_placement_released,
+            },
+            together=True,
+        ),
+    ),
+    loops=(Loop("route-traffic-flush", lambda ctx: ctx.handlers.flush),),
+    calls=(Rpc.PLACEMENT_ADMIT,),
 )
 
 

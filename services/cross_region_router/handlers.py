@@ -1,19 +1,402 @@
-"""Handlers of the cross-region-router service: one async method per request subject and per event, each
-reading like a sentence (parse -> load -> call the pure core -> write + outbox -> reply).
+"""Handlers of the cross-region-router service (API.md "Request path").
 
-Nothing is built yet: every subject answers `not_implemented` until the request-path issue (14) lands. This class
-is where those methods go; ``wire`` in app.py builds it once with its dependencies.
+``select`` reads like the route: validate -> the region by the pure rules (``shared.domain.routing.choose``:
+affinity tier, cheaper acceptable region, fallback; damping; in-flight sessions stay) -> admit there
+(``placement.admit``; a region whose admission answers ``no_capacity`` counts as full for this request and
+the next tier is tried) -> remember the tenant's region (with ``route_switched`` when it changed, in one
+unit of work), the session's region and the traffic (affinity) -> reply.
+
+What it keeps in memory it loads from its own tables at start and writes through: tenants' regions and
+sessions' regions before the reply (group commit; a request whose region did not change writes nothing),
+traffic counts every ``HETSCHED_ROUTE_FLUSH_MS`` (statistics for affinity: a crash loses at most that
+much of them). Capacity per region is learnt from events, never from another service's tables: the
+replicas placement announces (PLACEMENT ``placement_decided``, and ``placement_released`` when one is
+released or its lease expires), kept in ``routing.replicas``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime, timedelta
+
+from pydantic import BaseModel
+
+from services.cross_region_router import store
+from shared.contracts.base import ErrorCode, Rejected, rejected
+from shared.contracts.envelope import EventEnvelope
+from shared.contracts.placement import AdmitReply, AdmitRequest, Slo
+from shared.contracts.placement_events import PlacementEvent, PlacementReleasedEvent
+from shared.contracts.routing import (
+    RegionStateEvent,
+    RouteCost,
+    RouteRegionReply,
+    RouteRegionRequest,
+    RouteSelectReply,
+    RouteSelectRequest,
+    RouteSwitchedEvent,
+    RoutingEvent,
+)
+from shared.contracts.subjects import Context, Rpc
+from shared.domain.admission import members
+from shared.domain.models import ModelSpec
+from shared.domain.routing import (
+    CostTerms,
+    Region,
+    RegionState,
+    RouteAsk,
+    RouteDecision,
+    RoutePolicy,
+    SessionRoute,
+    TenantRoute,
+    Traffic,
+    choose,
+    day_of,
+    next_tenant_route,
+)
 from shared.infra.clock import Clock
-from shared.infra.rpc import RpcClient
-from shared.infra.uow import UnitOfWorkFactory
+from shared.infra.rpc import RpcClient, RpcError
+from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
+
+SESSION_KEPT_S = 86400.0
+"""A session not seen for this long is forgotten (its next message routes like a new one)."""
+ADMIT_TIMEOUT_S = 2.0
+
+
+def _cost(terms: CostTerms, policy: RoutePolicy) -> RouteCost:
+    w = policy.weights
+    return RouteCost(
+        rtt=round(terms.rtt, 4),
+        price=round(terms.price, 4),
+        power=round(terms.power, 4),
+        affinity=round(terms.affinity, 4),
+        total=round(terms.total, 4),
+        weights={"rtt": w.rtt, "price": w.price, "power": w.power, "affinity": w.affinity},
+        rtt_ms=terms.rtt_ms,
+        price_usd_per_hour=round(terms.price_usd_per_hour, 4),
+        power_usd_per_hour=round(terms.power_usd_per_hour, 4),
+    )
+
+
+def _at(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
 
 
 class RoutingHandlers:
-    def __init__(self, *, uow: UnitOfWorkFactory, rpc: RpcClient, clock: Clock) -> None:
+    def __init__(
+        self,
+        *,
+        uow: UnitOfWorkFactory,
+        rpc: RpcClient,
+        clock: Clock,
+        regions: Mapping[str, Region],
+        models: Mapping[str, ModelSpec],
+        groups: Mapping[str, tuple[str, ...]],
+        policy: RoutePolicy,
+        log: logging.Logger | None = None,
+        flush_s: float = 0.5,
+        regions_changed: Callable[[], Mapping[str, Region] | None] = lambda: None,
+    ) -> None:
+        self._regions_changed = regions_changed
         self._uow = uow
         self._rpc = rpc
         self._clock = clock
+        self._regions = dict(regions)
+        self._models = models
+        self._groups = groups
+        self._policy = policy
+        self._log = log or logging.getLogger("hetsched.router")
+        self._flush_s = flush_s
+        self._states: dict[str, RegionState] = {}
+        self._tenants: dict[str, TenantRoute] = {}
+        self._sessions: dict[tuple[str, str], str] = {}
+        self._seen: dict[tuple[str, str], float] = {}  # session -> last routed (epoch s)
+        self._traffic: dict[str, Traffic] = {}
+        self._pending: Counter[tuple[str, str, int]] = Counter()
+        self._replicas: dict[str, tuple[str, str]] = {}  # allocation id -> (region, model)
+        self._serving: dict[str, Counter[str]] = {}  # model -> replicas per region
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._loaded = False
+
+    # -- start -------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            await self._load()
+        except Exception:  # e.g. Postgres not up yet: the first request retries
+            self._log.exception("the router could not load its state; it retries on the first request")
+
+    async def _load(self) -> None:
+        now = self._clock()
+        since_day = day_of(now.timestamp()) - self._policy.affinity.window_days
+        loaded = await self._uow.run(
+            lambda uow: store.load(
+                session=uow.session, since_day=since_day, sessions_since=now - timedelta(seconds=SESSION_KEPT_S)
+            )
+        )
+        self._tenants = {t: TenantRoute(region, at.timestamp()) for t, (region, at) in loaded.tenants.items()}
+        self._sessions = dict(loaded.sessions)
+        self._seen = dict.fromkeys(self._sessions, now.timestamp())
+        self._traffic = {t: Traffic(counts) for t, counts in loaded.traffic.items()}
+        self._states = {r: RegionState(s) for r, s in loaded.regions.items() if r in self._regions}
+        self._replicas, self._serving = {}, {}
+        for allocation_id, (region, model, _sku) in loaded.replicas.items():
+            self._add_replica(allocation_id, region, model)
+        self._loaded = True
+
+    # -- route.select ------------------------------------------------------------------------------------
+
+    async def select(self, request: RouteSelectRequest) -> BaseModel:
+        if not self._loaded:
+            await self._load()
+        if request.origin_region not in self._regions:
+            return rejected(ErrorCode.INVALID_REQUEST, f"unknown origin_region {request.origin_region[:80]!r}")
+        names = members(request.model, self._groups, self._models)
+        if names is None:
+            return rejected(ErrorCode.UNKNOWN_MODEL, f"no model or model group {request.model[:80]!r}")
+        lock = self._locks.setdefault(request.tenant, asyncio.Lock())
+        async with lock:
+            return await self._route(request, names)
+
+    async def _route(self, request: RouteSelectRequest, names: tuple[str, ...]) -> BaseModel:
+        now = self._clock()
+        now_s = now.timestamp()
+        session_key = (request.tenant, request.session_id) if request.session_id else None
+        pinned = self._sessions.get(session_key) if session_key else None
+        session = SessionRoute(pinned, request.in_flight) if pinned is not None else None
+        traffic = self._traffic.setdefault(request.tenant, Traffic())
+        full: set[str] = set()
+        previous = self._tenants.get(request.tenant)
+        while True:
+            decision = choose(
+                RouteAsk(tenant=request.tenant, origin=request.origin_region, sku=None, in_flight=request.in_flight),
+                regions=self._regions,
+                states=self._states,
+                capacity=lambda region: region not in full and self._serves(region, names),
+                tenant=previous,
+                session=session,
+                traffic=traffic,
+                now_s=now_s,
+                policy=self._policy,
+            )
+            if decision.region is None:
+                return RouteSelectReply(
+                    status="rejected",
+                    explanation=decision.reason,
+                    error=rejected(ErrorCode.NO_CAPACITY, decision.reason).error,
+                )
+            admission = await self._admit(request, decision) if request.admit else None
+            held = decision.kept_by == "session" and request.in_flight
+            if admission is not None and _full(admission) and not held and len(full) < len(self._regions):
+                full.add(decision.region)  # full there for this request: the next tier decides
+                continue
+            break
+        await self._remember(request, decision, previous, session_key, now)
+        return RouteSelectReply(
+            status="routed",
+            region=decision.region,
+            tier=decision.tier.value if decision.tier is not None else None,
+            rtt_ms=decision.rtt_ms,
+            cost=_cost(decision.cost, self._policy) if decision.cost is not None else None,
+            switched=decision.switched,
+            relaxed_ttft_ms=decision.relaxed_ttft_ms,
+            explanation=decision.reason,
+            admission=admission,
+        )
+
+    def _serves(self, region: str, names: tuple[str, ...]) -> bool:
+        return any(self._serving.get(name, Counter()).get(region, 0) > 0 for name in names)
+
+    async def _admit(self, request: RouteSelectRequest, decision: RouteDecision) -> AdmitReply:
+        slo = request.slo
+        if decision.relaxed_ttft_ms is not None:
+            slo = (slo or Slo()).model_copy(update={"ttft_ms": decision.relaxed_ttft_ms})
+        ask = AdmitRequest(
+            request_id=request.request_id,
+            tenant=request.tenant,
+            model=request.model,
+            input_tokens=request.input_tokens,
+            output_tokens=request.output_tokens,
+            slo=slo,
+            region=decision.region,
+            hint=request.hint,
+            session_id=request.session_id,
+        )
+        try:
+            answer = await self._rpc.ask(Rpc.PLACEMENT_ADMIT, ask, AdmitReply, timeout_s=ADMIT_TIMEOUT_S)
+        except RpcError as exc:
+            return AdmitReply(status="rejected", error=rejected(ErrorCode.INTERNAL, f"admission: {exc}").error)
+        if isinstance(answer, Rejected):
+            return AdmitReply(status="rejected", error=answer.error)
+        return answer
+
+    async def _remember(
+        self,
+        request: RouteSelectRequest,
+        decision: RouteDecision,
+        previous: TenantRoute | None,
+        session_key: tuple[str, str] | None,
+        now: datetime,
+    ) -> None:
+        region = decision.region
+        assert region is not None
+        now_s = now.timestamp()
+        tenant_route = next_tenant_route(previous, decision, now_s)
+        tenant_changed = tenant_route is not None and tenant_route != previous
+        session_changed = session_key is not None and self._sessions.get(session_key) != region
+        if tenant_changed or session_changed:
+
+            async def work(uow: UnitOfWork) -> None:
+                if tenant_changed and tenant_route is not None:
+                    await store.save_tenant(
+                        session=uow.session,
+                        tenant=request.tenant,
+                        region=tenant_route.region,
+                        switched_at=_at(tenant_route.switched_at_s),
+                    )
+                    if decision.switched and previous is not None and decision.cost is not None:
+                        uow.emit(
+                            Context.ROUTING,
+                            RoutingEvent.ROUTE_SWITCHED,
+                            RouteSwitchedEvent(
+                                tenant=request.tenant,
+                                request_id=request.request_id,
+                                session_id=request.session_id,
+                                from_region=previous.region,
+                                to_region=region,
+                                tier=decision.tier.value if decision.tier else "fallback",
+                                reason=decision.reason,
+                                cost=_cost(decision.cost, self._policy),
+                            ),
+                            tenant=request.tenant,
+                            correlation_id=request.request_id,
+                        )
+                if session_changed and session_key is not None:
+                    await store.save_session(
+                        session=uow.session, tenant=session_key[0], session_id=session_key[1], region=region, now=now
+                    )
+
+            await self._uow.run_grouped(work)
+            if tenant_route is not None:
+                self._tenants[request.tenant] = tenant_route
+            if session_key is not None:
+                self._sessions[session_key] = region
+        if session_key is not None:
+            self._seen[session_key] = now_s
+        self._traffic.setdefault(request.tenant, Traffic()).add(region, now_s)
+        self._pending[(request.tenant, region, day_of(now_s))] += 1
+
+    # -- route.region (operators) ------------------------------------------------------------------------
+
+    async def region(self, request: RouteRegionRequest) -> BaseModel:
+        if request.region not in self._regions:
+            return rejected(ErrorCode.NOT_FOUND, f"no region {request.region[:80]!r}")
+        state = RegionState(request.state)
+        previous = self._states.get(request.region, RegionState.UP)
+
+        async def work(uow: UnitOfWork) -> None:
+            await store.save_region(session=uow.session, region=request.region, state=state.value, now=uow.now)
+            if state is not previous:
+                uow.emit(
+                    Context.ROUTING,
+                    RoutingEvent.REGION_STATE_CHANGED,
+                    RegionStateEvent(region=request.region, state=state.value, previous=previous.value),
+                )
+
+        await self._uow.run(work)
+        self._states[request.region] = state
+        return RouteRegionReply(status="ok", region=request.region, state=state.value, previous=previous.value)
+
+    # -- events: where replicas are --------------------------------------------------------------------
+
+    async def on_placement_decided(self, *, uow: UnitOfWork, event: EventEnvelope, payload: PlacementEvent) -> None:
+        reply = payload.reply
+        if reply.status != "placed" or reply.allocation_id is None or reply.region is None:
+            return
+        await store.add_replica(
+            session=uow.session,
+            allocation_id=reply.allocation_id,
+            region=reply.region,
+            model=payload.model,
+            sku=reply.sku,
+        )
+        self._add_replica(reply.allocation_id, reply.region, payload.model)
+
+    async def on_placement_released(
+        self, *, uow: UnitOfWork, event: EventEnvelope, payload: PlacementReleasedEvent
+    ) -> None:
+        await self._remove_replica(uow, payload.allocation_id)
+
+    def _add_replica(self, allocation_id: str, region: str, model: str) -> None:
+        if allocation_id in self._replicas:
+            return
+        self._replicas[allocation_id] = (region, model)
+        self._serving.setdefault(model, Counter())[region] += 1
+
+    async def _remove_replica(self, uow: UnitOfWork, allocation_id: str) -> None:
+        await store.remove_replicas(session=uow.session, allocation_ids=[allocation_id])
+        found = self._replicas.pop(allocation_id, None)
+        if found is not None:
+            region, model = found
+            self._serving[model][region] -= 1
+
+    # -- the traffic flush and the forgetting --------------------------------------------------------------
+
+    async def flush(self) -> None:
+        """Loop: write the traffic counts, forget old sessions and traffic outside the window."""
+        passes = 0
+        while True:
+            await asyncio.sleep(self._flush_s)
+            self.reload_regions()
+            try:
+                await self.flush_once(sweep=passes % 600 == 0)
+            except Exception:  # counts stay pending for the next pass
+                self._log.exception("router traffic flush failed")
+            passes += 1
+
+    def reload_regions(self) -> bool:
+        """Take the regions file's new prices, power and RTTs when it changed (a bad file keeps the old)."""
+        try:
+            regions = self._regions_changed()
+        except Exception as exc:
+            self._log.warning("the regions file changed but cannot be read; keeping the old", extra={"error": str(exc)})
+            return False
+        if regions is None:
+            return False
+        self._regions = dict(regions)
+        self._log.info("regions reloaded", extra={"regions": sorted(self._regions)})
+        return True
+
+    async def flush_once(self, *, sweep: bool = False) -> int:
+        pending, self._pending = self._pending, Counter()
+        now = self._clock()
+
+        async def work(uow: UnitOfWork) -> None:
+            await store.add_traffic(session=uow.session, counts=pending)
+            if sweep:
+                await store.forget_sessions(session=uow.session, before=now - timedelta(seconds=SESSION_KEPT_S))
+                first_day = day_of(now.timestamp()) - self._policy.affinity.window_days
+                await store.forget_traffic(session=uow.session, before_day=first_day)
+
+        if not pending and not sweep:
+            return 0
+        try:
+            await self._uow.run(work)
+        except Exception:
+            self._pending.update(pending)
+            raise
+        if sweep:
+            for traffic in self._traffic.values():
+                traffic.prune(now.timestamp(), self._policy.affinity)
+            before = now.timestamp() - SESSION_KEPT_S
+            for key in [k for k in self._sessions if self._seen.get(k, 0.0) < before]:
+                self._sessions.pop(key, None)
+                self._seen.pop(key, None)
+        return sum(pending.values())
+
+
+def _full(admission: AdmitReply) -> bool:
+    """Admission in that region found nothing that could take the request."""
+    return admission.status == "rejected" and admission.error is not None and admission.error.code == "no_capacity"

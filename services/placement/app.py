@@ -11,14 +11,17 @@ from typing import Any
 from faststream import FastStream
 from opentelemetry import metrics
 
+from services.placement.admission import AdmissionHandlers, Fairness, parse_kv_shares, parse_weights
 from services.placement.handlers import Ownership, PlacementHandlers, PlacementMetrics, Queueing
 from services.placement.readmodel import ReadModel
+from services.placement.replicas import ReplicaBook
 from services.placement.store import DecisionStore
 from services.placement.tables import SCHEMA
 from shared.contracts.ledger import LedgerEvent
-from shared.contracts.placement import AdmitRequest, PlaceRequest, ReleaseRequest, RenewRequest
+from shared.contracts.placement import AdmitRequest, PlaceReply, PlaceRequest, ReleaseRequest, RenewRequest
 from shared.contracts.subjects import Context, Rpc
-from shared.infra.catalog import load_models, load_skus
+from shared.domain.admission import AdmitPolicy
+from shared.infra.catalog import load_model_groups, load_models, load_skus
 from shared.infra.clock import monotonic_ms
 from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
@@ -28,6 +31,7 @@ from shared.infra.settings import Settings
 class Ctx:
     handlers: PlacementHandlers
     readmodel: ReadModel
+    admission: AdmissionHandlers
 
 
 def _fault_after_commit(settings: Settings) -> Callable[[], None]:
@@ -39,22 +43,49 @@ def _fault_after_commit(settings: Settings) -> Callable[[], None]:
 
 def wire(runtime: Runtime) -> Ctx:
     settings = runtime.settings
+    models = load_models(settings.model_catalog)
     readmodel = ReadModel(
         rpc=runtime.rpc,
         jetstream=lambda: runtime.jetstream,
         subjects=runtime.subjects,
         stream_prefix=settings.stream_prefix,
         skus=load_skus(settings.sku_catalog),
-        models=load_models(settings.model_catalog),
+        models=models,
         clock=runtime.clock,
         log=runtime.log,
         stale_after_ms=settings.placement_stale_after_ms,
         resync_ms=settings.placement_refresh_ms,
         pcie_window_s=settings.placement_pcie_window_s,
     )
+    store = DecisionStore()
+
+    async def load_placed() -> list[tuple[str, PlaceReply]]:
+        return await runtime.uow.run(lambda uow: store.placed(session=uow.session))
+
+    admission = AdmissionHandlers(
+        book=ReplicaBook(models=models, kv_shares=parse_kv_shares(settings.admit_kv_guarantees)),
+        rpc=runtime.rpc,
+        models=models,
+        groups=load_model_groups(settings.model_groups, models),
+        policy=AdmitPolicy(
+            stale_ms=settings.engine_stale_s * 1000,
+            max_queue_depth=settings.admit_max_queue_depth,
+            long_context_tokens=settings.admit_long_context_tokens,
+            strict_ttft_ms=settings.admit_strict_ttft_ms,
+        ),
+        fairness=Fairness(
+            rate_per_s=settings.admit_tenant_rate,
+            burst=settings.admit_tenant_burst,
+            ttl_s=settings.admit_queue_ttl_s,
+            weights=parse_weights(settings.admit_tenant_weights),
+        ),
+        timer=monotonic_ms,
+        log=runtime.log,
+        load_placed=load_placed,
+    )
     handlers = PlacementHandlers(
         view=readmodel,
-        store=DecisionStore(),
+        store=store,
         uow=runtime.uow,
         rpc=runtime.rpc,
         timer=monotonic_ms,
@@ -70,9 +101,12 @@ def wire(runtime: Runtime) -> Ctx:
         log=runtime.log,
         after_commit=_fault_after_commit(settings),
         queueing=Queueing(timeout_s=settings.placement_queue_timeout_s, retry_s=settings.placement_queue_retry_s),
+        admission=admission,
     )
     readmodel.on_freed = handlers.wake_queue  # the view holds an event that may have freed capacity
-    return Ctx(handlers=handlers, readmodel=readmodel)
+    readmodel.on_engine_status = admission.on_engine_status
+    readmodel.on_hold = admission.on_hold_event
+    return Ctx(handlers=handlers, readmodel=readmodel, admission=admission)
 
 
 SERVICE = ServiceDefinition(
@@ -85,9 +119,9 @@ SERVICE = ServiceDefinition(
         Route(Rpc.PLACEMENT_EXPLAIN, PlaceRequest, lambda ctx: ctx.handlers.explain),
         Route(Rpc.PLACEMENT_RELEASE, ReleaseRequest, lambda ctx: ctx.handlers.release),
         Route(Rpc.PLACEMENT_RENEW, RenewRequest, lambda ctx: ctx.handlers.renew),
-        Route(Rpc.PLACEMENT_ADMIT, AdmitRequest),
+        Route(Rpc.PLACEMENT_ADMIT, AdmitRequest, lambda ctx: ctx.admission.admit),
     ),
-    on_start=(lambda ctx: ctx.readmodel.start(),),
+    on_start=(lambda ctx: ctx.readmodel.start(), lambda ctx: ctx.admission.start()),
     on_stop=(lambda ctx: ctx.readmodel.stop(),),
     # What the ledger did to placement's allocations (committed / expired / released), durably: the
     # decisions learn that their allocation ended, and the reconciler finds those no decision owns.
@@ -101,12 +135,15 @@ SERVICE = ServiceDefinition(
                 LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.on_allocation_released,
             },
             together=True,  # one per placement: a batch per transaction (the handlers only write rows)
+            # Requests' KV holds (one pair per admission) reach admission through the view's feed instead.
+            skip=lambda payload: payload.kind == "request",
         ),
     ),
     loops=(
         Loop("placement-view", lambda ctx: ctx.readmodel.run),
         Loop("placement-reconciler", lambda ctx: ctx.handlers.reconcile),
         Loop("placement-queue", lambda ctx: ctx.handlers.serve_queue),
+        Loop("admission-queue", lambda ctx: ctx.admission.serve_queue),
     ),
     checks=lambda ctx: ctx.readmodel.health(),
     calls=(

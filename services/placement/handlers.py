@@ -38,6 +38,7 @@ from typing import Protocol
 from opentelemetry.metrics import Counter, Histogram, Meter
 from pydantic import BaseModel
 
+from services.placement.admission import AdmissionHandlers
 from services.placement.mapping import (
     balance_to_domain,
     body_hash,
@@ -258,7 +259,9 @@ class PlacementHandlers:
         max_attempts: int = MAX_ATTEMPTS,
         poll_s: float = WAIT_POLL_S,
         queueing: Queueing | None = None,
+        admission: AdmissionHandlers | None = None,
     ) -> None:
+        self._admission = admission
         self._view = view
         self._store = store
         self._uow = uow
@@ -316,6 +319,12 @@ class PlacementHandlers:
         return reply.model_copy(update={"explanation": explanation})
 
     async def release(self, request: ReleaseRequest) -> BaseModel:
+        if self._admission is not None:  # an admission's KV hold, released for the tenant that asked for it
+            owner = self._admission.owner_of_hold(request.allocation_id, request.tenant)
+            if isinstance(owner, Rejected):
+                return ReleaseReply(status="rejected", error=owner.error)
+            if owner is not None:
+                return await self._admission.release_hold(request.allocation_id, owner)
         try:
             released = await self._rpc.ask(
                 Rpc.LEDGER_RELEASE,
@@ -337,6 +346,8 @@ class PlacementHandlers:
             )
 
         await self._uow.run_grouped(work)
+        if self._admission is not None:
+            self._admission.on_allocation_ended(request.allocation_id)
         return ReleaseReply(status="released")
 
     async def renew(self, request: RenewRequest) -> BaseModel:
@@ -368,15 +379,28 @@ class PlacementHandlers:
         )
 
     async def on_allocation_expired(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
-        await self._store.mark_ended(
+        """A replica whose lease ran out is announced as ended (as a release is), for those who follow
+        where replicas are (the router); a request's KV hold frees its replica's pool."""
+        tenant = await self._store.mark_ended(
             session=uow.session, allocation_id=payload.allocation_id, status=DecisionStatus.EXPIRED, now=uow.now
         )
+        if tenant is not None:
+            uow.emit(
+                Context.PLACEMENT,
+                PlacementEventName.PLACEMENT_RELEASED,
+                PlacementReleasedEvent(allocation_id=payload.allocation_id, tenant=tenant, reason="expired"),
+                tenant=tenant,
+            )
+        if self._admission is not None:
+            self._admission.on_allocation_ended(payload.allocation_id)
         self.wake_queue()
 
     async def on_allocation_released(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
         await self._store.mark_ended(
             session=uow.session, allocation_id=payload.allocation_id, status=DecisionStatus.RELEASED, now=uow.now
         )
+        if self._admission is not None:
+            self._admission.on_allocation_ended(payload.allocation_id)
         self.wake_queue()
 
     # -- the queue ---------------------------------------------------------------------------------
@@ -966,6 +990,9 @@ class PlacementHandlers:
         """Record the outcome with the intent (placed: the reply, for the same request id) and announce
         it, in one transaction; LOST when another attempt took the intent over meanwhile."""
 
+        if reply.status == "placed":
+            reply = reply.model_copy(update={"model": request.model})
+
         async def work(uow: UnitOfWork) -> bool:
             placed = reply.status == "placed"
             if claim.queued:  # decided: it leaves the queue with its outcome
@@ -984,7 +1011,11 @@ class PlacementHandlers:
             self._emit(uow, request, reply, event, decision_ms, attempts)
             return True
 
-        return reply if await self._uow.run_grouped(work) else LOST
+        if not await self._uow.run_grouped(work):
+            return LOST
+        if reply.status == "placed" and self._admission is not None:
+            self._admission.on_placed(request.tenant, reply)
+        return reply
 
     @staticmethod
     def _emit(

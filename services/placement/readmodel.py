@@ -36,12 +36,12 @@ from services.placement.mapping import apply_event, view_from
 from shared.contracts.base import Rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.fleet import FleetDescribeReply, FleetDescribeRequest
-from shared.contracts.ledger import LedgerEvent
+from shared.contracts.ledger import AllocationEvent, LedgerEvent
 from shared.contracts.permissions import EVENT_PUBLISHERS, NODE_SCOPED_EVENTS
 from shared.contracts.registry import EVENTS
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects, token
-from shared.contracts.topology import NodeProfilePayload, TopologyEvent
+from shared.contracts.topology import EngineStatusEvent, NodeProfilePayload, TelemetryEvent, TopologyEvent
 from shared.domain.hardware import Sku
 from shared.domain.models import ModelSpec
 from shared.domain.placement.types import FleetSnapshot
@@ -82,10 +82,20 @@ class Progress:
 class _Feed:
     """One stream's new events for one view: buffered until the view is seeded, then applied as they come."""
 
-    def __init__(self, context: Context, *, log: logging.Logger, on_freed: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        context: Context,
+        *,
+        log: logging.Logger,
+        on_freed: Callable[[], None] = lambda: None,
+        on_engine_status: Callable[[BaseModel], None] = lambda _: None,
+        on_hold: Callable[[str, AllocationEvent], None] = lambda _name, _payload: None,
+    ) -> None:
         self.context = context
         self.log = log
         self.on_freed = on_freed
+        self.on_engine_status = on_engine_status
+        self.on_hold = on_hold
         self.progress = Progress()
         self.subscription: Subscription | None = None
         self._buffer: list[tuple[str, BaseModel, datetime]] | None = []
@@ -119,6 +129,13 @@ class _Feed:
             )
             return
         if name in self._scoped and not self._trusted(envelope, payload, msg.subject):
+            return
+        if name == TelemetryEvent.ENGINE_STATUS:  # admission's, not the fleet view's: applied as it comes
+            self.on_engine_status(payload)
+            return
+        if isinstance(payload, AllocationEvent) and payload.kind == "request":
+            # A request's KV hold moves no HBM in the view (it lives in its replica's pool): admission's.
+            self.on_hold(name, payload)
             return
         if self._view is None:
             assert self._buffer is not None
@@ -198,6 +215,10 @@ class ReadModel:
         self.view = FleetView(skus=self._skus, models=self._models, pcie_window_s=pcie_window_s)
         # Called once the view holds an event that may free capacity (the queue's wake-up).
         self.on_freed: Callable[[], None] = lambda: None
+        # Called with each engine's status report (TELEMETRY `engine_status`): admission's rotation.
+        self.on_engine_status: Callable[[EngineStatusEvent], None] = lambda _: None
+        # Called with each LEDGER event of a `request` allocation (an admission's KV hold committed or ended).
+        self.on_hold: Callable[[str, AllocationEvent], None] = lambda _name, _payload: None
         self.synced_at: datetime | None = None
         self._feeds: dict[Context, _Feed] = {}
         self._lock = asyncio.Lock()
@@ -248,7 +269,10 @@ class ReadModel:
     async def sync(self) -> None:
         """Start new feeds, fetch the snapshots, seed a new view, apply what arrived meanwhile, swap."""
         async with self._lock:
-            feeds = {context: _Feed(context, log=self._log, on_freed=self._freed) for context in STREAMS}
+            feeds = {
+                context: _Feed(context, log=self._log, on_freed=self._freed, on_engine_status=self._engine_status)
+                for context in STREAMS
+            }
             try:
                 for feed in feeds.values():
                     feed.subscription = await self._jetstream().subscribe(
@@ -300,6 +324,13 @@ class ReadModel:
 
     def _freed(self) -> None:
         self.on_freed()
+
+    def _hold(self, name: str, payload: AllocationEvent) -> None:
+        self.on_hold(name, payload)
+
+    def _engine_status(self, payload: BaseModel) -> None:
+        if isinstance(payload, EngineStatusEvent):
+            self.on_engine_status(payload)
 
     async def _describe(self, names: list[str]) -> dict[str, NodeProfilePayload]:
         """Profiles ``fleet.get`` did not send (a topology service that ignores ``profiles``), one by one."""

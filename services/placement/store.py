@@ -289,18 +289,22 @@ class DecisionStore:
 
     async def mark_ended(
         self, *, session: AsyncSession, allocation_id: str, status: DecisionStatus, now: datetime
-    ) -> None:
-        """The decision that placed this allocation learns that it ended (``expired`` or ``released``)."""
-        await session.execute(
+    ) -> str | None:
+        """The decision that placed this allocation learns that it ended (``expired`` or ``released``); its
+        tenant, or None when no placed decision held it."""
+        ended = await session.execute(
             update(DECISIONS)
             .where(DECISIONS.c.allocation_id == allocation_id, DECISIONS.c.status == DecisionStatus.PLACED.value)
             .values(status=status.value, updated_at=now)
+            .returning(DECISIONS.c.tenant)
         )
+        tenant = ended.scalar_one_or_none()
         await session.execute(
             update(ALLOCATIONS)
             .where(ALLOCATIONS.c.allocation_id == allocation_id, ALLOCATIONS.c.state == "active")
             .values(state=status.value, ended_at=now)
         )
+        return str(tenant) if tenant is not None else None
 
     # -- placement's allocations in the ledger (the reconciler's input) -----------------------------------
 
@@ -372,6 +376,21 @@ class DecisionStore:
             )
             for r in rows
         ]
+
+    async def placed(self, *, session: AsyncSession) -> list[tuple[str, PlaceReply]]:
+        """Every placed decision whose allocation has not ended: (tenant, reply), for admission's replicas."""
+        rows = await session.execute(
+            select(DECISIONS.c.tenant, DECISIONS.c.reply).where(
+                DECISIONS.c.status == DecisionStatus.PLACED.value, DECISIONS.c.reply.is_not(None)
+            )
+        )
+        placed: list[tuple[str, PlaceReply]] = []
+        for tenant, reply in rows:
+            try:
+                placed.append((tenant, PlaceReply.model_validate(reply)))
+            except ValueError:
+                continue
+        return placed
 
     # -- the queue ------------------------------------------------------------------------------------------
 

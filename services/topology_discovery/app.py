@@ -85,6 +85,7 @@ SERVICE = ServiceDefinition(
                 LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.on_allocation_ended,
             },
             together=True,  # one per placement and release: a batch per transaction (the handlers only write rows)
+            skip=lambda payload: not payload.counts_against_hbm,  # requests' KV holds move no HBM
         ),
     ),
     loops=(Loop("liveness", lambda ctx: ctx.handlers.liveness_loop),),

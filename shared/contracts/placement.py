@@ -195,6 +195,9 @@ class PlaceReply(Contract):
     error: ErrorBody | None = Field(default=None, description="Null, or why rejected.")
     sharing: Sharing | None = Field(default=None, description="How the accelerators are held.", examples=["exclusive"])
     pp: int = Field(default=1, description="Pipeline stages.", examples=[1])
+    model: str | None = Field(
+        default=None, description="The model placed (admission serves it).", examples=["llama3-70b"]
+    )
     stages: list[list[NodePlacement]] | None = Field(
         default=None, description="When pp > 1: the placements of each stage, in stage order."
     )
@@ -235,20 +238,56 @@ class RenewReply(Contract):
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
 
 
+EngineHint = Literal["auto", "transformer", "ssm", "moe"]
+EngineName = Literal["transformer", "ssm", "moe", "hybrid"]
+MAX_ADMIT_TOKENS = 10_000_000  # input + output of one request: far beyond any catalog model's context
+
+
 class AdmitRequest(Request):
-    request_id: str = Field(min_length=1, max_length=NAME_MAX, description="Request id.", examples=["r-1"])
+    request_id: str = Field(
+        min_length=1, max_length=NAME_MAX, description="Request id (idempotency key).", examples=["r-1"]
+    )
     tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Tenant.", examples=["acme"])
-    model: str = Field(min_length=1, max_length=NAME_MAX, description="Model.", examples=["llama3-70b"])
-    input_tokens: int = Field(gt=0, description="Input tokens.", examples=[1000])
-    output_tokens: int = Field(gt=0, description="Output tokens.", examples=[200])
+    model: str = Field(
+        min_length=1, max_length=NAME_MAX, description="A catalog model or a model group.", examples=["chat-8b"]
+    )
+    input_tokens: int = Field(gt=0, le=MAX_ADMIT_TOKENS, description="Input tokens.", examples=[1000])
+    output_tokens: int = Field(gt=0, le=MAX_ADMIT_TOKENS, description="Expected maximum output.", examples=[200])
     slo: Slo | None = Field(default=None, description="Latency objectives.")
     region: str | None = Field(default=None, max_length=NAME_MAX, description="Region.", examples=["us-west-1"])
+    hint: EngineHint = Field(default="auto", description="Engine preference.", examples=["auto"])
+    session_id: str | None = Field(default=None, max_length=NAME_MAX, description="Session.", examples=["s-9"])
+    lease_s: int = Field(
+        default=300, gt=0, le=86400, description="Longest the KV is held without a release.", examples=[300]
+    )
+    failed_replica_id: str | None = Field(
+        default=None,
+        max_length=ID_MAX,
+        description="A replica that just failed or timed out this request: fail over past it.",
+        examples=[None],
+    )
 
 
 class AdmitReply(Contract):
     status: Literal["admitted", "queued", "rejected"] = Field(description="Outcome.", examples=["admitted"])
-    allocation_id: str | None = Field(default=None, description="The replica's allocation.", examples=["a-1"])
+    allocation_id: str | None = Field(
+        default=None,
+        description="The request's KV hold inside the replica (`placement.release` ends it).",
+        examples=["adm-1"],
+    )
+    replica_id: str | None = Field(
+        default=None, description="The replica: the allocation `placement.place` returned for it.", examples=["al-7"]
+    )
     node: str | None = Field(default=None, description="Node.", examples=["dgx-h100-01"])
-    engine: str | None = Field(default=None, description="Engine.", examples=["vllm"])
+    engine: EngineName | None = Field(default=None, description="Engine kind of the replica.", examples=["ssm"])
+    model: str | None = Field(default=None, description="The model that serves it.", examples=["mamba2-2.7b"])
+    region: str | None = Field(default=None, description="Region of the replica.", examples=["us-west-1"])
+    kv_bytes: int | None = Field(default=None, description="KV (or SSM state) bytes held.", examples=[1_048_576])
+    lease_expires_at: datetime | None = Field(default=None, description="When the hold ends without a release.")
+    queue_position: int | None = Field(default=None, description="When queued: 1 is next.", examples=[None])
+    explanation: str | None = Field(default=None, description="Why this replica (or why none).")
+    failover: list[str] | None = Field(
+        default=None, description="Replicas to try next, in order, if this one fails.", examples=[["al-8"]]
+    )
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
     details: dict[str, Any] | None = Field(default=None, description="Extra.")

@@ -35,5 +35,9 @@ class PlacementEvent(Contract):
 
 
 class PlacementReleasedEvent(Contract):
+    """Payload of `placement_released`: a replica placement ended (released by its tenant, or its lease
+    expired in the ledger)."""
+
     allocation_id: str = Field(description="Allocation.", examples=["al-..."])
     tenant: str = Field(description="Tenant.", examples=["acme"])
+    reason: str = Field(default="released", description="`released` or `expired`.", examples=["released"])

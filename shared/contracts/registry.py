@@ -27,6 +27,7 @@ RPCS: dict[Rpc, tuple[type[BaseModel], type[BaseModel]]] = {
     Rpc.RESERVATION_CANCEL: (reservation.ReservationCancelRequest, reservation.ReservationCreateReply),
     Rpc.RESERVATION_STATUS: (reservation.ReservationStatusRequest, reservation.ReservationStatusReply),
     Rpc.ROUTE_SELECT: (routing.RouteSelectRequest, routing.RouteSelectReply),
+    Rpc.ROUTE_REGION: (routing.RouteRegionRequest, routing.RouteRegionReply),
     Rpc.REBALANCE_STATUS: (rebalance.RebalanceStatusRequest, rebalance.RebalanceStatusReply),
 }
 
@@ -39,6 +40,7 @@ EVENTS: dict[tuple[Context, str], type[BaseModel]] = {
     (Context.TOPOLOGY, topology.NODE_PROFILE_FAILED): topology.NodeProfileFailedEvent,
     (Context.TOPOLOGY, topology.TPU_POD_PROFILED): topology.TpuPodEvent,
     (Context.TELEMETRY, topology.GPU_TELEMETRY): topology.GpuTelemetryEvent,
+    (Context.TELEMETRY, topology.ENGINE_STATUS): topology.EngineStatusEvent,
     (Context.LEDGER, ledger.ALLOCATION_COMMITTED): ledger.AllocationEvent,
     (Context.LEDGER, ledger.ALLOCATION_RELEASED): ledger.AllocationEvent,
     (Context.LEDGER, ledger.ALLOCATION_EXPIRED): ledger.AllocationEvent,
@@ -48,4 +50,6 @@ EVENTS: dict[tuple[Context, str], type[BaseModel]] = {
     (Context.PLACEMENT, pe.PLACEMENT_DECIDED): pe.PlacementEvent,
     (Context.PLACEMENT, pe.PLACEMENT_REJECTED): pe.PlacementEvent,
     (Context.PLACEMENT, pe.PLACEMENT_RELEASED): pe.PlacementReleasedEvent,
+    (Context.ROUTING, routing.ROUTE_SWITCHED): routing.RouteSwitchedEvent,
+    (Context.ROUTING, routing.REGION_STATE_CHANGED): routing.RegionStateEvent,
 }

@@ -42,6 +42,7 @@ class Rpc(StrEnum):
     RESERVATION_CANCEL = "reservation.cancel"
     RESERVATION_STATUS = "reservation.status"
     ROUTE_SELECT = "route.select"
+    ROUTE_REGION = "route.region"
     REBALANCE_STATUS = "rebalance.status"
 
 

@@ -26,6 +26,7 @@ class TelemetryEvent(StrEnum):
     """Event names of the TELEMETRY stream (`<prefix>.events.telemetry.<name>`)."""
 
     GPU = "gpu"
+    ENGINE_STATUS = "engine_status"
 
 
 NODE_PROFILED = TopologyEvent.NODE_PROFILED
@@ -36,6 +37,7 @@ NODE_RECOVERED = TopologyEvent.NODE_RECOVERED
 NODE_PROFILE_FAILED = TopologyEvent.NODE_PROFILE_FAILED
 TPU_POD_PROFILED = TopologyEvent.TPU_POD_PROFILED
 GPU_TELEMETRY = TelemetryEvent.GPU
+ENGINE_STATUS = TelemetryEvent.ENGINE_STATUS
 
 
 LINK_MAX = 16  # a link code of `nvidia-smi topo -m` (`X`, `NV18`, `PXB`, `SYS`, ...)
@@ -188,6 +190,24 @@ class GpuSample(Contract):
 class GpuTelemetryEvent(Contract):
     node: str = Field(max_length=NAME_MAX, description="Node name.", examples=["dgx-h100-01"])
     gpus: list[GpuSample] = Field(description="One sample per GPU.")
+
+
+class EngineStatusEvent(Contract):
+    """Payload of `engine_status`: one replica's engine, as it reports itself (through its node's agent, on
+    `<prefix>.events.telemetry.engine_status.<node>`). A replica that has not reported for
+    `HETSCHED_ENGINE_STALE_S` leaves admission's rotation until it reports again."""
+
+    replica_id: str = Field(
+        min_length=1, max_length=NAME_MAX, description="The replica's allocation id.", examples=["al-7"]
+    )
+    node: str = Field(min_length=1, max_length=NAME_MAX, description="Node the engine runs on.", examples=["dgx-1"])
+    queue_depth: int = Field(ge=0, le=1_000_000, description="Requests waiting in the engine.", examples=[3])
+    kv_used_bytes: int = Field(ge=0, description="KV cache (or SSM state) in use.", examples=[12_000_000_000])
+    kv_total_bytes: int = Field(ge=0, description="KV cache (or SSM state) capacity.", examples=[40_000_000_000])
+    latency_p50_ms: float = Field(ge=0, le=3_600_000, description="Recent TTFT p50.", examples=[85.0])
+    latency_p99_ms: float = Field(ge=0, le=3_600_000, description="Recent TTFT p99.", examples=[240.0])
+    slo_violations: int = Field(default=0, ge=0, description="Recent requests past their SLO.", examples=[0])
+    healthy: bool = Field(default=True, description="The engine's own health check.", examples=[True])
 
 
 class TpuPodEvent(Contract):

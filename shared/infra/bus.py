@@ -215,6 +215,7 @@ def consume(
     context: Context,
     handlers: dict[str, TypedEventHandler],
     publisher: str | None = None,
+    skip: Callable[[Any], bool] | None = None,
 ) -> Callable[..., Awaitable[None]]:
     """Apply one context's events by name, each event id once, with its effects and their events in
     one transaction; the payload reaches the handler as its contract model (``EVENTS``). Given an open
@@ -225,7 +226,8 @@ def consume(
     ``EVENT_PUBLISHERS``), whose payload does not match its contract, or (a node-scoped event, given the
     ``subject`` it came on) whose payload names another node than its subject, raises
     ``UnappliableEvent`` (redelivering it cannot help: the caller dead-letters it); an exception from a
-    handler propagates so the caller redelivers the event with backoff, then dead-letters it.
+    handler propagates so the caller redelivers the event with backoff, then dead-letters it. An event
+    ``skip`` says is none of this consumer's business (after those checks) is done with at once.
     """
     expected_source = publisher or EVENT_PUBLISHERS[context]
     scoped = set(NODE_SCOPED_EVENTS.get(context, ()))
@@ -252,6 +254,8 @@ def consume(
             node = getattr(payload, "node", None)
             if not isinstance(node, str) or not subject.endswith("." + token(node)):
                 raise UnappliableEvent(f"{event.type} names node {echo(node)} but came on {echo(subject)}")
+        if skip is not None and skip(payload):
+            return
         emitted = False
 
         async def work(unit: UnitOfWork) -> None:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from shared.domain.admission import parse_model_groups
 from shared.domain.fleet import Fleet
 from shared.domain.hardware import Sku, merge_catalogs, parse_sku_catalog
 from shared.domain.inventory import InventoryError, parse_inventory, referenced_topo_files
 from shared.domain.models import ModelSpec, merge_model_catalogs, parse_model_catalog
+from shared.domain.routing import Region, parse_regions
 
 CATALOG_PACKAGE = "shared.catalog"
 
@@ -73,6 +76,16 @@ def load_inventory(path: Path, *, skus: dict[str, Sku] | None = None) -> tuple[F
     doc, texts, fingerprint = _read_inventory(path)
     fleet = parse_inventory(doc, skus=skus if skus is not None else load_skus(), topo_texts=texts)
     return fleet, fingerprint
+
+
+def load_model_groups(path: Path | None, models: Mapping[str, ModelSpec]) -> dict[str, tuple[str, ...]]:
+    """Model groups (several engines answering one API): the shipped file, or ``path`` instead of it."""
+    return parse_model_groups(_yaml(path if path is not None else packaged_file("model_groups.yaml")), models)
+
+
+def load_regions(path: Path | None = None) -> dict[str, Region]:
+    """Regions with their RTTs, prices, power and PUE: the shipped file, or ``path`` instead of it."""
+    return parse_regions(_yaml(path if path is not None else packaged_file("regions.yaml")))
 
 
 def load_models(extra: Path | None = None) -> dict[str, ModelSpec]:

@@ -166,6 +166,9 @@ class Consumer:
     durable: str
     on: Mapping[str, Callable[[Any], TypedEventHandler]]
     together: bool = False
+    # Events of a handled name that this consumer has nothing to do with, told by their payload alone (a
+    # request's KV hold for a consumer of replicas): acknowledged with no transaction and no inbox row.
+    skip: Callable[[Any], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -506,7 +509,12 @@ def _subscribe_consumer(runtime: Runtime, consumer: Consumer, ctx: Any) -> _Even
         if name in NODE_SCOPED_EVENTS.get(consumer.context, ()):
             subject += ".*"  # one subject per node
     apply = consume(
-        uow=runtime.uow, schema=runtime.schema, consumer=consumer.durable, context=consumer.context, handlers=handlers
+        uow=runtime.uow,
+        schema=runtime.schema,
+        consumer=consumer.durable,
+        context=consumer.context,
+        handlers=handlers,
+        skip=consumer.skip,
     )
     return _event_loop(
         runtime,

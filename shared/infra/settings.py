@@ -260,6 +260,55 @@ class Settings(BaseSettings):
         "the threshold only when it stayed over it that long; 0: the latest sample.",
     )
 
+    # -- the request path (issue 14): admission and cross-region routing ------------------------------
+    model_groups: Path | None = Field(
+        default=None,
+        description="YAML map of model group -> model names (several engines answering one API), replacing the "
+        "shipped shared/catalog/model_groups.yaml.",
+    )
+    engine_stale_s: float = Field(
+        default=15.0, gt=0, description="A replica with no engine status report for this long leaves rotation."
+    )
+    admit_max_queue_depth: int = Field(
+        default=16, gt=0, description="A replica whose engine queue is this deep takes no new request."
+    )
+    admit_long_context_tokens: int = Field(
+        default=32000, gt=0, description="Input above this prefers an engine whose memory does not grow (SSM)."
+    )
+    admit_strict_ttft_ms: float = Field(
+        default=100.0, gt=0, description="A TTFT SLO under this prefers the fastest engine that meets it."
+    )
+    admit_tenant_rate: float = Field(
+        default=200.0, gt=0, description="Per-tenant token bucket: admissions per second within a tenant's profile."
+    )
+    admit_tenant_burst: float = Field(default=400.0, gt=0, description="Per-tenant token bucket depth.")
+    admit_tenant_weights: str = Field(
+        default="",
+        description="Fair-queueing weights, `tenant=weight,...` (others weigh 1).",
+    )
+    admit_queue_ttl_s: float = Field(
+        default=30.0, gt=0, description="A queued request waits this long for capacity before it is dropped."
+    )
+    admit_kv_guarantees: str = Field(
+        default="",
+        description="Guaranteed KV share per engine on a node, `transformer=0.4,moe=0.3,ssm=0.3` (default: equal "
+        "among the engines present); an idle engine's share is lent (donors MoE > Transformer > SSM).",
+    )
+    regions_file: Path | None = Field(
+        default=None, description="Regions (RTT, prices, power, PUE), replacing shared/catalog/regions.yaml."
+    )
+    route_weights: str = Field(
+        default="0.4,0.3,0.1,0.2",
+        description="Weights of cost = a*RTT + b*price + c*power*PUE - d*affinity (alpha, beta, gamma, delta).",
+    )
+    route_damping_s: float = Field(
+        default=1800.0, ge=0, description="A tenant's region changes at most once per this many seconds."
+    )
+    route_affinity_days: int = Field(default=7, gt=0, description="Traffic window of a tenant's region affinity.")
+    route_flush_ms: int = Field(
+        default=500, gt=0, description="How often the router writes its traffic counts (affinity) to Postgres."
+    )
+
     # -- Postgres security (issue 11) --------------------------------------------------------------
     database_tls_ca_file: Path | None = Field(
         default=None,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.contracts.subjects import Rpc
+from tests.bench import loadgen
 from tests.bench.ledger_harness import LedgerHarness
 
 
@@ -74,28 +75,12 @@ async def batched(h: LedgerHarness, commits: int, per_request: int, concurrency:
 
 
 async def open_loop(h: LedgerHarness, rate: float, seconds: float) -> str:
-    latencies: list[float] = []
-    tasks: list[asyncio.Task[None]] = []
-
-    async def one(i: int) -> None:
-        started = time.perf_counter()
+    async def one(i: int) -> str:
         reply = await h.call(Rpc.LEDGER_COMMIT, _commit(h, "open", i), timeout=30)
-        latencies.append((time.perf_counter() - started) * 1000)
         assert reply["status"] == "committed", reply
+        return str(reply["status"])
 
-    begin = time.perf_counter()
-    total = int(rate * seconds)
-    for i in range(total):
-        delay = begin + i / rate - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i)))
-    await asyncio.gather(*tasks)
-    achieved = total / (time.perf_counter() - begin)
-    return (
-        f"open loop at {rate:.0f} commits/s for {seconds:.0f} s (achieved {achieved:,.0f}/s): "
-        f"p50 {statistics.median(latencies):.1f} ms, p99 {_pct(latencies, 0.99):.1f} ms"
-    )
+    return await loadgen.open_loop("ledger.commit", rate, seconds, one, warm_up=0)
 
 
 async def run(h: LedgerHarness, *, commits: int, rate: float, seconds: float) -> list[str]:

@@ -162,12 +162,18 @@ class LedgerHarness:
             await asyncio.sleep(0.2)
 
     async def __aexit__(self, *exc: object) -> None:
+        problems: list[Exception] = []
         for package in list(self.procs):
-            self.stop(package)
+            try:
+                self.stop(package)
+            except RuntimeError as problem:  # it was killed; stop the others all the same
+                problems.append(problem)
         if getattr(self, "nc", None) is not None:
             await self.nc.close()
         await self.servers.drop_database(self.database)
         await self.servers.delete_streams()
+        if problems:
+            raise problems[0]
 
     async def call(self, rpc: Rpc, body: dict[str, Any], *, timeout: float = 5) -> dict[str, Any]:
         msg = await self.nc.request(self.subjects.rpc(rpc), json.dumps(body).encode(), timeout=timeout)

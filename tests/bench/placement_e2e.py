@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -20,17 +19,15 @@ from typing import Any
 from shared.contracts.subjects import Rpc
 from shared.domain.synthetic import synthetic_inventory
 from tests.bench.ledger_harness import LedgerHarness
+from tests.bench.loadgen import open_loop
 
 MIX = [("llama3-8b", "bf16", 8192, 16), ("llama3-70b", "fp8", 8192, 16), ("mixtral-8x7b", "bf16", 8192, 8)]
 
 
 async def run(h: LedgerHarness, *, rate: float, seconds: float) -> str:
     rng = random.Random(200)
-    latencies: list[float] = []
-    outcomes: dict[str, int] = {}
-    tasks: list[asyncio.Task[None]] = []
 
-    async def one(i: int) -> None:
+    async def one(i: int) -> str:
         model, dtype, context, concurrency = rng.choice(MIX)
         body: dict[str, Any] = {
             "request_id": f"e2e-{i}",
@@ -41,33 +38,11 @@ async def run(h: LedgerHarness, *, rate: float, seconds: float) -> str:
             "concurrency": concurrency,
             "backend": "gpu",
         }
-        started = time.perf_counter()
         reply = await h.call(Rpc.PLACEMENT_PLACE, body, timeout=30)
-        latencies.append((time.perf_counter() - started) * 1000)
-        status = reply.get("status", "?")
-        if status == "rejected":
-            status = f"rejected:{(reply.get('error') or {}).get('code')}"
-        outcomes[status] = outcomes.get(status, 0) + 1
+        status = str(reply.get("status", "?"))
+        return f"rejected:{(reply.get('error') or {}).get('code')}" if status == "rejected" else status
 
-    # Warm up (connections, caches) before timing.
-    await asyncio.gather(*[one(-1 - i) for i in range(20)])
-    latencies.clear()
-    outcomes.clear()
-    begin = time.perf_counter()
-    total = int(rate * seconds)
-    for i in range(total):
-        delay = begin + i / rate - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i)))
-    await asyncio.gather(*tasks)
-    achieved = total / (time.perf_counter() - begin)
-    ordered = sorted(latencies)
-    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-    return (
-        f"placement.place over NATS at {rate:.0f}/s for {seconds:.0f} s (achieved {achieved:.0f}/s, "
-        f"{outcomes}): p50 {statistics.median(latencies):.1f} ms, p99 {p99:.1f} ms"
-    )
+    return await open_loop("placement.place", rate, seconds, one)
 
 
 async def placement_ready(h: LedgerHarness, deadline_s: float = 120) -> None:

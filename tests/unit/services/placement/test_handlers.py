@@ -289,13 +289,18 @@ class FakeStore(DecisionStore):
             if row["allocation_id"] == allocation_id:
                 row["status"] = "released"
 
-    async def mark_ended(self, *, session: Any, allocation_id: str, status: DecisionStatus, now: datetime) -> None:
-        for row in self.rows.values():
+    async def mark_ended(
+        self, *, session: Any, allocation_id: str, status: DecisionStatus, now: datetime
+    ) -> str | None:
+        tenant = None
+        for (row_tenant, _rid), row in self.rows.items():
             if row["allocation_id"] == allocation_id and row["status"] == "placed":
                 row.update(status=status.value, updated_at=now)
+                tenant = row_tenant
         seen = self.allocations.get(allocation_id)
         if seen is not None and seen["state"] == "active":
             seen.update(state=status.value)
+        return tenant
 
     async def allocation_seen(
         self, *, session: Any, allocation_id: str, tenant: str, request_id: str, now: datetime

@@ -1,0 +1,52 @@
+"""Admission: which replica takes a request, in what order to fail over, whose request goes next, and
+how one node's KV pool is shared between engines. Pure: time is ``now_ms`` from the caller.
+
+* ``engines``: the engine of a model, what admission knows of a replica, a request's peak KV on it;
+* ``groups``: model groups, one API name for several catalog models;
+* ``select``: candidates, the rule that picks among them, the failover order;
+* ``fair``: per-tenant weighted fair queueing shaped by token buckets;
+* ``pool``: a node's KV pool with a guarantee per engine and borrowing from idle engines.
+"""
+
+from shared.domain.admission.engines import Engine, ReplicaStatus, engine_of, request_kv_bytes
+from shared.domain.admission.fair import FairQueue, TokenBucket
+from shared.domain.admission.groups import members, parse_model_groups
+from shared.domain.admission.pool import DONOR_ORDER, Grant, KvPool
+from shared.domain.admission.select import (
+    FAILOVER_ORDER,
+    AdmitAsk,
+    AdmitPolicy,
+    Candidate,
+    Exclusion,
+    Hint,
+    Rule,
+    Selection,
+    failover_order,
+    least_cost,
+    select,
+)
+
+__all__ = [
+    "DONOR_ORDER",
+    "FAILOVER_ORDER",
+    "AdmitAsk",
+    "AdmitPolicy",
+    "Candidate",
+    "Engine",
+    "Exclusion",
+    "FairQueue",
+    "Grant",
+    "Hint",
+    "KvPool",
+    "ReplicaStatus",
+    "Rule",
+    "Selection",
+    "TokenBucket",
+    "engine_of",
+    "failover_order",
+    "least_cost",
+    "members",
+    "parse_model_groups",
+    "request_kv_bytes",
+    "select",
+]

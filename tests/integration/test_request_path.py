@@ -1,0 +1,373 @@
+"""The request path on real NATS and Postgres: topology, the ledger, placement (with admission) and the
+cross-region router as processes; replicas placed through `placement.place`, engines reporting their status
+as `hetsched engine-sim` does. A 64k-token request goes to the SSM replica, a stale replica leaves rotation,
+admission holds KV in the ledger until released, 100 in-flight sessions keep their region while prices
+move under them and move at once when it goes down, bad input is refused on both subjects."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import random
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import pytest_asyncio
+import yaml
+from nats.aio.client import Client
+
+from hetsched.engine_sim import EngineLoad, publish_engine_status
+from hetsched.stack import wait_healthy
+from shared.contracts.base import Rejected
+from shared.contracts.ledger import SnapshotReply, SnapshotRequest
+from shared.contracts.placement import AdmitReply, AdmitRequest, PlaceReply, PlaceRequest, ReleaseReply, ReleaseRequest
+from shared.contracts.routing import RouteRegionReply, RouteRegionRequest, RouteSelectReply, RouteSelectRequest
+from shared.contracts.streams import stream_name
+from shared.contracts.subjects import Context, Rpc, Subjects
+from shared.infra.catalog import demo_fleet_path, packaged_file
+from shared.infra.rpc import RpcClient
+from shared.infra.settings import Settings
+from tests.conftest import ServiceProcesses, service_env
+from tests.jetstream import read_all
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+STALE_S = 2.0
+
+
+def _regions(path: Path, *, us_west_factor: float) -> None:
+    """The shipped regions with eu-west-1 close to both US regions (so a price move can change a new
+    tenant's region) and us-west-1's prices scaled."""
+    doc = yaml.safe_load(packaged_file("regions.yaml").read_text())
+    regions = copy.deepcopy(doc["regions"])
+    regions["eu-west-1"]["rtt_ms"] = {"us-west-1": 70, "us-east-1": 60}
+    regions["us-west-1"]["rtt_ms"]["eu-west-1"] = 70
+    regions["us-east-1"]["rtt_ms"]["eu-west-1"] = 60
+    east = regions["us-east-1"]["price_usd_per_hour"]
+    regions["us-west-1"]["price_usd_per_hour"] = {sku: round(p * us_west_factor, 4) for sku, p in east.items()}
+    path.write_text(yaml.safe_dump({"regions": regions}))
+
+
+class Stack:
+    def __init__(self, rpc: RpcClient, nc: Client, settings: Settings, regions_file: Path) -> None:
+        self.rpc = rpc
+        self.nc = nc
+        self.settings = settings
+        self.regions_file = regions_file
+        self.replicas: dict[str, tuple[str, str]] = {}  # name -> (allocation id, node)
+
+    async def place(self, name: str, model: str, region: str) -> None:
+        reply = await self.rpc.ask(
+            Rpc.PLACEMENT_PLACE,
+            PlaceRequest(
+                request_id=f"rp-{name}",
+                tenant="platform",
+                model=model,
+                context_tokens=65536,
+                concurrency=8,
+                region=region,
+                backend="gpu",
+            ),
+            PlaceReply,
+        )
+        assert isinstance(reply, PlaceReply) and reply.status == "placed", reply
+        assert reply.allocation_id is not None
+        self.replicas[name] = (reply.allocation_id, reply.placements[0].node)
+
+    async def report(self, name: str, **load: Any) -> None:
+        allocation_id, node = self.replicas[name]
+        status = EngineLoad(jitter=0, **load).status(replica_id=allocation_id, node=node, rng=random.Random(0))
+        await publish_engine_status(self.nc.jetstream(), Subjects(self.settings.subject_prefix), status)
+
+    async def admit(self, **fields: Any) -> AdmitReply | Rejected:
+        body = {"tenant": "acme", "output_tokens": 256, "region": "us-west-1", **fields}
+        return await self.rpc.ask(Rpc.PLACEMENT_ADMIT, AdmitRequest(**body), AdmitReply)
+
+    async def route(self, **fields: Any) -> RouteSelectReply | Rejected:
+        body = {"model": "chat-long", "input_tokens": 1000, "output_tokens": 256, "admit": False, **fields}
+        return await self.rpc.ask(Rpc.ROUTE_SELECT, RouteSelectRequest(**body), RouteSelectReply)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stack(
+    service_processes: ServiceProcesses, settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Stack]:
+    regions_file = tmp_path_factory.mktemp("regions") / "regions.yaml"
+    _regions(regions_file, us_west_factor=2.0)
+    service_processes.start(
+        "topology_discovery", name="rq_topology", HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path())
+    )
+    service_processes.start("capacity_ledger", name="rq_ledger")
+    service_processes.start("placement", name="rq_placement", HETSCHED_ENGINE_STALE_S=str(STALE_S))
+    service_processes.start(
+        "cross_region_router",
+        name="rq_router",
+        HETSCHED_REGIONS_FILE=str(regions_file),
+        HETSCHED_ROUTE_FLUSH_MS="100",
+    )
+    health = await wait_healthy(
+        nats_url=settings.nats_url or "",
+        subjects=Subjects(settings.subject_prefix),
+        deadline_s=60,
+        only={"topology_discovery", "capacity_ledger", "placement", "cross_region_router"},
+    )
+    assert all(h["status"] == "ok" for h in health.values()), health
+    rpc = await RpcClient.connect(settings.nats_url or "", Subjects(settings.subject_prefix), timeout_s=10)
+    nc = await nats.connect(settings.nats_url or "")
+    s = Stack(rpc, nc, settings, regions_file)
+
+    async def placed_ssm() -> bool:
+        try:
+            await s.place("ssm", "mamba2-2.7b", "us-west-1")
+        except AssertionError:
+            return False
+        return True
+
+    await wait_for(placed_ssm, 30, what="placement sees the demo fleet")
+    await s.place("tf", "llama3.1-8b", "us-west-1")
+    await s.place("east", "llama3.1-8b", "us-east-1")
+    yield s
+    await rpc.close()
+    await nc.close()
+    for name in ("rq_router", "rq_placement", "rq_ledger", "rq_topology"):
+        service_processes.stop(name)
+
+
+async def active_holds(stack: Stack) -> set[str]:
+    """`request` allocations the ledger committed and has not ended (from its events)."""
+    events = await read_all(
+        stack.nc.jetstream(),
+        stream=stream_name(Context.LEDGER, stream_prefix=stack.settings.stream_prefix),
+        subject=Subjects(stack.settings.subject_prefix).events_of(Context.LEDGER),
+    )
+    committed = {
+        e["payload"]["allocation_id"]
+        for e in events
+        if e["type"].endswith("allocation_committed") and e["payload"]["kind"] == "request"
+    }
+    ended = {
+        e["payload"]["allocation_id"]
+        for e in events
+        if e["type"].endswith(("allocation_released", "allocation_expired"))
+    }
+    return committed - ended
+
+
+async def _admitted_to(stack: Stack, rid: str, **fields: Any) -> AdmitReply:
+    reply = await stack.admit(request_id=rid, **fields)
+    assert isinstance(reply, AdmitReply) and reply.status == "admitted", reply
+    return reply
+
+
+async def test_a_64k_request_goes_to_the_ssm_replica_and_holds_kv_until_released(stack: Stack) -> None:
+    await stack.report("ssm", queue_depth=4, base_latency_ms=150)
+    await stack.report("tf", queue_depth=0, base_latency_ms=40)  # faster, emptier: only the rule sends it away
+
+    async def long_one() -> AdmitReply | None:
+        reply = await stack.admit(request_id="long-1", model="chat-long", input_tokens=64_000)
+        return reply if isinstance(reply, AdmitReply) and reply.status == "admitted" else None
+
+    reply = await wait_for(long_one, 15, what="the replicas are in rotation")
+    assert (reply.replica_id, reply.engine) == (stack.replicas["ssm"][0], "ssm")
+    assert reply.allocation_id and reply.kv_bytes
+
+    # Held in the ledger as a request allocation in the replica's KV pool, until released.
+    assert reply.allocation_id in await active_holds(stack)
+    forbidden = await stack.rpc.ask(
+        Rpc.PLACEMENT_RELEASE, ReleaseRequest(allocation_id=reply.allocation_id, tenant="mallory"), ReleaseReply
+    )
+    assert getattr(forbidden, "status", None) == "rejected"
+    assert reply.allocation_id in await active_holds(stack)
+    released = await stack.rpc.ask(
+        Rpc.PLACEMENT_RELEASE, ReleaseRequest(allocation_id=reply.allocation_id, tenant="acme"), ReleaseReply
+    )
+    assert isinstance(released, ReleaseReply) and released.status == "released", released
+
+    async def gone() -> bool:
+        return reply.allocation_id not in await active_holds(stack)
+
+    await wait_for(gone, 10, what="the ledger announces the release")
+
+    short = await _admitted_to(stack, "short-1", model="chat-long", input_tokens=500)
+    assert short.replica_id == stack.replicas["tf"][0]  # least cost: the idle, fast transformer
+
+
+async def test_a_stale_replica_is_never_chosen_and_a_failed_one_is_passed_over(stack: Stack) -> None:
+    await stack.report("ssm", queue_depth=0, base_latency_ms=100)
+    await stack.report("tf", queue_depth=0, base_latency_ms=40)
+    first = await _admitted_to(stack, "st-1", model="chat-long", input_tokens=64_000)
+    assert first.replica_id == stack.replicas["ssm"][0]
+    # The gateway says the SSM engine failed this request: the retry fails over at once.
+    over = await _admitted_to(
+        stack, "st-1b", model="chat-long", input_tokens=64_000, failed_replica_id=first.replica_id
+    )
+    assert over.replica_id == stack.replicas["tf"][0] and over.engine == "transformer"
+
+    await stack.report("ssm", queue_depth=0, base_latency_ms=100)  # back in rotation
+    await asyncio.sleep(STALE_S + 0.5)  # ... and silent since: stale
+    await stack.report("tf", queue_depth=0, base_latency_ms=40)
+    for i in range(5):
+        reply = await _admitted_to(stack, f"st-2-{i}", model="chat-long", input_tokens=64_000)
+        assert reply.replica_id == stack.replicas["tf"][0], reply
+
+
+async def test_route_select_routes_and_admits_in_the_chosen_region(stack: Stack) -> None:
+    await stack.report("tf", queue_depth=0, base_latency_ms=40)
+    await stack.report("ssm", queue_depth=0, base_latency_ms=100)
+    reply = await stack.route(
+        request_id="r-1", tenant="west-co", origin_region="us-west-1", session_id="s-1", admit=True
+    )
+    assert isinstance(reply, RouteSelectReply) and reply.status == "routed", reply
+    assert (reply.region, reply.tier) == ("us-west-1", "affinity")
+    assert reply.cost is not None and reply.cost.weights == {"rtt": 0.4, "price": 0.3, "power": 0.1, "affinity": 0.2}
+    assert reply.admission is not None and reply.admission.status == "admitted"
+    assert reply.admission.region == "us-west-1"
+
+
+async def test_in_flight_sessions_keep_their_region_while_prices_move_and_move_when_it_goes_down(
+    stack: Stack,
+) -> None:
+    sessions = [(f"tenant-{i % 10}", f"sess-{i}") for i in range(100)]
+
+    async def route(tenant: str, session: str, rid: str, *, in_flight: bool) -> RouteSelectReply:
+        reply = await stack.route(
+            request_id=rid, tenant=tenant, session_id=session, origin_region="eu-west-1", in_flight=in_flight
+        )
+        assert isinstance(reply, RouteSelectReply) and reply.status == "routed", reply
+        return reply
+
+    # us-west-1 costs twice us-east-1: every session starts in us-east-1 (nearest to eu-west-1).
+    first = await asyncio.gather(*(route(t, s, f"{s}-0", in_flight=False) for t, s in sessions))
+    assert {r.region for r in first} == {"us-east-1"}
+
+    # Prices move under them (us-west-1 now 30% of us-east-1) while 100 sessions stream concurrently.
+    async def stream(rounds: int) -> list[str]:
+        regions: list[str] = []
+        for n in range(rounds):
+            replies = await asyncio.gather(*(route(t, s, f"{s}-f{n}", in_flight=True) for t, s in sessions))
+            regions += [r.region or "" for r in replies]
+            assert not any(r.switched for r in replies)
+        return regions
+
+    streaming = asyncio.create_task(stream(6))
+    await asyncio.sleep(0.2)
+    _regions(stack.regions_file, us_west_factor=0.3)
+
+    probes = iter(range(1000))
+
+    async def new_tenants_go_west() -> bool:  # the move is real: a tenant without history now takes the cost tier
+        n = next(probes)
+        reply = await route(f"newcomer-{n}", f"new-s-{n}", f"new-r-{n}", in_flight=False)
+        return reply.region == "us-west-1" and reply.tier == "cost"
+
+    await wait_for(new_tenants_go_west, 10, what="the router reloads the new prices")
+    assert set(await streaming) == {"us-east-1"}
+    held = await asyncio.gather(*(route(t, s, f"{s}-after", in_flight=True) for t, s in sessions))
+    assert {r.region for r in held} == {"us-east-1"}
+
+    # us-east-1 goes down: in-flight sessions move at once (their stream is gone with it).
+    down = await stack.rpc.ask(Rpc.ROUTE_REGION, RouteRegionRequest(region="us-east-1", state="down"), RouteRegionReply)
+    assert isinstance(down, RouteRegionReply) and (down.state, down.previous) == ("down", "up")
+    moved = await asyncio.gather(*(route(t, s, f"{s}-down", in_flight=True) for t, s in sessions))
+    assert {r.region for r in moved} == {"us-west-1"}
+    await stack.rpc.ask(Rpc.ROUTE_REGION, RouteRegionRequest(region="us-east-1", state="up"), RouteRegionReply)
+
+    events = await read_all(
+        stack.nc.jetstream(),
+        stream=stream_name(Context.ROUTING, stream_prefix=stack.settings.stream_prefix),
+        subject=Subjects(stack.settings.subject_prefix).events_of(Context.ROUTING),
+    )
+    switched = [e for e in events if e["type"].endswith("route_switched")]
+    assert {e["payload"]["tenant"] for e in switched} >= {f"tenant-{i}" for i in range(10)}
+    ours = [e["payload"] for e in switched if e["payload"]["tenant"].startswith("tenant-")]
+    assert all(payload["from_region"] == "us-east-1" for payload in ours)
+
+
+async def test_bad_input_on_both_subjects_gets_typed_errors_and_changes_nothing(stack: Stack) -> None:
+    async def raw(rpc: Rpc, body: bytes) -> dict[str, Any]:
+        msg = await stack.nc.request(Subjects(stack.settings.subject_prefix).rpc(rpc), body, timeout=10)
+        return dict(json.loads(msg.data))
+
+    holds = await active_holds(stack)
+    snap = await stack.rpc.ask(Rpc.LEDGER_SNAPSHOT, SnapshotRequest(), SnapshotReply)
+    assert isinstance(snap, SnapshotReply)
+    reserved = {a.id: (a.hbm_reserved, tuple(a.allocations)) for a in snap.accelerators}
+    for rpc in (Rpc.PLACEMENT_ADMIT, Rpc.ROUTE_SELECT):
+        for body in (
+            b"not json",
+            b"[]",
+            b'{"request_id": "x"}',
+            b'{"request_id": "x", "tenant": "t", "model": "chat-long", "input_tokens": -5, "output_tokens": 1,'
+            b' "origin_region": "us-west-1"}',
+            b'{"request_id": "x", "tenant": "t", "model": "chat-long", "input_tokens": 5, "output_tokens": 1,'
+            b' "origin_region": "us-west-1", "hint": "quantum"}',
+        ):
+            reply = await raw(rpc, body)
+            assert reply["status"] == "rejected" and reply["error"]["code"] == "invalid_request", (rpc, body, reply)
+    unknown = await stack.admit(request_id="u", model="gpt-17", input_tokens=10)
+    assert isinstance(unknown, Rejected) and unknown.error.code == "unknown_model"
+    origin = await stack.route(request_id="u", tenant="t", origin_region="mars-1")
+    assert isinstance(origin, Rejected) and origin.error.code == "invalid_request"
+    region = await stack.rpc.ask(Rpc.ROUTE_REGION, RouteRegionRequest(region="mars-1", state="down"), RouteRegionReply)
+    assert isinstance(region, Rejected) and region.error.code == "not_found"
+    after = await stack.rpc.ask(Rpc.LEDGER_SNAPSHOT, SnapshotRequest(), SnapshotReply)
+    assert isinstance(after, SnapshotReply)
+    assert {a.id: (a.hbm_reserved, tuple(a.allocations)) for a in after.accelerators} == reserved
+    assert await active_holds(stack) == holds
+
+
+async def test_the_cli_runs_the_request_path_with_a_simulated_engine(stack: Stack) -> None:
+    """`hetsched engine-sim` reports a replica, `hetsched admit` and `hetsched route` take requests."""
+    env = service_env(stack.settings)
+
+    async def cli(*args: str) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "hetsched",
+            *args,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await proc.communicate()
+        return proc.returncode or 0, out.decode()
+
+    allocation_id, node = stack.replicas["east"]
+    code, out = await cli(
+        "engine-sim", "--replica", allocation_id, "--node", node, "--count", "1", "--queue-depth", "0"
+    )
+    assert code == 0 and "1 engine status report(s) sent" in out, out
+
+    async def admitted() -> dict[str, Any] | None:
+        code, out = await cli(
+            "admit",
+            "--model",
+            "llama3.1-8b",
+            "--tenant",
+            "cli-co",
+            "--input-tokens",
+            "900",
+            "--region",
+            "us-east-1",
+            "--json",
+        )
+        reply = json.loads(out[out.index("{") :]) if "{" in out else {}
+        return reply if code == 0 and reply.get("status") == "admitted" else None
+
+    reply = await wait_for(admitted, 20, what="the CLI admits onto the simulated engine's replica")
+    assert reply["replica_id"] == allocation_id and reply["engine"] == "transformer"
+
+    code, out = await cli(
+        "route", "--model", "llama3.1-8b", "--tenant", "cli-co", "--origin", "us-east-1", "--no-admit", "--json"
+    )
+    routed = json.loads(out[out.index("{") :])
+    assert code == 0 and (routed["status"], routed["region"]) == ("routed", "us-east-1"), out
+    code, out = await cli("route", "--model", "llama3.1-8b", "--tenant", "cli-co", "--origin", "atlantis", "--json")
+    assert code == 1 and '"invalid_request"' in out, out

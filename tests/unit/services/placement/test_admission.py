@@ -1,0 +1,344 @@
+"""AdmissionHandlers with fakes: a ledger that checks each hold against its replica's KV pool as the real one
+does, a fake monotonic clock, engine reports handed in directly. No servers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from services.placement.admission import AdmissionHandlers, Fairness, parse_kv_shares, parse_weights
+from services.placement.replicas import Replica, ReplicaBook, hold_requester, replica_of
+from shared.contracts.base import ErrorCode, Rejected, rejected
+from shared.contracts.ledger import (
+    CommitBatchReply,
+    CommitBatchRequest,
+    CommitReply,
+    CommitRequest,
+    LedgerReleaseReply,
+    LedgerReleaseRequest,
+)
+from shared.contracts.placement import AcceleratorShare, AdmitReply, AdmitRequest, NodePlacement, PlaceReply
+from shared.contracts.subjects import Rpc, Subjects
+from shared.contracts.topology import EngineStatusEvent
+from shared.domain.admission import AdmitPolicy, Engine
+from shared.infra.catalog import load_models
+from shared.infra.rpc import RpcClient
+
+MODELS = load_models()
+GROUPS = {"chat": ("llama3.1-8b", "mamba2-2.7b", "mixtral-8x7b")}
+GB = 10**9
+log = logging.getLogger("test.admission")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.ms = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.ms
+
+
+class FakeLedger(RpcClient):
+    """`ledger.commit` of `request` allocations: refused `no_capacity` past the replica's KV pool (per
+    accelerator, as ``shared.domain.ledger.check_request``); `ledger.release` frees them."""
+
+    def __init__(self, pools: dict[str, dict[str, int]], owners: dict[str, str]) -> None:
+        super().__init__(lambda: None, Subjects("t"))  # type: ignore[arg-type, return-value]
+        self.pools = pools
+        self.owners = owners
+        self.used: dict[str, dict[str, int]] = {r: {} for r in pools}
+        self.holds: dict[str, tuple[str, CommitRequest]] = {}
+        self.commits: list[CommitRequest] = []
+        self.batches: list[int] = []
+
+    async def call(self, rpc: Rpc, request: BaseModel, **_: Any) -> BaseModel:
+        if rpc is Rpc.LEDGER_RELEASE:
+            assert isinstance(request, LedgerReleaseRequest)
+            replica, commit = self.holds.pop(request.allocation_id)
+            assert request.tenant == commit.tenant
+            for share in commit.shares:
+                self.used[replica][share.accelerator_id] -= share.kv
+            return LedgerReleaseReply(status="released")
+        if rpc is Rpc.LEDGER_COMMIT_BATCH:
+            assert isinstance(request, CommitBatchRequest)
+            self.batches.append(len(request.commits))
+            return CommitBatchReply(results=[self._commit(commit) for commit in request.commits])  # type: ignore[misc]
+        assert rpc is Rpc.LEDGER_COMMIT and isinstance(request, CommitRequest)
+        return self._commit(request)
+
+    def _commit(self, request: CommitRequest) -> BaseModel:
+        self.commits.append(request)
+        parent = request.parent_id or ""
+        if self.owners[parent] != request.tenant:
+            return rejected(ErrorCode.FORBIDDEN, "the replica belongs to another tenant")
+        for share in request.shares:
+            if self.used[parent].get(share.accelerator_id, 0) + share.kv > self.pools[parent][share.accelerator_id]:
+                return CommitReply(status="rejected", error=rejected(ErrorCode.NO_CAPACITY, "KV pool full").error)
+        for share in request.shares:
+            self.used[parent][share.accelerator_id] = self.used[parent].get(share.accelerator_id, 0) + share.kv
+        allocation_id = f"hold-{len(self.commits)}"
+        self.holds[allocation_id] = (parent, request)
+        return CommitReply(status="committed", request_id=request.request_id, allocation_id=allocation_id)
+
+
+def _replica(replica_id: str, model: str, node: str, *, kv_gb: float = 40, region: str = "us-west-1") -> Replica:
+    spec = MODELS[model]
+    from shared.domain.admission import engine_of
+
+    return Replica(
+        replica_id=replica_id,
+        owner="platform",
+        model=model,
+        engine=engine_of(spec),
+        node=node,
+        region=region,
+        tp=1,
+        kv_pool={f"{node}/gpu0": int(kv_gb * GB)},
+    )
+
+
+def _status(replica: Replica, **figures: Any) -> EngineStatusEvent:
+    values: dict[str, Any] = {
+        "replica_id": replica.replica_id,
+        "node": replica.node,
+        "queue_depth": 1,
+        "kv_used_bytes": 0,
+        "kv_total_bytes": replica.kv_total,
+        "latency_p50_ms": 90.0,
+        "latency_p99_ms": 200.0,
+        "healthy": True,
+    }
+    values.update(figures)
+    return EngineStatusEvent(**values)
+
+
+def _stack(
+    *replicas: Replica, fairness: Fairness | None = None
+) -> tuple[AdmissionHandlers, FakeLedger, Clock, ReplicaBook]:
+    book = ReplicaBook(models=MODELS)
+    for replica in replicas:
+        book.add(replica)
+    ledger = FakeLedger({r.replica_id: dict(r.kv_pool) for r in replicas}, {r.replica_id: r.owner for r in replicas})
+    clock = Clock()
+    handlers = AdmissionHandlers(
+        book=book,
+        rpc=ledger,
+        models=MODELS,
+        groups=GROUPS,
+        policy=AdmitPolicy(),
+        fairness=fairness or Fairness(),
+        timer=clock,
+        log=log,
+    )
+    return handlers, ledger, clock, book
+
+
+def _ask(
+    request_id: str, *, tenant: str = "acme", model: str = "chat", tokens: int = 1000, **extra: Any
+) -> AdmitRequest:
+    return AdmitRequest(
+        request_id=request_id, tenant=tenant, model=model, input_tokens=tokens, output_tokens=256, **extra
+    )
+
+
+async def test_a_64k_request_to_a_group_with_ssm_and_transformer_goes_to_the_ssm_replica() -> None:
+    tf, ssm = _replica("r-tf", "llama3.1-8b", "n1"), _replica("r-ssm", "mamba2-2.7b", "n2")
+    handlers, ledger, _clock, _book = _stack(tf, ssm)
+    # The transformer is the faster and emptier one: only the long-context rule sends it to the SSM.
+    handlers.on_engine_status(_status(tf, latency_p50_ms=40.0, queue_depth=0))
+    handlers.on_engine_status(_status(ssm, latency_p50_ms=150.0, queue_depth=3))
+
+    reply = await handlers.admit(_ask("long", tokens=64_000))
+
+    assert isinstance(reply, AdmitReply) and reply.status == "admitted", reply
+    assert (reply.replica_id, reply.engine, reply.model) == ("r-ssm", "ssm", "mamba2-2.7b")
+    assert reply.failover == ["r-tf"]
+    # A short request with no SLO goes by least cost: the idle, fast transformer.
+    short = await handlers.admit(_ask("short", tokens=1000))
+    assert isinstance(short, AdmitReply) and short.replica_id == "r-tf"
+    # The hold is a `request` allocation in the replica's pool, under its owner, naming the requester.
+    commit = ledger.commits[0]
+    assert (commit.kind, commit.parent_id, commit.tenant) == ("request", "r-ssm", "platform")
+    assert hold_requester(commit.request_id) == ("acme", "long")
+
+
+async def test_a_stale_replica_is_never_chosen() -> None:
+    tf, ssm = _replica("r-tf", "llama3.1-8b", "n1"), _replica("r-ssm", "mamba2-2.7b", "n2")
+    handlers, _ledger, clock, _book = _stack(tf, ssm)
+    handlers.on_engine_status(_status(ssm))
+    clock.ms += 10_000
+    handlers.on_engine_status(_status(tf))
+    clock.ms += 6_000  # the SSM's report is 16 s old: past HETSCHED_ENGINE_STALE_S (15 s)
+
+    reply = await handlers.admit(_ask("long", tokens=64_000))
+    assert isinstance(reply, AdmitReply) and reply.replica_id == "r-tf"
+
+    clock.ms += 10_000  # now both are stale: nothing can serve it, and waiting would not help
+    none = await handlers.admit(_ask("later", tokens=1000))
+    assert isinstance(none, Rejected) and none.error.code is ErrorCode.NO_CAPACITY
+    assert "stale" in none.error.message
+
+    handlers.on_engine_status(_status(ssm))  # it reports again: back in rotation
+    back = await handlers.admit(_ask("again", tokens=64_000))
+    assert isinstance(back, AdmitReply) and back.replica_id == "r-ssm"
+
+
+async def test_a_failed_engine_fails_over_in_the_same_call_and_stays_out_until_it_reports() -> None:
+    moe, tf = _replica("r-moe", "mixtral-8x7b", "n1", kv_gb=60), _replica("r-tf", "llama3.1-8b", "n2")
+    handlers, _ledger, _clock, _book = _stack(moe, tf)
+    handlers.on_engine_status(_status(moe, latency_p50_ms=30.0, queue_depth=0))
+    handlers.on_engine_status(_status(tf, latency_p50_ms=80.0, queue_depth=0))
+
+    first = await handlers.admit(_ask("q1"))
+    assert isinstance(first, AdmitReply) and first.replica_id == "r-moe"
+
+    # The gateway's call to the MoE engine timed out: it asks again naming the replica that failed.
+    retry = await handlers.admit(_ask("q1-retry", failed_replica_id="r-moe"))
+    assert isinstance(retry, AdmitReply) and retry.replica_id == "r-tf" and retry.engine == "transformer"
+    other = await handlers.admit(_ask("q2"))  # still out of rotation for everyone
+    assert isinstance(other, AdmitReply) and other.replica_id == "r-tf"
+
+    handlers.on_engine_status(_status(moe, latency_p50_ms=30.0, queue_depth=0))
+    back = await handlers.admit(_ask("q3"))
+    assert isinstance(back, AdmitReply) and back.replica_id == "r-moe"
+
+
+async def test_a_hold_the_ledger_refuses_fails_over_to_the_next_replica() -> None:
+    a, b = _replica("r-a", "llama3.1-8b", "n1", kv_gb=40), _replica("r-b", "llama3.1-8b", "n2", kv_gb=40)
+    handlers, ledger, _clock, _book = _stack(a, b)
+    handlers.on_engine_status(_status(a, latency_p50_ms=20.0, queue_depth=0))
+    handlers.on_engine_status(_status(b, latency_p50_ms=90.0, queue_depth=0))
+    ledger.used["r-a"]["n1/gpu0"] = 40 * GB  # the book does not know: another process filled it
+
+    reply = await handlers.admit(_ask("x", model="llama3.1-8b"))
+    assert isinstance(reply, AdmitReply) and reply.replica_id == "r-b"
+    assert "refused the hold" in (reply.explanation or "")
+
+
+async def test_nothing_fits_queues_with_a_position_and_admits_when_capacity_frees() -> None:
+    tf = _replica("r-tf", "llama3.1-8b", "n1")
+    handlers, _ledger, _clock, _book = _stack(tf)
+    handlers.on_engine_status(_status(tf, queue_depth=16))  # at the maximum queue depth
+
+    first = await handlers.admit(_ask("w1"))
+    second = await handlers.admit(_ask("w2", tenant="beta"))
+    assert isinstance(first, AdmitReply) and (first.status, first.queue_position) == ("queued", 1)
+    assert isinstance(second, AdmitReply) and (second.status, second.queue_position) == ("queued", 2)
+
+    handlers.on_engine_status(_status(tf, queue_depth=0))
+    assert await handlers.drain() == 2
+    again = await handlers.admit(_ask("w1"))
+    assert isinstance(again, AdmitReply) and again.status == "admitted" and again.replica_id == "r-tf"
+
+
+async def test_the_same_request_id_answers_the_same_admission() -> None:
+    tf = _replica("r-tf", "llama3.1-8b", "n1")
+    handlers, ledger, _clock, _book = _stack(tf)
+    handlers.on_engine_status(_status(tf))
+    one = await handlers.admit(_ask("same"))
+    two = await handlers.admit(_ask("same"))
+    assert one == two and len(ledger.commits) == 1
+
+
+async def test_kv_is_held_until_release_and_only_its_tenant_may_release_it() -> None:
+    tf = _replica("r-tf", "llama3.1-8b", "n1", kv_gb=1)
+    handlers, ledger, _clock, book = _stack(tf)
+    handlers.on_engine_status(_status(tf))
+    reply = await handlers.admit(_ask("big", tokens=6000))
+    assert isinstance(reply, AdmitReply) and reply.allocation_id is not None and reply.kv_bytes
+    assert book.status(tf).held_bytes == reply.kv_bytes
+
+    forbidden = handlers.owner_of_hold(reply.allocation_id, "mallory")
+    assert isinstance(forbidden, Rejected) and forbidden.error.code is ErrorCode.FORBIDDEN
+    owner = handlers.owner_of_hold(reply.allocation_id, "acme")
+    assert owner == "platform"
+    released = await handlers.release_hold(reply.allocation_id, "platform")
+    assert released.status == "released" and book.status(tf).held_bytes == 0 and not ledger.holds
+
+
+async def test_unknown_model_and_a_context_too_long_for_every_replica() -> None:
+    tf = _replica("r-tf", "llama3-8b", "n1")  # max_context 8192
+    handlers, _ledger, _clock, _book = _stack(tf)
+    handlers.on_engine_status(_status(tf))
+    unknown = await handlers.admit(_ask("u", model="no-such-model"))
+    assert isinstance(unknown, Rejected) and unknown.error.code is ErrorCode.UNKNOWN_MODEL
+    too_long = await handlers.admit(_ask("t", model="llama3-8b", tokens=20_000))
+    assert isinstance(too_long, Rejected) and too_long.error.code is ErrorCode.NO_CAPACITY
+    assert "context" in too_long.error.message
+
+
+async def test_a_flooding_tenant_does_not_starve_another_through_admit() -> None:
+    """Two tenants, equal weights; acme asks 10x what beta asks, far more than the replica takes. Each tick
+    the engine finishes two requests (its queue reports two below the maximum) and admission fills them
+    from the fair queue. Max-min fair: beta asks 1 per tick of a capacity of 2, so its fair share is all of
+    its own demand, half the admissions; it stays within 5% of that."""
+    tf = _replica("r-tf", "llama3.1-8b", "n1", kv_gb=1000)
+    handlers, _ledger, clock, book = _stack(tf, fairness=Fairness(rate_per_s=1.0, burst=1.0, ttl_s=3600))
+    handlers.on_engine_status(_status(tf, queue_depth=16))  # full: everything queues
+    asked = {"acme": 0, "beta": 0}
+    for tick in range(200):
+        clock.ms += 1000
+        for n in range(10):
+            asked["acme"] += 1
+            await handlers.admit(_ask(f"a-{tick}-{n}", tenant="acme"))
+        asked["beta"] += 1
+        await handlers.admit(_ask(f"b-{tick}", tenant="beta"))
+        before = len(book.holds)
+        handlers.on_engine_status(_status(tf, queue_depth=14))  # two finished
+        await handlers.drain()
+        assert len(book.holds) - before == 2  # exactly the two free places: admitted ones count until reported
+    admitted = {"acme": 0, "beta": 0}
+    for hold in book.holds.values():
+        admitted[hold.requester] += 1
+    total = sum(admitted.values())
+    fair_beta = min(asked["beta"], total / 2) / total
+    assert total == 400
+    assert admitted["beta"] / total == pytest.approx(fair_beta, abs=0.05), admitted
+
+
+def test_settings_parsers() -> None:
+    assert parse_weights("acme=2, beta=0.5") == {"acme": 2.0, "beta": 0.5}
+    with pytest.raises(ValueError):
+        parse_weights("acme")
+    with pytest.raises(ValueError):
+        parse_weights("acme=-1")
+    assert parse_kv_shares("") is None
+    assert parse_kv_shares("moe=0.5,ssm=0.5") == {Engine.MOE: 0.5, Engine.SSM: 0.5}
+    with pytest.raises(ValueError):
+        parse_kv_shares("gpu=1")
+
+
+def test_a_placed_reply_becomes_a_replica_with_its_kv_pool() -> None:
+    reply = PlaceReply(
+        status="placed",
+        request_id="p1",
+        allocation_id="al-1",
+        region="us-east-1",
+        tp=2,
+        model="llama3.1-8b",
+        placements=[NodePlacement(node="n1", accelerators=["n1/gpu0", "n1/gpu1"])],
+        hbm_per_accelerator=AcceleratorShare(weights=8 * GB, kv=20 * GB, activation=GB, workspace=GB, total=30 * GB),
+    )
+    replica = replica_of("acme", reply, MODELS)
+    assert replica is not None
+    assert (replica.engine, replica.tp, replica.node, replica.region) == (Engine.TRANSFORMER, 2, "n1", "us-east-1")
+    assert replica.kv_pool == {"n1/gpu0": 20 * GB, "n1/gpu1": 20 * GB}
+    assert replica_of("acme", reply.model_copy(update={"model": None}), MODELS) is None
+
+
+async def test_concurrent_admissions_hold_their_kv_in_batches() -> None:
+    """Admissions that arrive while a hold is in flight go to the ledger together (`ledger.commit_batch`),
+    each still answered on its own."""
+    replicas = [_replica(f"r-{i}", "llama3.1-8b", f"n{i}") for i in range(4)]
+    handlers, ledger, _clock, book = _stack(*replicas)
+    for replica in replicas:
+        handlers.on_engine_status(_status(replica, queue_depth=0))
+    replies = await asyncio.gather(*(handlers.admit(_ask(f"c-{i}", tenant=f"t{i}")) for i in range(40)))
+    assert all(isinstance(r, AdmitReply) and r.status in ("admitted", "queued") for r in replies)
+    assert ledger.batches and max(ledger.batches) > 1
+    admitted = [r for r in replies if isinstance(r, AdmitReply) and r.status == "admitted"]
+    assert len(book.holds) == len(admitted) == len({r.allocation_id for r in admitted})
