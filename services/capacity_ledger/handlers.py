@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.capacity_ledger import mapping, store
+from services.capacity_ledger.batcher import EndBatcher
 from shared.contracts.base import ErrorCode, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import (
@@ -93,8 +94,14 @@ class Store(Protocol):
         self, *, session: AsyncSession, allocations: Sequence[store.NewAllocation]
     ) -> None: ...
     async def lock_allocation(self, *, session: AsyncSession, allocation_id: str) -> AllocationRecord | None: ...
-    async def end_allocation(
-        self, *, session: AsyncSession, allocation: AllocationRecord, state: AllocationState, now: datetime
+    async def lock_allocations(self, *, session: AsyncSession, ids: Sequence[str]) -> dict[str, AllocationRecord]: ...
+    async def end_allocations(
+        self,
+        *,
+        session: AsyncSession,
+        allocations: Sequence[AllocationRecord],
+        state: AllocationState,
+        now: datetime,
     ) -> list[EndedAllocation]: ...
     async def set_lease(self, *, session: AsyncSession, allocation_id: str, expires_at: datetime) -> None: ...
     async def expired_ids(self, *, session: AsyncSession, now: datetime, limit: int) -> list[str]: ...
@@ -157,6 +164,7 @@ class LedgerHandlers:
         self._sweep_batch = sweep_batch
         self._new_id = new_id
         self._log = log or logging.getLogger("hetsched.capacity-ledger")
+        self._releases = EndBatcher(lambda items: self._end_many(items, AllocationState.RELEASED))
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -322,28 +330,42 @@ class LedgerHandlers:
                 self._log.exception("lease sweep failed; retrying")
 
     async def sweep_once(self) -> int:
-        """One pass of the sweeper; how many allocations it expired."""
+        """One pass of the sweeper; how many allocations it expired (in one transaction)."""
         now = self._clock()
         ids = await self._uow.read(
             lambda session: self._store.expired_ids(session=session, now=now, limit=self._sweep_batch)
         )
-        expired = 0
-        for allocation_id in ids:
-            if await self._end(allocation_id, tenant=None, state=AllocationState.EXPIRED) is Access.OK:
-                expired += 1
-        return expired
+        if not ids:
+            return 0
+        accesses = await self._end_many([(allocation_id, None) for allocation_id in ids], AllocationState.EXPIRED)
+        return sum(1 for access in accesses if access is Access.OK)
 
     async def _end(self, allocation_id: str, *, tenant: str | None, state: AllocationState) -> Access:
-        """End an allocation (and the requests inside a replica) with an event each, if ``tenant`` may."""
+        """End an allocation (and the requests inside a replica) with an event each, if ``tenant`` may;
+        releases arriving together share one transaction (``EndBatcher``)."""
+        if state is AllocationState.RELEASED:
+            return await self._releases.submit(allocation_id, tenant)
+        (access,) = await self._end_many([(allocation_id, tenant)], state)
+        return access
+
+    async def _end_many(self, items: Sequence[tuple[str, str | None]], state: AllocationState) -> list[Access]:
+        """End each ``(allocation id, tenant)`` the tenant may end, in one transaction, locked in id order;
+        an id named twice ends once (the second is told it had ended)."""
         event = LedgerEvent.ALLOCATION_RELEASED if state is AllocationState.RELEASED else LedgerEvent.ALLOCATION_EXPIRED
 
-        async def work(uow: UnitOfWork) -> Access:
-            allocation = await self._store.lock_allocation(session=uow.session, allocation_id=allocation_id)
-            access = may_change(allocation, tenant=tenant)
-            if access is not Access.OK or allocation is None:
-                return access
-            for ended in await self._store.end_allocation(
-                session=uow.session, allocation=allocation, state=state, now=uow.now
+        async def work(uow: UnitOfWork) -> list[Access]:
+            locked = await self._store.lock_allocations(session=uow.session, ids=[i for i, _ in items])
+            accesses: list[Access] = []
+            chosen: dict[str, AllocationRecord] = {}
+            for allocation_id, tenant in items:
+                access = may_change(locked.get(allocation_id), tenant=tenant)
+                if access is Access.OK and allocation_id in chosen:
+                    access = Access.ENDED
+                elif access is Access.OK:
+                    chosen[allocation_id] = locked[allocation_id]
+                accesses.append(access)
+            for ended in await self._store.end_allocations(
+                session=uow.session, allocations=list(chosen.values()), state=state, now=uow.now
             ):
                 uow.emit(
                     Context.LEDGER,
@@ -352,7 +374,7 @@ class LedgerHandlers:
                     tenant=ended.allocation.tenant,
                     correlation_id=ended.allocation.request_id,
                 )
-            return access
+            return accesses
 
         return await self._uow.run(work)
 

@@ -367,17 +367,45 @@ async def lock_allocation(*, session: AsyncSession, allocation_id: str) -> Alloc
     return None if row is None else _record(row)
 
 
+async def lock_allocations(*, session: AsyncSession, ids: Sequence[str]) -> dict[str, AllocationRecord]:
+    """The allocations of ``ids`` that exist, locked in id order for the rest of the transaction (so two
+    transactions locking overlapping sets cannot deadlock on them)."""
+    rows = (
+        (
+            await session.execute(
+                text("SELECT * FROM ledger.allocations WHERE id = ANY(:ids) ORDER BY id FOR UPDATE"),
+                {"ids": sorted(set(ids))},
+            )
+        )
+        .mappings()
+        .all()
+    )
+    return {row["id"]: _record(row) for row in rows}
+
+
 async def end_allocation(
     *, session: AsyncSession, allocation: AllocationRecord, state: AllocationState, now: datetime
 ) -> list[EndedAllocation]:
     """End a locked, active allocation and the active requests inside it (a replica's); their shares
     stop counting. Returns each ended allocation with the shares it gave back, the named one first."""
-    apg = await driver(session=session)  # lock_allocation's statement opened the transaction
+    return await end_allocations(session=session, allocations=[allocation], state=state, now=now)
+
+
+async def end_allocations(
+    *, session: AsyncSession, allocations: Sequence[AllocationRecord], state: AllocationState, now: datetime
+) -> list[EndedAllocation]:
+    """``end_allocation`` for several locked, active allocations in one go (a few statements for all of
+    them): the named ones in order, then the requests inside the replicas among them."""
+    if not allocations:
+        return []
+    apg = await driver(session=session)  # the allocations' lock opened the transaction
+    named = {a.id for a in allocations}
     children = await apg.fetch(
-        "SELECT * FROM ledger.allocations WHERE parent_id = $1 AND state = 'active' ORDER BY id FOR UPDATE",
-        allocation.id,
+        "SELECT * FROM ledger.allocations WHERE parent_id = ANY($1::text[]) AND state = 'active' "
+        "ORDER BY id FOR UPDATE",
+        sorted(named),
     )
-    ended = [allocation, *(_record(c) for c in children)]
+    ended = [*allocations, *(_record(c) for c in children if c["id"] not in named)]
     ids = [a.id for a in ended]
     share_rows = await apg.fetch(
         "SELECT allocation_id, accelerator_id, weights, kv, activation, workspace, total, counts "
@@ -389,9 +417,10 @@ async def end_allocation(
     await apg.execute(
         "UPDATE ledger.allocations SET state = $2, ended_at = $3 WHERE id = ANY($1::text[])", ids, state.value, now
     )
+    with_shares = {s["allocation_id"] for s in share_rows}
     journal = [
         (state.value, s["allocation_id"], s["accelerator_id"], -s["total"] if s["counts"] else 0) for s in share_rows
-    ] or [(state.value, allocation.id, None, 0)]
+    ] + [(state.value, a.id, None, 0) for a in ended if a.id not in with_shares]
     await apg.executemany(
         "INSERT INTO ledger.journal (op, allocation_id, accelerator_id, delta, details) VALUES ($1, $2, $3, $4, '{}')",
         journal,

@@ -171,6 +171,11 @@ class Consumer:
     skip: Callable[[Any], bool] | None = None
 
 
+DRAIN_TIMEOUT_S = 5
+"""How long a stopping service waits for its background tasks to end, then for its NATS subscriptions and
+publishes to drain."""
+
+
 @dataclass(frozen=True)
 class Loop:
     """A background loop for the life of the service (a sweeper, a detector)."""
@@ -628,6 +633,9 @@ def build_app(
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             name=definition.name,
+            # A pull subscription whose last fetch the server is still filling never drains (nothing reads
+            # it any more): give up on it after this long at shutdown; its events are redelivered.
+            drain_timeout=DRAIN_TIMEOUT_S,
             **nats_options,
         )
         runtime.js = runtime.nc.jetstream()
@@ -679,9 +687,19 @@ def build_app(
             runtime.relay.stop()
         for task in runtime.tasks:
             task.cancel()
-        await asyncio.gather(*runtime.tasks, return_exceptions=True)
+        if runtime.tasks:
+            # Bounded: a task cancelled inside a JetStream fetch can stay "cancelling" until the server
+            # answers its pull (seen with a deep backlog); its unacknowledged events come again anyway.
+            _done, stuck = await asyncio.wait(runtime.tasks, timeout=DRAIN_TIMEOUT_S)
+            if stuck:
+                log.warning("tasks still stopping; going on", extra={"tasks": sorted(t.get_name() for t in stuck)})
         if runtime.nc is not None:
-            await runtime.nc.drain()
+            try:
+                await runtime.nc.drain()
+            except Exception:  # a drain that timed out: close; unacknowledged events come again
+                log.warning("NATS did not drain in time; closing", extra={"timeout_s": DRAIN_TIMEOUT_S})
+                if not runtime.nc.is_closed:
+                    await runtime.nc.close()
         await engine.dispose()
         log.info("service stopped")
 

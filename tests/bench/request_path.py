@@ -5,8 +5,9 @@
 
 Topology, the ledger, placement and the router run as processes on a fleet of two regions (us-west-1,
 us-east-1; 16 H100 nodes each). Replicas of llama3.1-8b are placed through `placement.place`, and a
-simulated engine per replica reports its status every 200 ms (as `hetsched engine-sim` does). Admissions
-hold their KV for a 2 s lease (the ledger's sweeper ends them), so the pools stay far from full.
+simulated engine per replica reports its status every 200 ms (as `hetsched engine-sim` does). Each
+admitted request is released 1 s later with `placement.release`, as a gateway does when its message is
+done (the releases load the stack too; they are not timed).
 `route.select` asks for 1,000 sessions of 50 tenants entering in either region. Prints p50/p99 and the
 outcomes of each; asserts nothing about time.
 """
@@ -28,6 +29,8 @@ from tests.bench.placement_e2e import placement_ready
 from tests.bench.placement_soak import cpu_s
 
 REGIONS = ("us-west-1", "us-east-1")
+HOLD_S = 1.0
+"""How long a gateway holds an admission before releasing it (its message's generation), untimed."""
 NODES_PER_REGION = 16
 
 
@@ -112,20 +115,31 @@ async def _main(args: argparse.Namespace) -> None:
                 reporting = asyncio.create_task(engines())
                 await asyncio.sleep(1.5)  # placement and the router have heard of the replicas
 
+                releasing: set[asyncio.Task[Any]] = set()
+
+                async def release_later(allocation_id: str, tenant: str) -> None:
+                    await asyncio.sleep(HOLD_S)  # the engine generates; then the gateway releases the KV
+                    await h.call(Rpc.PLACEMENT_RELEASE, {"allocation_id": allocation_id, "tenant": tenant}, timeout=30)
+
                 async def admit(i: int) -> str:
+                    tenant = f"t{i % 50}"
                     reply = await h.call(
                         Rpc.PLACEMENT_ADMIT,
                         {
                             "request_id": f"adm-{i}",
-                            "tenant": f"t{i % 50}",
+                            "tenant": tenant,
                             "model": "llama3.1-8b",
                             "input_tokens": 1000,
                             "output_tokens": 256,
                             "region": REGIONS[i % 2],
-                            "lease_s": 2,
+                            "lease_s": 60,
                         },
                         timeout=30,
                     )
+                    if reply.get("status") == "admitted":
+                        task = asyncio.create_task(release_later(reply["allocation_id"], tenant))
+                        releasing.add(task)
+                        task.add_done_callback(releasing.discard)
                     return str(reply.get("status")) + (f":{reply['error']['code']}" if reply.get("error") else "")
 
                 async def route(i: int) -> str:
@@ -160,6 +174,7 @@ async def _main(args: argparse.Namespace) -> None:
                 for name, one in (("route.select", route), ("placement.admit", admit)):
                     before = cpu_seconds(h)
                     print(await open_loop(name, args.rate, args.seconds, one, warm_up=50))
+                    await asyncio.gather(*releasing)  # the last admissions' releases (untimed)
                     after = cpu_seconds(h)
                     print("  CPU-s during it: " + ", ".join(f"{k} {after[k] - before[k]:.1f}" for k in sorted(after)))
                 reporting.cancel()

@@ -129,6 +129,17 @@ class FakeStore:
     async def lock_allocation(self, *, session: Any, allocation_id: str) -> AllocationRecord | None:
         return self.allocations.get(allocation_id)
 
+    async def lock_allocations(self, *, session: Any, ids: Sequence[str]) -> dict[str, AllocationRecord]:
+        return {i: self.allocations[i] for i in sorted(set(ids)) if i in self.allocations}
+
+    async def end_allocations(
+        self, *, session: Any, allocations: Sequence[AllocationRecord], state: AllocationState, now: datetime
+    ) -> list[EndedAllocation]:
+        ended: list[EndedAllocation] = []
+        for allocation in allocations:
+            ended += await self.end_allocation(session=session, allocation=allocation, state=state, now=now)
+        return ended
+
     async def end_allocation(
         self, *, session: Any, allocation: AllocationRecord, state: AllocationState, now: datetime
     ) -> list[EndedAllocation]:
@@ -637,3 +648,19 @@ async def test_the_ledger_refuses_cross_domain_traffic_past_the_cluster_budget()
     await handlers.release(LedgerReleaseRequest(allocation_id=first.allocation_id, tenant="acme"))
     (third,) = await handlers.apply_commits([commit_request("c", ("n/gpu1", 10), cross_domain_bytes_per_s=60 * GB)])
     assert third.status == "committed"
+
+
+async def test_concurrent_releases_end_together_each_answered_on_its_own() -> None:
+    handlers, store, units = make(gpu("n/gpu0"))
+    allocations = [await committed(handlers, rid=f"r-{i}") for i in range(8)]
+    replies = await asyncio.gather(
+        *(handlers.release(LedgerReleaseRequest(allocation_id=a, tenant="acme")) for a in allocations),
+        handlers.release(LedgerReleaseRequest(allocation_id=allocations[0], tenant="acme")),  # twice: once
+        handlers.release(LedgerReleaseRequest(allocation_id=allocations[1], tenant="globex")),  # not theirs
+    )
+    assert replies[:8] == [LedgerReleaseReply(status="released", already=False)] * 8
+    assert replies[8] == LedgerReleaseReply(status="released", already=True)
+    assert isinstance(replies[9], Rejected) and replies[9].error.code == "forbidden"
+    assert sorted(c["allocation_id"] for c in store.called("end_allocation")) == sorted(allocations)
+    assert len(units.named("allocation_released")) == 8
+    assert handlers._releases.batches < 10  # the ones that came while the first ran went together

@@ -4,6 +4,7 @@ does, a fake monotonic clock, engine reports handed in directly. No servers."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -342,3 +343,28 @@ async def test_concurrent_admissions_hold_their_kv_in_batches() -> None:
     assert ledger.batches and max(ledger.batches) > 1
     admitted = [r for r in replies if isinstance(r, AdmitReply) and r.status == "admitted"]
     assert len(book.holds) == len(admitted) == len({r.allocation_id for r in admitted})
+
+
+async def test_each_engine_keeps_its_guaranteed_kv_on_a_shared_node_and_lends_it_only_while_idle() -> None:
+    """A transformer (60 GB of KV) and an MoE replica (20 GB) on one node: a pool of 80 GB, 40 GB guaranteed
+    to each engine. The transformer borrows the idle MoE's share; once the MoE holds a request, it lends no
+    more, and the transformer's next request waits although its own replica still has room."""
+    tf = _replica("r-tf", "llama3.1-8b", "n1", kv_gb=60)
+    moe = dataclasses.replace(_replica("r-moe", "mixtral-8x7b", "n1", kv_gb=20), kv_pool={"n1/gpu1": 20 * GB})
+    handlers, _ledger, _clock, book = _stack(tf, moe)
+    handlers.on_engine_status(_status(tf, queue_depth=0))
+    handlers.on_engine_status(_status(moe, queue_depth=0))
+
+    # Each transformer request holds (60,000 + 256) tokens x 128 KiB = 7.9 GB of KV.
+    for i in range(6):  # 5 fit its own 40 GB; the 6th borrows from the idle MoE
+        reply = await handlers.admit(_ask(f"tf-{i}", model="llama3.1-8b", tokens=60_000))
+        assert isinstance(reply, AdmitReply) and reply.status == "admitted", (i, reply)
+    assert book._pools["n1"].borrowed(Engine.TRANSFORMER) > 0
+    handlers.on_engine_status(_status(tf, queue_depth=0))
+
+    moe_reply = await handlers.admit(_ask("moe-1", model="mixtral-8x7b", tokens=1000))
+    assert isinstance(moe_reply, AdmitReply) and moe_reply.status == "admitted"
+
+    waiting = await handlers.admit(_ask("tf-6", model="llama3.1-8b", tokens=60_000))
+    assert isinstance(waiting, AdmitReply) and waiting.status == "queued", waiting
+    assert book.status(tf).kv_total_bytes - book.status(tf).held_bytes > 7.9 * GB  # its replica had room
