@@ -114,24 +114,73 @@ def decide(
             return _search(framework, state, demand, index)
         return decide(snapshot, asked, profile, registry=registry)  # e.g. the KV quantised: no ladder
 
+    def fits(asked: PlacementRequest) -> bool:
+        if asked.fallbacks != () or (asked.pp or 1) != 1:
+            return exact(asked).placed
+        asked_state = CycleState()
+        if not framework.run_prefilter(asked_state, snapshot, asked).ok:
+            return False
+        return _feasible(framework, asked_state, demand_of(asked_state), index)
+
     if request.fallbacks == () and (request.pp or 1) == 1:
         return exact(request)
     config = ladder_config(profile.config_for(LADDER))
 
-    def on_empty(asked: PlacementRequest) -> Decision:
-        empty = emptied(snapshot)  # kept along the snapshot chain: so are its verdicts, per request shape
+    def on_empty(asked: PlacementRequest) -> bool:
+        empty = emptied(snapshot)  # kept with the fleet's frame: so are its verdicts, per request shape
         key = (replace(asked, request_id=""), profile.name, id(registry))
         verdicts = empty._memo.verdicts
         known = verdicts.get(key)
-        if isinstance(known, Decision):
+        if isinstance(known, bool):
             return known
-        decision = decide(empty, asked, profile, registry=registry)
+        fits = _ever_fits(empty, asked, profile, registry)
         if len(verdicts) >= VERDICTS_KEPT:
             verdicts.clear()
-        verdicts[key] = decision
-        return decision
+        verdicts[key] = fits
+        return fits
 
-    return with_fallbacks(snapshot, request, exact, framework, state, demand, index, config, on_empty)
+    return with_fallbacks(snapshot, request, exact, framework, state, demand, index, config, on_empty, fits)
+
+
+def _ever_fits(
+    empty: FleetSnapshot,
+    request: PlacementRequest,
+    profile: Profile,
+    registry: Mapping[str, PluginFactory] | None,
+) -> bool:
+    """``decide(empty, request, profile, registry=registry).placed``, the queue step's question. When
+    the exact request fits, which candidate wins does not matter: the first that passes every filter
+    answers it, unscored (``_feasible``); only a request the exact search refuses walks its ladder."""
+    framework = framework_for(profile, registry)
+    state = CycleState()
+    if not framework.run_prefilter(state, empty, request).ok:
+        return False
+    if (request.pp or 1) == 1:
+        if _feasible(framework, state, demand_of(state), index_of(empty, grouped=profile.group_classes)):
+            return True
+        if request.fallbacks == ():
+            return False  # the exact request is all ``decide`` would try
+    return decide(empty, request, profile, registry=registry).placed
+
+
+def _feasible(framework: Framework, state: CycleState, demand: Demand, index: SnapshotIndex) -> bool:
+    """Whether ``_search`` places the request: some candidate class, at some accelerator count, passes
+    every filter (the same filters in the same order; scores only choose among those that pass)."""
+    request = demand.request
+    open_classes = [static for static, verdict, _ in framework.host_verdicts(state, index) if verdict.ok]
+    classes_of = index.classes_for(request.sharing)
+    for level in demand.levels:
+        for static in open_classes:
+            share = demand.share_for(static.rep, level)
+            if share is None:
+                continue
+            classes, _ = framework.filter_bulk(
+                state, static.rep, level, share, classes_of[static.key], index.screens, static.key
+            )
+            for c in classes:
+                if framework.filter_placement(state, Candidate(c.rep, c.load, level, share))[0].ok:
+                    return True
+    return False
 
 
 def _search(framework: Framework, state: CycleState, demand: Demand, index: SnapshotIndex) -> Decision:
@@ -139,13 +188,11 @@ def _search(framework: Framework, state: CycleState, demand: Demand, index: Snap
     request = demand.request
     tally = RejectionTally()
     open_classes: list[tuple[StaticClass, tuple[str, ...]]] = []
-    for static in index.statics:
-        rep = static.rep
-        verdict, notes = framework.filter_host(state, Candidate(rep, index.loads[rep.id], 0, None))
+    for static, verdict, notes in framework.host_verdicts(state, index):
         if verdict.ok:
             open_classes.append((static, notes))
         else:
-            tally.add(verdict, len(static.hosts), rep.kind)
+            tally.add(verdict, len(static.hosts), static.rep.kind)
     classes_of = index.classes_for(request.sharing)
     tried: list[int] = []
     for level in demand.levels:
@@ -200,7 +247,7 @@ def _demand_lines(demand: Demand) -> list[str]:
 
 
 VERDICTS_KEPT: Final = 1024
-"""Request shapes whose empty-fleet verdict a snapshot keeps at most (beyond, it starts afresh)."""
+"""Request shapes whose empty-fleet verdict (fits or not) a frame keeps at most (beyond, it starts afresh)."""
 
 explain = decide
 """``placement.explain``: the same decision; the caller simply does not reserve it."""
@@ -280,18 +327,8 @@ def _placed(
     lines.extend(demand.notes)
     lines.extend(r.describe() for r in rejections)
     model = f"{demand.model.name} ({demand.dtype} weights, {demand.kv_dtype} KV)"
-    base = Decision(
-        request_id=demand.request.request_id,
-        status="placed",
-        region=host.region,
-        cluster=host.cluster,
-        sku=host.sku.name,
-        tp=tp,
-        share=share,
-        score=score,
-        rejections=rejections,
-        sharing=demand.request.sharing,
-    )
+    request = demand.request
+    # One Decision built once (a dataclass of 25 fields: ``replace`` would build it again per step).
     if isinstance(host, TpuHost):
         block = candidate.binding
         assert isinstance(block, TpuSlice)
@@ -300,13 +337,22 @@ def _placed(
             f"placed {model} on a {'x'.join(map(str, block.shape))} slice at {block.origin} "
             f"of {host.tpu_type.value} pod {host.id}"
         )
-        return replace(
-            base,
+        return Decision(
+            request_id=request.request_id,
+            status="placed",
             message=headline,
             backend="tpu",
+            region=host.region,
+            cluster=host.cluster,
+            sku=host.sku.name,
+            tp=tp,
             accelerators=chips,
+            share=share,
             tpu=TpuPlacement(pod=host.id, origin=block.origin, shape=block.shape, chips=chips),
+            score=score,
             explanation=(headline, *lines),
+            rejections=rejections,
+            sharing=request.sharing,
         )
     group = candidate.binding
     assert isinstance(host, GpuHost) and isinstance(group, GpuGroup)
@@ -316,7 +362,7 @@ def _placed(
     load = candidate.load
     contended = isinstance(load, GpuLoad) and any(not load.idle[p] for p in group.positions)
     slow = 2.0 if contended else 1.0
-    base = replace(base, estimate=estimate_of(perf, share, host, slow=slow))
+    estimate = estimate_of(perf, share, host, slow=slow)
     if contended:
         lines.append("shares its GPU with other shared replicas: latency estimates x2 (at least)")
     positions = group.positions
@@ -324,16 +370,26 @@ def _placed(
     nodes = tuple(dict.fromkeys(host.nodes[p] for p in positions))
     first = positions[0]
     headline = f"placed {model} at TP={tp} on {', '.join(accelerators)} ({host.sku.name}, domain {host.domains[first]})"
-    return replace(
-        base,
+    return Decision(
+        request_id=request.request_id,
+        status="placed",
         message=headline,
         backend="gpu",
+        region=host.region,
+        cluster=host.cluster,
         rack=host.racks[host.member_rack[first]][2],
         node=nodes[0],
         nodes=nodes,
+        sku=host.sku.name,
+        tp=tp,
         accelerators=accelerators,
         domain=host.domains[first],
+        share=share,
+        score=score,
         explanation=(headline, _links(host, positions), *lines),
+        rejections=rejections,
+        sharing=request.sharing,
+        estimate=estimate,
     )
 
 

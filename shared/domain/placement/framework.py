@@ -29,7 +29,16 @@ from typing import Any, Final, Generic, Protocol, TypeVar, cast
 
 from shared.domain.memory import MemoryShare
 from shared.domain.models import ModelSpec
-from shared.domain.placement.hosts import SCREENS_KEPT, GpuHost, Host, HostKind, Load, LoadClass
+from shared.domain.placement.hosts import (
+    SCREENS_KEPT,
+    GpuHost,
+    Host,
+    HostKind,
+    Load,
+    LoadClass,
+    SnapshotIndex,
+    StaticClass,
+)
 from shared.domain.placement.types import FleetSnapshot, PlacementRequest, RejectionClass
 from shared.domain.topology.tpu import TpuSlice, TpuType
 
@@ -408,6 +417,21 @@ class Framework:
                 notes.append(status.note)
         return SUCCESS, tuple(notes)
 
+    def host_verdicts(
+        self, state: CycleState, index: SnapshotIndex
+    ) -> list[tuple[StaticClass, Status, tuple[str, ...]]]:
+        """``filter_host`` of each static class's representative on ``index``, in index order: judged
+        once per decision (the search and the ladder's steps all ask) and kept in the cycle state."""
+        known = state.get(_HOST_VERDICTS)
+        if known is not None and known[0] is index:
+            return known[1]
+        verdicts = [
+            (static, *self.filter_host(state, Candidate(static.rep, index.loads[static.rep.id], 0, None)))
+            for static in index.statics
+        ]
+        state.write(_HOST_VERDICTS, (index, verdicts))
+        return verdicts
+
     def filter_placement(self, state: CycleState, candidate: Candidate) -> tuple[Status, Candidate, tuple[str, ...]]:
         """Run placement-scope filters in profile order, threading bindings: the first failing
         status, or success with the bound candidate and the notes of the filters."""
@@ -447,6 +471,8 @@ class Framework:
             screened = cast("tuple[Sequence[LoadClass], list[tuple[Status, int]]] | None", kept.get(key))
             if screened is None:
                 for plugin in plugins[: self.capacity_filters]:
+                    if not classes:
+                        break  # nothing left to judge: a later screen would pass nothing and reject nothing
                     classes, out = plugin.filter_bulk(state, host, tp, share, classes)
                     rejected.extend(out)
                 kept[key] = (classes, rejected[:])
@@ -466,6 +492,11 @@ class Framework:
         Raises ``ScoreRangeError`` for a score outside [0, 1]."""
         scoring = Scoring(self, state, candidates)
         return [scoring.score(candidate) for candidate in candidates]
+
+
+_HOST_VERDICTS: Final[StateKey[tuple[SnapshotIndex, list[tuple[StaticClass, Status, tuple[str, ...]]]]]] = StateKey(
+    "framework/host_verdicts"
+)
 
 
 class Scoring:

@@ -328,21 +328,45 @@ def _load(snapshot: FleetSnapshot, host: Host) -> Load:
         else:
             # Whole GPUs only: "n more busy GPUs fit" is exactly what the rack power filter asks.
             power.append(max(0, min(in_rack, math.floor(headroom / host.sku.tdp_w))))
-    free = tuple(c.free for c in caps)
-    available = tuple(c.available for c in caps)
-    idle = tuple(c.idle for c in caps)
+    shared = tuple(c.shared and not c.idle for c in caps)
+    return _gpu_load(
+        host.matrix,
+        host.indices,
+        tuple(c.free for c in caps),
+        tuple(c.usable for c in caps),
+        tuple(c.available for c in caps),
+        tuple(c.idle for c in caps),
+        tuple(power),
+        shared if any(shared) else (),
+        pcie_step(max((snapshot.pcie_util.get(n, 0.0) for n in set(host.nodes)), default=0.0)),
+    )
+
+
+@lru_cache(maxsize=8192)
+def _gpu_load(
+    matrix: LinkMatrix | None,
+    indices: tuple[int, ...],
+    free: tuple[int, ...],
+    usable: tuple[int, ...],
+    available: tuple[bool, ...],
+    idle: tuple[bool, ...],
+    power_gpus: tuple[int, ...],
+    shared: tuple[bool, ...],
+    pcie_util: float,
+) -> GpuLoad:
+    # A load is a pure function of these figures, and hosts go back and forth between a few states
+    # (idle, full, ...): the same load is reused, its derived tuples worked out once.
     # The NVLink screen is for exclusive TP groups (shared replicas are TP=1): idle GPUs only.
     idle_up = tuple(a and i for a, i in zip(available, idle, strict=True))
-    shared = tuple(c.shared and not c.idle for c in caps)
     return GpuLoad(
         free=free,
-        usable=tuple(c.usable for c in caps),
+        usable=usable,
         available=available,
         idle=idle,
-        power_gpus=tuple(power),
-        group_cap=group_capacity(host.matrix, host.indices, free, idle_up),
-        shared=shared if any(shared) else (),
-        pcie_util=pcie_step(max((snapshot.pcie_util.get(n, 0.0) for n in set(host.nodes)), default=0.0)),
+        power_gpus=power_gpus,
+        group_cap=group_capacity(matrix, indices, free, idle_up),
+        shared=shared,
+        pcie_util=pcie_util,
     )
 
 

@@ -18,20 +18,30 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Final
 
 from shared.domain.fleet import cluster_key
-from shared.domain.memory import MemoryShare, dtype_bytes, per_accelerator_share
-from shared.domain.placement.filters.demand import tp_fits_heads
+from shared.domain.memory import DEFAULT_WORKSPACE_BYTES, MemoryShare, dtype_bytes, per_accelerator_share
+from shared.domain.models import ModelSpec
+from shared.domain.placement.filters.demand import gpu_share, tp_fits_heads
 from shared.domain.placement.filters.hbm import with_room
-from shared.domain.placement.filters.nvlink_group import fabric_group
+from shared.domain.placement.filters.nvlink_group import best_group, fabric_group
 from shared.domain.placement.filters.pcie_budget import GB_PER_S_PER_LANE
 from shared.domain.placement.filters.pcie_load import NAME as PCIE_LOAD
-from shared.domain.placement.framework import GB, Candidate, Code, CycleState, Demand, Framework, typed_config
+from shared.domain.placement.framework import (
+    GB,
+    Candidate,
+    Code,
+    CycleState,
+    Demand,
+    Framework,
+    StateKey,
+    typed_config,
+)
 from shared.domain.placement.hosts import GpuHost, GpuLoad, HostKind, SnapshotIndex
 from shared.domain.placement.perf import Perf, perf_of
 from shared.domain.placement.types import FALLBACKS, Decision, ErrorCode, FleetSnapshot, PlacementRequest
-from shared.domain.topology import best_tp_group
 from shared.domain.topology.tpu import TpuGrid
 
 NAME: Final = "ladder"
@@ -56,7 +66,10 @@ class LadderConfig:
 
 
 def ladder_config(raw: Mapping[str, object]) -> LadderConfig:
-    return typed_config(LadderConfig, NAME, raw)
+    return typed_config(LadderConfig, NAME, raw) if raw else _DEFAULTS  # most profiles set none: no validation
+
+
+_DEFAULTS: Final = LadderConfig()
 
 
 FIXED_REASONS: Final = frozenset(
@@ -72,22 +85,25 @@ FIXED_REASONS: Final = frozenset(
 """Refusals of the host-scope filters: a host's fixed facts, which neither a fallback nor time changes."""
 
 Exact = Callable[[PlacementRequest], Decision]
-OnEmpty = Callable[[PlacementRequest], Decision]
+Fits = Callable[[PlacementRequest], bool]
+"""Whether ``Exact`` would place the request (the same filters, no scores, no explanation)."""
+OnEmpty = Callable[[PlacementRequest], bool]
+"""Whether the request would be placed on the fleet emptied (``emptied``): the queue step's question."""
 
 
 def emptied(snapshot: FleetSnapshot) -> FleetSnapshot:
     """The same fleet with nothing reserved, no rack power drawn, no TPU chip taken, no cross-domain
-    traffic and quiet PCIe: what "it would fit once capacity frees" is judged against. Kept with the
-    snapshot (and the snapshots ``apply`` and ``evolve`` derive from it while the fleet's frame stays):
-    a refusal under load does not rebuild it."""
-    memo = snapshot._memo
-    if memo.empty is None:
+    traffic and quiet PCIe: what "it would fit once capacity frees" is judged against. Kept in the
+    snapshot's frame, which the snapshots ``apply`` and ``evolve`` derive from it (and it from its
+    ancestors) share while the fleet's frame stays: a refusal under load does not rebuild it."""
+    frame = snapshot._memo.frame
+    if frame.empty is None:
         capacity = {a: replace(c, reserved=0, shared=False) for a, c in snapshot.capacity.items()}
         pods = {n: replace(p, grid=TpuGrid.empty(p.grid.tpu_type, p.pod.shape)) for n, p in snapshot.tpu_pods.items()}
-        memo.empty = FleetSnapshot(
+        frame.empty = FleetSnapshot(
             snapshot.nodes, capacity, snapshot.racks, {}, pods, snapshot.skus, snapshot.models, {}, {}
         )
-    return memo.empty
+    return frame.empty
 
 
 def with_fallbacks(
@@ -100,8 +116,11 @@ def with_fallbacks(
     index: SnapshotIndex,
     config: LadderConfig,
     on_empty: OnEmpty | None = None,
+    fits: Fits | None = None,
 ) -> Decision:
-    """``exact(request)`` or, refused for capacity, the first fallback step that fits."""
+    """``exact(request)`` or, refused for capacity, the first fallback step that fits. ``fits``, when
+    given, answers for ``exact`` whether a variant of the request (the KV quantised) is placed, so a
+    variant that fits nowhere costs a screen, not a refusal with its explanation."""
     if (request.pp or 1) > 1:  # a fixed pipeline depth: the pipeline search is the exact request
         staged = pipeline(snapshot, framework, state, demand, index, pp_degrees=(request.pp or 1,))
         first = staged if isinstance(staged, Decision) else _refused(request, [staged])
@@ -123,9 +142,11 @@ def with_fallbacks(
             if narrower is None:
                 tried.append(f"fallback kv_quantize: KV is {demand.kv_dtype} already, nothing narrower")
                 continue
-            decision = exact(replace(request, kv_dtype=narrower, fallbacks=()))
-            if decision.placed:
-                return _kv_quantised(decision, demand, narrower)
+            quantised = replace(request, kv_dtype=narrower, fallbacks=())
+            if fits is None or fits(quantised):
+                decision = exact(quantised)
+                if decision.placed:
+                    return _kv_quantised(decision, demand, narrower)
             tried.append(f"fallback kv_quantize: KV in {narrower} fits nowhere either")
         elif step == "pipeline":
             if request.sharing == "shared":
@@ -148,7 +169,7 @@ def with_fallbacks(
             if on_empty is not None:
                 others = tuple(s for s in steps if s != "queue")
                 ever = on_empty(replace(request, fallbacks=others, request_id=f"{request.request_id}/empty"))
-                if not ever.placed:
+                if not ever:
                     tried.append("fallback queue: not even an empty fleet holds it, so it would wait in vain")
                     continue
             return replace(
@@ -207,14 +228,19 @@ def _kv_quantised(decision: Decision, demand: Demand, narrower: str) -> Decision
 def stage_share(demand: Demand, tp: int, pp: int) -> MemoryShare:
     """What each GPU of a TP=tp x PP=pp replica holds: 1/pp of the layers' weights and KV (rounded up),
     and the activation peak and workspace of a TP=tp group (each stage runs the full batch)."""
-    whole = per_accelerator_share(
-        demand.model,
-        tp=tp,
-        dtype=demand.dtype,
-        kv_dtype=demand.kv_dtype,
-        context_tokens=demand.request.context_tokens,
-        concurrency=demand.request.concurrency,
+    request = demand.request
+    return _stage_share(
+        demand.model, demand.dtype, demand.kv_dtype, request.context_tokens, request.concurrency, tp, pp
     )
+
+
+@lru_cache(maxsize=4096)
+def _stage_share(
+    model: ModelSpec, dtype: str, kv_dtype: str, context_tokens: int, concurrency: int, tp: int, pp: int
+) -> MemoryShare:
+    # Pure, and a refusal's pipeline step asks a dozen TP x PP combinations of the same shape: memoised.
+    # The whole share at the default workspace is the one the prefilter asked for (also memoised).
+    whole = gpu_share(model, tp, dtype, kv_dtype, context_tokens, concurrency, DEFAULT_WORKSPACE_BYTES)
     return MemoryShare(
         weights=-(-whole.weights // pp),
         kv=-(-whole.kv // pp),
@@ -228,14 +254,22 @@ def _gpu_classes(framework: Framework, state: CycleState, index: SnapshotIndex) 
     tenant, PCIe generation) and the PCIe budget (``pcie_load``: a fallback is a cold load too), by
     their lowest host id. The hosts of a class are alike to an exclusive group (the same static facts,
     idle GPUs, rack power headroom and PCIe step), so the searches below run once per class, not once
-    per host: a refusal on a full fleet costs the classes, not the fleet."""
+    per host: a refusal on a full fleet costs the classes, not the fleet. Found once per decision (the
+    pipeline and cross-domain steps both ask) and kept in the cycle state."""
+    known = state.get(_CLASSES)
+    if known is not None and known[0] is index:
+        return known[1]
+    found = _gpu_classes_of(framework, state, index)
+    state.write(_CLASSES, (index, found))
+    return found
+
+
+def _gpu_classes_of(framework: Framework, state: CycleState, index: SnapshotIndex) -> list[_GpuClass]:
     pcie = [f for f in framework.placement_filters if f.name == PCIE_LOAD]
     found: list[_GpuClass] = []
-    for static in index.statics:  # host-scope filters read a host's fixed facts: once per static class
-        rep = static.rep
-        if not isinstance(rep, GpuHost):
-            continue
-        if not framework.filter_host(state, Candidate(rep, index.loads[rep.id], 0, None))[0].ok:
+    # Host-scope filters read a host's fixed facts: once per static class (and per decision).
+    for static, verdict, _ in framework.host_verdicts(state, index):
+        if not isinstance(static.rep, GpuHost) or not verdict.ok:
             continue
         for cls in index.exclusive[static.key]:
             host, load = cls.rep, cls.load
@@ -257,6 +291,10 @@ class _GpuClass:
     hosts: tuple[str, ...]
 
 
+_CLASSES: Final[StateKey[tuple[SnapshotIndex, list[_GpuClass]]]] = StateKey(NAME)
+"""The ladder's scratch data in the cycle state: ``_gpu_classes`` of the index it was found on."""
+
+
 def _cliques(host: GpuHost, load: GpuLoad, tp: int, count: int, need: int) -> list[tuple[int, ...]]:
     """Up to ``count`` disjoint NVLink cliques of ``tp`` idle GPUs with ``need`` bytes each (positions)."""
     positions = with_room(load, need, "exclusive")
@@ -267,7 +305,7 @@ def _cliques(host: GpuHost, load: GpuLoad, tp: int, count: int, need: int) -> li
         else:
             assert host.matrix is not None
             by_index = {host.indices[p]: p for p in positions}
-            best = best_tp_group(host.matrix, tuple(by_index), tp)
+            best = best_group(host.matrix, tuple(by_index), tp)
             if best is None:
                 break
             group = tuple(by_index[i] for i in best)
@@ -325,6 +363,11 @@ def pipeline(
     combos = sorted(set(combos), key=lambda c: (c[0] * c[1], c[1]))
     for tp, pp in combos:
         share = stage_share(demand, tp, pp)
+        need = share.total
+        # A class holds at most (its idle GPUs with room) // tp disjoint cliques: when even that many
+        # fall short of the stages, so do the cliques themselves (the check below), unsearched.
+        if sum(sum(1 for free in c.load.exclusive_desc if free >= need) // tp * len(c.hosts) for c in classes) < pp:
+            continue
         # Each class's disjoint cliques, searched once for all its hosts (alike: the same positions).
         cliques = [(c, _cliques(c.host, c.load, tp, pp, share.total)) for c in classes]
         cliques = [(c, groups) for c, groups in cliques if groups]

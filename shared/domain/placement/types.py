@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal
 
 from shared.domain.capacity import AcceleratorCapacity
@@ -56,7 +57,13 @@ class TpuPodState:
 
     @property
     def usable_per_chip(self) -> int:
-        return usable_hbm(self.hbm_per_chip)
+        return _usable_per_chip(self.hbm_per_chip)
+
+
+@lru_cache(maxsize=64)
+def _usable_per_chip(hbm_per_chip: int) -> int:
+    # Asked per pod by every decision's prefilter and a fleet has a few TPU types: memoised.
+    return usable_hbm(hbm_per_chip)
 
 
 def tpu_sku_name(tpu_type: TpuType) -> str:
@@ -69,19 +76,31 @@ def chip_id(pod: str, coord: Iterable[int]) -> str:
     return tpu_chip_id(pod, tuple(coord))
 
 
+class _Frame:
+    """What the snapshots of one frame share (the same accelerators offering the same usable bytes and
+    availability, the same racks and TPU pods): the same fleet with nothing reserved
+    (``ladder.emptied``). One cell for all of them, so the empty fleet (with its index and verdicts)
+    is built once per frame: by whichever snapshot refuses first, for every snapshot before and after
+    it (e.g. the simulator's runs that all start from one snapshot)."""
+
+    __slots__ = ("empty",)
+
+    def __init__(self) -> None:
+        self.empty: FleetSnapshot | None = None
+
+
 class _Memo:
     """Derived data a snapshot computes once (the placement index); never part of equality."""
 
-    __slots__ = ("empty", "index", "parent", "touched", "verdicts")
+    __slots__ = ("frame", "index", "parent", "touched", "verdicts")
 
     def __init__(self) -> None:
         self.index: dict[bool, object] = {}
-        # Decisions already taken on this snapshot, by request less its id (the empty fleet's "would it
+        # Verdicts already reached on this snapshot, by request less its id (the empty fleet's "would it
         # ever fit", asked by every refusal that may queue: one answer per request shape).
         self.verdicts: dict[object, object] = {}
-        # The same fleet with nothing reserved (``ladder.emptied``): kept along a chain of snapshots while
-        # no accelerator's usable bytes or availability change, so it is built once, not per refusal.
-        self.empty: FleetSnapshot | None = None
+        # Shared along a chain of snapshots while no accelerator's usable bytes or availability change.
+        self.frame = _Frame()
         # (parent snapshot, accelerator ids, rack keys, pod names) changed by `apply`: lets the index
         # be updated for what changed instead of rebuilt for the whole fleet.
         self.parent: FleetSnapshot | None = None
@@ -240,13 +259,19 @@ def _same_frame(a: AcceleratorCapacity | None, b: AcceleratorCapacity | None) ->
     return a is not None and b is not None and (a.usable, a.available) == (b.usable, b.available)
 
 
+def _same_pod(a: TpuPodState | None, b: TpuPodState | None) -> bool:
+    """Whether a TPU pod offers the same chips to an empty fleet (the pod and its HBM per chip)."""
+    return a is not None and b is not None and a.pod == b.pod and a.hbm_per_chip == b.hbm_per_chip
+
+
 def _chain(
     before: FleetSnapshot, after: FleetSnapshot, touched: tuple[frozenset[str], frozenset[RackKey], frozenset[str]]
 ) -> None:
     """Let ``after``'s index be derived from ``before``'s (or its nearest ancestor's) plus ``touched``."""
-    empty = before._memo.empty
-    if empty is not None and all(_same_frame(before.capacity.get(a), after.capacity.get(a)) for a in touched[0]):
-        after._memo.empty = empty
+    if all(_same_frame(before.capacity.get(a), after.capacity.get(a)) for a in touched[0]) and all(
+        _same_pod(before.tpu_pods.get(p), after.tpu_pods.get(p)) for p in touched[2]
+    ):
+        after._memo.frame = before._memo.frame
     # Point at the nearest ancestor whose index exists (or will be built), merging what changed since:
     # a chain of snapshots without decisions in between then holds one ancestor, not all of them.
     memo = before._memo

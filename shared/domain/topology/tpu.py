@@ -13,7 +13,9 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import lru_cache
 from math import prod
+from typing import Final, cast
 
 Shape = tuple[int, ...]
 Coord = tuple[int, ...]
@@ -64,6 +66,7 @@ def all_legal_shapes(tpu_type: TpuType) -> tuple[Shape, ...]:
     return _LEGAL_SHAPES[tpu_type]
 
 
+@lru_cache(maxsize=256)
 def orientations(shape: Shape) -> tuple[Shape, ...]:
     """The distinct axis permutations of a shape: the shape as given first, then the rest in
     ascending order (2x4 -> (2x4, 4x2))."""
@@ -150,6 +153,10 @@ class TpuGrid:
     occupancy: bytes = b""
     # Summed-area table over the grid padded to three axes, with a zero border.
     _prefix: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # Searches already answered on this grid (it never changes): slices found per shape, the largest
+    # free block, the fragmentation left after taking a block. A pod keeps its grid until a slice is
+    # taken or freed, so every decision until then reads them instead of searching again.
+    _answers: dict[object, object] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.dims) != self.tpu_type.axes or any(extent < 1 for extent in self.dims):
@@ -161,6 +168,7 @@ class TpuGrid:
         elif len(self.occupancy) != total or max(self.occupancy) > 1:
             raise ValueError(f"occupancy must be {total} bytes of 0/1")
         object.__setattr__(self, "_prefix", self._summed_area())
+        object.__setattr__(self, "_answers", {})
 
     @classmethod
     def empty(cls, tpu_type: TpuType, dims: Shape | None = None) -> TpuGrid:
@@ -332,11 +340,20 @@ def _shape_classes(tpu_type: TpuType, max_chips: int) -> list[list[Shape]]:
 def largest_free_block(grid: TpuGrid) -> TpuSlice | None:
     """A free block of the largest legal shape that fits anywhere in the free chips (first in
     shape, orientation, origin order); None when no legal block is free."""
+    answers = grid._answers
+    if _LARGEST in answers:
+        return cast("TpuSlice | None", answers[_LARGEST])
+    found: TpuSlice | None = None
     for shapes in _shape_classes(grid.tpu_type, grid.free_chips):
         box = next(_free_boxes_of(grid, shapes, aligned=False), None)
         if box is not None:
-            return _to_slice(grid, box)
-    return None
+            found = _to_slice(grid, box)
+            break
+    answers[_LARGEST] = found
+    return found
+
+
+_LARGEST: Final = "largest"  # ``TpuGrid._answers`` key of ``largest_free_block``; shapes and boxes are tuples
 
 
 def fragmentation(grid: TpuGrid) -> float:
@@ -355,6 +372,48 @@ def fragmentation(grid: TpuGrid) -> float:
         return 0.0
     block = largest_free_block(grid)
     return 1.0 - (block.chips if block is not None else 0) / free_chips
+
+
+def fragmentation_after(grid: TpuGrid, block: TpuSlice) -> float:
+    """``fragmentation(allocate(grid, block))``, without building the new grid: a block is free
+    afterwards exactly when it is free now and disjoint from ``block``, so the largest free legal
+    block afterwards is the first such box, by class (most chips first), orientation and origin.
+    Raises ``ValueError`` as ``allocate`` does."""
+    if not is_legal_shape(grid.tpu_type, block.shape):
+        raise ValueError(f"{'x'.join(map(str, block.shape))} is not a legal {grid.tpu_type.value} slice")
+    if not grid.fits(block):
+        raise ValueError(f"slice {block} does not fit the {grid.dims} pod")
+    if grid.occupied_in(block):
+        raise ValueError(f"slice {block} overlaps taken chips")
+    taken = _box_of(block)
+    answers = grid._answers
+    known = answers.get(taken)
+    if isinstance(known, float):
+        return known
+    free_chips = grid.free_chips - block.chips
+    chips = 0
+    if free_chips > 0:
+        for shapes in _shape_classes(grid.tpu_type, free_chips):
+            if any(_disjoint(box, taken) for box in _free_boxes_of(grid, shapes, aligned=False)):
+                chips = prod(shapes[0])
+                break
+    result = 1.0 - chips / free_chips if free_chips > 0 else 0.0
+    answers[taken] = result
+    return result
+
+
+def _box_of(block: TpuSlice) -> _Box:
+    x0, y0, z0 = _pad3(block.origin, 0)
+    x1, y1, z1 = _pad3(block.end, 1)
+    return (x0, y0, z0, x1, y1, z1)
+
+
+def _listed(seen: list[_Box], source: Iterator[_Box]) -> Iterator[_Box]:
+    """``seen``, then the rest of ``source``, appended to ``seen`` as it is read (read again from the top)."""
+    yield from seen
+    for box in source:
+        seen.append(box)
+        yield box
 
 
 class _Candidates:
@@ -394,20 +453,38 @@ def find_free_slice(grid: TpuGrid, shape: Shape) -> TpuSlice | None:
     """
     if not is_legal_shape(grid.tpu_type, shape):
         raise ValueError(f"{'x'.join(map(str, shape))} is not a legal {grid.tpu_type.value} slice")
+    key = tuple(shape)
+    answers = grid._answers
+    if key in answers:
+        return cast("TpuSlice | None", answers[key])
+    found = _find_free_slice(grid, key)
+    answers[key] = found
+    return found
+
+
+def _find_free_slice(grid: TpuGrid, shape: Shape) -> TpuSlice | None:
     if grid.free_chips < prod(shape):  # no search can find what is not there
         return None
-    candidates = _Candidates(grid, tuple(shape))
+    candidates = _Candidates(grid, shape)
     fallback = next(iter(candidates), None)
     if fallback is None:
         return None
+    left = grid.free_chips - prod(shape)
     # Classes are visited largest first, so the first candidate that keeps a block of the
     # current class free is the best fit; later classes could only leave smaller blocks.
-    for shapes in _shape_classes(grid.tpu_type, grid.free_chips - prod(shape)):
-        blocks = list(_free_boxes_of(grid, shapes, aligned=False))
-        if not blocks:
+    for shapes in _shape_classes(grid.tpu_type, left):
+        # The class's free blocks, listed only as far as the candidates need them: the first
+        # candidate usually keeps one of the first blocks free.
+        source = _free_boxes_of(grid, shapes, aligned=False)
+        first = next(source, None)
+        if first is None:
             continue
+        blocks = [first]
         for candidate in candidates:
-            for block in blocks:
+            for block in _listed(blocks, source):
                 if _disjoint(candidate, block):
+                    # No larger class kept a block free beside it: this is what it leaves.
+                    grid._answers[candidate] = 1.0 - prod(shapes[0]) / left if left > 0 else 0.0
                     return _to_slice(grid, candidate)
+    grid._answers[fallback] = 1.0 if left > 0 else 0.0  # no legal block stays free beside any candidate
     return _to_slice(grid, fallback)

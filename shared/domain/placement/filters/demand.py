@@ -91,7 +91,7 @@ class DemandPreFilter:
             )
 
         def share(tp: int) -> MemoryShare:
-            return _share(
+            return gpu_share(
                 model, tp, dtype, kv_dtype, request.context_tokens, request.concurrency, self.config.workspace_bytes
             )
 
@@ -190,9 +190,10 @@ class DemandPreFilter:
 
 
 @lru_cache(maxsize=4096)
-def _share(
+def gpu_share(
     model: ModelSpec, tp: int, dtype: str, kv_dtype: str, context_tokens: int, concurrency: int, workspace_bytes: int
 ) -> MemoryShare:
+    """``memory.per_accelerator_share`` at ``tp`` with these figures (the prefilter's per-GPU share)."""
     # Pure and asked again for every request of the same shape: memoised.
     return per_accelerator_share(
         model,

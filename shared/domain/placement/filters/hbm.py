@@ -8,6 +8,7 @@ default) takes idle GPUs only, so a GPU another replica holds is never shared wi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from typing import Final, cast
 
 from shared.domain.memory import MemoryShare
@@ -76,15 +77,20 @@ class HbmFilter:
             else:
                 group[0] += len(cls.hosts)
         rejected = [
-            (
-                Status(Code.HBM_SHORT, plugin=NAME, tp=tp, hbm_short_bytes=figure)
-                if key >= 0
-                else Status(Code.TOO_FEW_ACCELERATORS, plugin=NAME, tp=tp, available=figure),
-                count,
-            )
-            for key, (count, figure) in groups.items()
+            (_short(tp, figure) if key >= 0 else _too_few(tp, figure), count) for key, (count, figure) in groups.items()
         ]
         return keep, rejected
+
+
+@lru_cache(maxsize=4096)
+def _short(tp: int, short_bytes: int) -> Status:
+    # Statuses are immutable and a fleet's screens reject with the same few figures again and again.
+    return Status(Code.HBM_SHORT, plugin=NAME, tp=tp, hbm_short_bytes=short_bytes)
+
+
+@lru_cache(maxsize=256)
+def _too_few(tp: int, available: int) -> Status:
+    return Status(Code.TOO_FEW_ACCELERATORS, plugin=NAME, tp=tp, available=available)
 
 
 def factory(config: Mapping[str, object] | None = None) -> HbmFilter:

@@ -32,7 +32,8 @@ NAME: Final = "nvlink_group"
 
 
 @lru_cache(maxsize=16384)
-def _best_group(matrix: LinkMatrix, free: tuple[int, ...], size: int) -> tuple[int, ...] | None:
+def best_group(matrix: LinkMatrix, free: tuple[int, ...], size: int) -> tuple[int, ...] | None:
+    """``topology.best_tp_group`` of ``size`` among the GPU indices ``free``, memoised."""
     # Pure and hot (a fleet repeats a few layouts and free sets): memoised like topology's clique search.
     return best_tp_group(matrix, free, size)
 
@@ -78,7 +79,7 @@ class NvlinkGroupFilter:
             return _bound(fabric_group(host, positions, tp))
         assert host.matrix is not None
         by_index = {host.indices[p]: p for p in positions}
-        best = _best_group(host.matrix, tuple(by_index), tp)
+        best = best_group(host.matrix, tuple(by_index), tp)
         if best is None:
             return Status(Code.NO_NVLINK_GROUP, plugin=NAME, tp=tp, largest_group=_largest(host, positions))
         return _bound(tuple(by_index[i] for i in best))
@@ -102,11 +103,13 @@ class NvlinkGroupFilter:
             # group_cap is non-increasing: the groups that can take `need` are sizes 1..size.
             size = sum(1 for cap in caps if cap >= need)
             largest[size] = largest.get(size, 0) + len(cls.hosts)
-        rejected = [
-            (Status(Code.NO_NVLINK_GROUP, plugin=NAME, tp=tp, largest_group=size), count)
-            for size, count in largest.items()
-        ]
+        rejected = [(_no_group(tp, size), count) for size, count in largest.items()]
         return keep, rejected
+
+
+@lru_cache(maxsize=1024)
+def _no_group(tp: int, largest_group: int) -> Status:
+    return Status(Code.NO_NVLINK_GROUP, plugin=NAME, tp=tp, largest_group=largest_group)
 
 
 def _largest(host: GpuHost, positions: list[int]) -> int:

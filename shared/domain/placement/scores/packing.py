@@ -12,7 +12,7 @@ GPUs, the mean of four fits in [0, 1]:
   node it leaves the other quad, TP=4 as before (1.0): the node that alone could take a TP=8 replica
   keeps it. A shared replica joining a GPU already shared takes no idle GPU (1.0).
 
-TPU: the mean of 1 - fragmentation of the pod after taking the slice (``topology.fragmentation``) and
+TPU: the mean of 1 - fragmentation of the pod after taking the slice (``topology.fragmentation_after``) and
 the slice's chips / the pod's free chips before (best fit: use the fullest pod).
 """
 
@@ -24,7 +24,7 @@ from typing import Final
 from shared.domain.placement.framework import Candidate, CycleState, GpuGroup, no_config, sharing_of
 from shared.domain.placement.hosts import GpuHost, GpuLoad, HostKind, TpuLoad
 from shared.domain.topology import largest_free_clique
-from shared.domain.topology.tpu import TpuSlice, allocate, fragmentation
+from shared.domain.topology.tpu import TpuSlice, fragmentation_after
 
 NAME: Final = "packing"
 
@@ -62,7 +62,8 @@ def _largest_tp_before(load: GpuLoad) -> int:
 
 def tpu_packing(load: TpuLoad, block: TpuSlice) -> float:
     free_before = load.grid.free_chips
-    return min(1.0, (1 - fragmentation(allocate(load.grid, block)) + block.chips / free_before) / 2)
+    # The pod's grid after the placement is not built: its fragmentation is read off this one.
+    return min(1.0, (1 - fragmentation_after(load.grid, block) + block.chips / free_before) / 2)
 
 
 class PackingScore:
