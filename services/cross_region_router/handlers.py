@@ -57,6 +57,7 @@ from shared.domain.routing import (
     next_tenant_route,
 )
 from shared.infra.clock import Clock
+from shared.infra.locks import KeyedLocks
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
@@ -117,7 +118,7 @@ class RoutingHandlers:
         self._pending: Counter[tuple[str, str, int]] = Counter()
         self._replicas: dict[str, tuple[str, str]] = {}  # allocation id -> (region, model)
         self._serving: dict[str, Counter[str]] = {}  # model -> replicas per region
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._tenants_busy = KeyedLocks()  # one route at a time per tenant: its damping sees the last switch
         self._loaded = False
 
     # -- start -------------------------------------------------------------------------------------------
@@ -156,8 +157,7 @@ class RoutingHandlers:
         names = members(request.model, self._groups, self._models)
         if names is None:
             return rejected(ErrorCode.UNKNOWN_MODEL, f"no model or model group {request.model[:80]!r}")
-        lock = self._locks.setdefault(request.tenant, asyncio.Lock())
-        async with lock:
+        async with self._tenants_busy.hold(request.tenant):
             return await self._route(request, names)
 
     async def _route(self, request: RouteSelectRequest, names: tuple[str, ...]) -> BaseModel:

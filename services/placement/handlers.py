@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
@@ -91,6 +91,7 @@ from shared.domain.placement.types import Decision, FleetSnapshot
 from shared.domain.placement.view import AssumeKey, Crossing, LedgerAccelerator, overlay
 from shared.infra import deadline
 from shared.infra.clock import Clock, MonotonicMs
+from shared.infra.locks import KeyedLocks
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
@@ -183,30 +184,6 @@ class _Lost:
 
 
 LOST = _Lost()
-
-
-class KeyedLocks:
-    """One lock per key while anyone holds or waits for it: requests with the same id take turns."""
-
-    def __init__(self) -> None:
-        self._locks: dict[Hashable, tuple[asyncio.Lock, int]] = {}
-
-    @contextlib.asynccontextmanager
-    async def hold(self, key: Hashable) -> AsyncIterator[None]:
-        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
-        self._locks[key] = (lock, users + 1)
-        try:
-            async with lock:
-                yield
-        finally:
-            _lock, users = self._locks[key]
-            if users <= 1:
-                del self._locks[key]
-            else:
-                self._locks[key] = (lock, users - 1)
-
-    def __len__(self) -> int:
-        return len(self._locks)
 
 
 def _ledger_error(reply: CommitReply | Rejected) -> ErrorBody:

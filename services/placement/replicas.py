@@ -145,6 +145,7 @@ class ReplicaBook:
         self._held.pop(replica_id, None)
         self._since.pop(replica_id, None)
         self._reports.pop(replica_id, None)
+        self._failed.pop(replica_id, None)
         self._rebuild_pool(replica.node)
 
     def serving(self, models: Iterable[str], region: str | None) -> list[Replica]:
@@ -160,16 +161,20 @@ class ReplicaBook:
     def report(self, status: EngineStatusEvent, *, now_ms: float) -> bool:
         """Keep the latest report of a replica's engine; True when it is one of ours and on its node."""
         replica = self.replicas.get(status.replica_id)
-        if replica is not None and replica.node != status.node and not replica.node.startswith(status.node):
+        if replica is None:
+            return False  # not one of ours (or not yet: its engine reports again within seconds)
+        if replica.node != status.node and not replica.node.startswith(status.node):
             return False  # another node's agent speaking for this replica
         self._reports[status.replica_id] = _Report(status, now_ms)
         self._since.pop(status.replica_id, None)  # the engine's queue now counts what was admitted before
         self._failed.pop(status.replica_id, None)  # a report after a failure puts it back in rotation
-        return replica is not None
+        return True
 
     def failed(self, replica_id: str, *, now_ms: float) -> None:
-        """A caller says this replica failed or timed out a request: out of rotation until it reports again."""
-        self._failed[replica_id] = now_ms
+        """A caller says this replica failed or timed out a request: out of rotation until it reports again
+        (a replica the book does not know is ignored: callers do not grow the book)."""
+        if replica_id in self.replicas:
+            self._failed[replica_id] = now_ms
 
     def status(self, replica: Replica) -> ReplicaStatus:
         """The replica as the selection rules see it (never reported: not healthy, not fresh)."""

@@ -368,3 +368,15 @@ async def test_each_engine_keeps_its_guaranteed_kv_on_a_shared_node_and_lends_it
     waiting = await handlers.admit(_ask("tf-6", model="llama3.1-8b", tokens=60_000))
     assert isinstance(waiting, AdmitReply) and waiting.status == "queued", waiting
     assert book.status(tf).kv_total_bytes - book.status(tf).held_bytes > 7.9 * GB  # its replica had room
+
+
+async def test_names_the_book_does_not_know_do_not_grow_it() -> None:
+    """A gateway's `failed_replica_id` or an agent's report for a replica placement never made is ignored:
+    callers cannot grow admission's memory with made-up ids."""
+    tf = _replica("r-tf", "llama3.1-8b", "n1")
+    handlers, _ledger, _clock, book = _stack(tf)
+    handlers.on_engine_status(_status(tf))
+    for i in range(100):
+        await handlers.admit(_ask(f"x-{i}", failed_replica_id=f"made-up-{i}"))
+        handlers.on_engine_status(_status(dataclasses.replace(tf, replica_id=f"ghost-{i}")))
+    assert set(book._failed) == set() and set(book._reports) == {"r-tf"}
