@@ -328,10 +328,16 @@ class PlacementHandlers:
         return ReleaseReply(status="released")
 
     async def renew(self, request: RenewRequest) -> BaseModel:
+        tenant = request.tenant
+        if self._admission is not None:  # an admission's KV hold: renewed under its replica's owner
+            owner = self._admission.owner_of_hold(request.allocation_id, request.tenant)
+            if isinstance(owner, Rejected):
+                return RenewReply(status="rejected", error=owner.error)
+            tenant = owner or tenant
         try:
             renewed = await self._rpc.ask(
                 Rpc.LEDGER_RENEW,
-                LedgerRenewRequest(allocation_id=request.allocation_id, tenant=request.tenant, lease_s=request.lease_s),
+                LedgerRenewRequest(allocation_id=request.allocation_id, tenant=tenant, lease_s=request.lease_s),
                 LedgerRenewReply,
             )
         except RpcError as exc:

@@ -25,7 +25,16 @@ from hetsched.engine_sim import EngineLoad, publish_engine_status
 from hetsched.stack import wait_healthy
 from shared.contracts.base import Rejected
 from shared.contracts.ledger import SnapshotReply, SnapshotRequest
-from shared.contracts.placement import AdmitReply, AdmitRequest, PlaceReply, PlaceRequest, ReleaseReply, ReleaseRequest
+from shared.contracts.placement import (
+    AdmitReply,
+    AdmitRequest,
+    PlaceReply,
+    PlaceRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    RenewReply,
+    RenewRequest,
+)
 from shared.contracts.routing import RouteRegionReply, RouteRegionRequest, RouteSelectReply, RouteSelectRequest
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
@@ -179,6 +188,11 @@ async def test_a_64k_request_goes_to_the_ssm_replica_and_holds_kv_until_released
 
     # Held in the ledger as a request allocation in the replica's KV pool, until released.
     assert reply.allocation_id in await active_holds(stack)
+    # A long generation renews its hold (the requester is not the replica's owner: placement renews it for it).
+    renewed = await stack.rpc.ask(
+        Rpc.PLACEMENT_RENEW, RenewRequest(allocation_id=reply.allocation_id, tenant="acme", lease_s=600), RenewReply
+    )
+    assert isinstance(renewed, RenewReply) and renewed.status == "renewed", renewed
     forbidden = await stack.rpc.ask(
         Rpc.PLACEMENT_RELEASE, ReleaseRequest(allocation_id=reply.allocation_id, tenant="mallory"), ReleaseReply
     )

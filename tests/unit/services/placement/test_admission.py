@@ -257,6 +257,7 @@ async def test_kv_is_held_until_release_and_only_its_tenant_may_release_it() -> 
     assert isinstance(forbidden, Rejected) and forbidden.error.code is ErrorCode.FORBIDDEN
     owner = handlers.owner_of_hold(reply.allocation_id, "acme")
     assert owner == "platform"
+    # A long generation renews its hold: through placement.renew, under the replica's owner (PlacementHandlers).
     released = await handlers.release_hold(reply.allocation_id, "platform")
     assert released.status == "released" and book.status(tf).held_bytes == 0 and not ledger.holds
 
