@@ -129,6 +129,7 @@ class ReplicaBook:
     _since: dict[str, int] = field(default_factory=dict)  # replica -> admitted since its engine last reported
     _failed: dict[str, float] = field(default_factory=dict)  # replica -> when a caller said it failed (ms)
     _pools: dict[str, KvPool] = field(default_factory=dict)
+    _statuses: dict[str, ReplicaStatus] = field(default_factory=dict)  # until the replica's figures change
 
     # -- replicas -----------------------------------------------------------------------------------
 
@@ -146,6 +147,7 @@ class ReplicaBook:
         self._since.pop(replica_id, None)
         self._reports.pop(replica_id, None)
         self._failed.pop(replica_id, None)
+        self._statuses.pop(replica_id, None)
         self._rebuild_pool(replica.node)
 
     def serving(self, models: Iterable[str], region: str | None) -> list[Replica]:
@@ -166,6 +168,7 @@ class ReplicaBook:
         if replica.node != status.node and not replica.node.startswith(status.node):
             return False  # another node's agent speaking for this replica
         self._reports[status.replica_id] = _Report(status, now_ms)
+        self._statuses.pop(status.replica_id, None)
         self._since.pop(status.replica_id, None)  # the engine's queue now counts what was admitted before
         self._failed.pop(status.replica_id, None)  # a report after a failure puts it back in rotation
         return True
@@ -175,9 +178,19 @@ class ReplicaBook:
         (a replica the book does not know is ignored: callers do not grow the book)."""
         if replica_id in self.replicas:
             self._failed[replica_id] = now_ms
+            self._statuses.pop(replica_id, None)
 
     def status(self, replica: Replica) -> ReplicaStatus:
-        """The replica as the selection rules see it (never reported: not healthy, not fresh)."""
+        """The replica as the selection rules see it (never reported: not healthy, not fresh); kept until
+        a report, a hold or a failure changes it (freshness is judged by the caller against its clock)."""
+        cached = self._statuses.get(replica.replica_id)
+        if cached is not None:
+            return cached
+        status = self._status(replica)
+        self._statuses[replica.replica_id] = status
+        return status
+
+    def _status(self, replica: Replica) -> ReplicaStatus:
         report = self._reports.get(replica.replica_id)
         held = self._held.get(replica.replica_id, 0)
         total = replica.kv_total
@@ -227,6 +240,7 @@ class ReplicaBook:
     def tentative(self, replica_id: str, nbytes: int, *, undo: bool = False) -> None:
         """Count a hold on its way to the ledger (so concurrent admissions see it), or take it back."""
         sign = -1 if undo else 1
+        self._statuses.pop(replica_id, None)
         self._held[replica_id] = self._held.get(replica_id, 0) + sign * nbytes
         self._since[replica_id] = self._since.get(replica_id, 0) + sign
         if self._held[replica_id] <= 0:
@@ -254,6 +268,7 @@ class ReplicaBook:
         hold = self.holds.pop(allocation_id, None)
         if hold is None:
             return None
+        self._statuses.pop(hold.replica_id, None)
         left = self._held.get(hold.replica_id, 0) - hold.kv_bytes
         if left > 0:
             self._held[hold.replica_id] = left

@@ -218,11 +218,17 @@ def select(
     candidates: list[Candidate] = []
     excluded: dict[str, str] = {}
     tiers = _tiers(rule, ask)
+    needs: dict[tuple[str, int], int] = {}  # the replicas of one model and TP degree need the same bytes
     for replica in replicas:
         spec = specs.get(replica.model)
         need = 0
         if spec is not None and ask.input_tokens + ask.output_tokens <= spec.max_context:
-            need = request_kv_bytes(spec, input_tokens=ask.input_tokens, output_tokens=ask.output_tokens, tp=replica.tp)
+            key = (replica.model, replica.tp)
+            if key not in needs:
+                needs[key] = request_kv_bytes(
+                    spec, input_tokens=ask.input_tokens, output_tokens=ask.output_tokens, tp=replica.tp
+                )
+            need = needs[key]
         why = _exclusion(replica, spec, ask, need, now_ms, policy)
         if why is not None:
             excluded[replica.replica_id] = why.value
