@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from shared.contracts.ledger import CommitReply, CommitRequest
-from shared.domain.ledger import Access
 from shared.infra import deadline
 
 
@@ -81,55 +80,3 @@ class CommitBatcher:
                 except Exception as exc:
                     if not future.done():
                         future.set_exception(exc)
-
-
-class ApplyEnds(Protocol):
-    """Ends allocations in one transaction: ``(allocation id, tenant)`` pairs in, one access each out."""
-
-    async def __call__(self, items: Sequence[tuple[str, str | None]]) -> list[Access]: ...
-
-
-class EndBatcher:
-    """Group end: releases that arrive while one transaction of them runs are applied together in the
-    next (a request's KV hold is released per inference request, thousands a second on a busy fleet).
-    The first goes at once; a batch that fails as a whole is retried one by one."""
-
-    def __init__(self, apply: ApplyEnds, *, max_batch: int = 256) -> None:
-        self._apply = apply
-        self._max = max_batch
-        self._pending: list[tuple[str, str | None, asyncio.Future[Access]]] = []
-        self._running = False
-        self.batches = 0
-
-    async def submit(self, allocation_id: str, tenant: str | None) -> Access:
-        future: asyncio.Future[Access] = asyncio.get_running_loop().create_future()
-        self._pending.append((allocation_id, tenant, future))
-        if not self._running:
-            self._running = True
-            asyncio.get_running_loop().create_task(self._drain())
-        return await future
-
-    async def _drain(self) -> None:
-        try:
-            while self._pending:
-                batch, self._pending = self._pending[: self._max], self._pending[self._max :]
-                self.batches += 1
-                try:
-                    accesses = await self._apply([(allocation_id, tenant) for allocation_id, tenant, _ in batch])
-                except Exception:
-                    accesses = None
-                if accesses is not None:
-                    for (_, _, future), access in zip(batch, accesses, strict=True):
-                        if not future.done():
-                            future.set_result(access)
-                    continue
-                for allocation_id, tenant, future in batch:
-                    try:
-                        (access,) = await self._apply([(allocation_id, tenant)])
-                        if not future.done():
-                            future.set_result(access)
-                    except Exception as exc:
-                        if not future.done():
-                            future.set_exception(exc)
-        finally:
-            self._running = False

@@ -14,7 +14,6 @@ from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.capacity_ledger import mapping, store
-from services.capacity_ledger.batcher import EndBatcher
 from shared.contracts.base import ErrorCode, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import (
@@ -61,6 +60,7 @@ from shared.domain.memory import usable_hbm
 from shared.domain.topology.tpu import TpuType
 from shared.infra import deadline
 from shared.infra.clock import Clock
+from shared.infra.grouping import Grouped
 from shared.infra.uow import UnitOfWork
 
 T = TypeVar("T")
@@ -164,7 +164,10 @@ class LedgerHandlers:
         self._sweep_batch = sweep_batch
         self._new_id = new_id
         self._log = log or logging.getLogger("hetsched.capacity-ledger")
-        self._releases = EndBatcher(lambda items: self._end_many(items, AllocationState.RELEASED))
+        # Releases that arrive while one transaction of them runs are ended together in the next.
+        self._releases: Grouped[tuple[str, str | None], Access] = Grouped(
+            lambda items: self._end_many(items, AllocationState.RELEASED)
+        )
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -342,9 +345,9 @@ class LedgerHandlers:
 
     async def _end(self, allocation_id: str, *, tenant: str | None, state: AllocationState) -> Access:
         """End an allocation (and the requests inside a replica) with an event each, if ``tenant`` may;
-        releases arriving together share one transaction (``EndBatcher``)."""
+        releases arriving together share one transaction (``Grouped``)."""
         if state is AllocationState.RELEASED:
-            return await self._releases.submit(allocation_id, tenant)
+            return await self._releases.submit((allocation_id, tenant))
         (access,) = await self._end_many([(allocation_id, tenant)], state)
         return access
 

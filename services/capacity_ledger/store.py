@@ -383,19 +383,12 @@ async def lock_allocations(*, session: AsyncSession, ids: Sequence[str]) -> dict
     return {row["id"]: _record(row) for row in rows}
 
 
-async def end_allocation(
-    *, session: AsyncSession, allocation: AllocationRecord, state: AllocationState, now: datetime
-) -> list[EndedAllocation]:
-    """End a locked, active allocation and the active requests inside it (a replica's); their shares
-    stop counting. Returns each ended allocation with the shares it gave back, the named one first."""
-    return await end_allocations(session=session, allocations=[allocation], state=state, now=now)
-
-
 async def end_allocations(
     *, session: AsyncSession, allocations: Sequence[AllocationRecord], state: AllocationState, now: datetime
 ) -> list[EndedAllocation]:
-    """``end_allocation`` for several locked, active allocations in one go (a few statements for all of
-    them): the named ones in order, then the requests inside the replicas among them."""
+    """End locked, active allocations and the active requests inside those that are replicas, in a few
+    statements for all of them; their shares stop counting. Returns each ended allocation with the
+    shares it gave back: the named ones in order, then the requests inside them."""
     if not allocations:
         return []
     apg = await driver(session=session)  # the allocations' lock opened the transaction

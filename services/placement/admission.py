@@ -25,7 +25,6 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
 
 from pydantic import BaseModel
 
@@ -58,6 +57,7 @@ from shared.domain.admission import (
 )
 from shared.domain.models import ModelSpec
 from shared.infra.clock import MonotonicMs
+from shared.infra.grouping import Grouped
 from shared.infra.rpc import RpcClient, RpcError
 
 DRAIN_PERIOD_S = 0.1
@@ -91,7 +91,7 @@ def parse_weights(text: str) -> dict[str, float]:
 @dataclass
 class _Waiting:
     request: AdmitRequest
-    specs: tuple[str, ...]
+    models: tuple[str, ...]  # the model, or its group's members
 
 
 def parse_kv_shares(text: str) -> dict[Engine, float] | None:
@@ -105,50 +105,18 @@ def parse_kv_shares(text: str) -> dict[Engine, float] | None:
         raise ValueError(f"unknown engine in KV guarantees: {exc}") from exc
 
 
-class HoldBatcher:
-    """Sends the ledger the holds of concurrent admissions together: one `ledger.commit_batch` per batch
-    (each commit still all-or-nothing on its own). The first hold goes at once; those that come while
-    ``in_flight`` batches are under way wait for the next one. ``None`` for a hold the ledger did not
-    answer."""
-
-    def __init__(self, rpc: RpcClient, *, max_batch: int = 64, in_flight: int = 4) -> None:
-        self._rpc = rpc
-        self._max_batch = max_batch
-        self._in_flight = in_flight
-        self._running = 0
-        self._pending: list[tuple[CommitRequest, asyncio.Future[CommitReply | Rejected | None]]] = []
-        self.batches = 0
-
-    async def submit(self, commit: CommitRequest) -> CommitReply | Rejected | None:
-        future: asyncio.Future[CommitReply | Rejected | None] = asyncio.get_running_loop().create_future()
-        self._pending.append((commit, future))
-        if self._running < self._in_flight:
-            self._running += 1
-            asyncio.get_running_loop().create_task(self._send())
-        return await future
-
-    async def _send(self) -> None:
-        try:
-            while self._pending:
-                batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch :]
-                results = await self._ask([commit for commit, _ in batch])
-                self.batches += 1
-                for (_, future), result in zip(batch, results, strict=True):
-                    if not future.done():
-                        future.set_result(result)
-        finally:
-            self._running -= 1
-
-    async def _ask(self, commits: list[CommitRequest]) -> list[CommitReply | Rejected | None]:
-        try:
-            if len(commits) == 1:
-                return [await self._rpc.ask(Rpc.LEDGER_COMMIT, commits[0], CommitReply)]
-            reply = await self._rpc.ask(Rpc.LEDGER_COMMIT_BATCH, CommitBatchRequest(commits=commits), CommitBatchReply)
-        except RpcError:
-            return [None] * len(commits)
-        if isinstance(reply, Rejected):
-            return [reply] * len(commits)
-        return list(reply.results)
+async def _ask_ledger(rpc: RpcClient, commits: list[CommitRequest]) -> list[CommitReply | Rejected | None]:
+    """Holds to the ledger: one `ledger.commit` for one, one `ledger.commit_batch` for several (each still
+    all-or-nothing on its own); ``None`` for each when the ledger did not answer."""
+    try:
+        if len(commits) == 1:
+            return [await rpc.ask(Rpc.LEDGER_COMMIT, commits[0], CommitReply)]
+        reply = await rpc.ask(Rpc.LEDGER_COMMIT_BATCH, CommitBatchRequest(commits=commits), CommitBatchReply)
+    except RpcError:
+        return [None] * len(commits)
+    if isinstance(reply, Rejected):
+        return [reply] * len(commits)
+    return list(reply.results)
 
 
 def _key(tenant: str, request_id: str) -> str:
@@ -170,7 +138,10 @@ class AdmissionHandlers:
         load_placed: Callable[[], Awaitable[list[tuple[str, PlaceReply]]]] | None = None,
     ) -> None:
         self._load_placed = load_placed
-        self._holds = HoldBatcher(rpc)
+        # The holds of concurrent admissions go to the ledger together.
+        self._holds: Grouped[CommitRequest, CommitReply | Rejected | None] = Grouped(
+            lambda commits: _ask_ledger(rpc, commits), max_group=64, in_flight=4
+        )
         self._book = book
         self._rpc = rpc
         self._models = models
@@ -343,7 +314,7 @@ class AdmissionHandlers:
             selections: dict[int, Selection] = {}
 
             def can_serve(waiting: _Waiting) -> bool:
-                selection = self._select(waiting.request, waiting.specs, now_ms)
+                selection = self._select(waiting.request, waiting.models, now_ms)
                 selections[id(waiting)] = selection
                 return bool(selection.order)
 
@@ -352,7 +323,7 @@ class AdmissionHandlers:
                 if popped is None:
                     break
                 key, waiting = popped
-                selection = selections.pop(id(waiting), None) or self._select(waiting.request, waiting.specs, now_ms)
+                selection = selections.pop(id(waiting), None) or self._select(waiting.request, waiting.models, now_ms)
                 reply = await self._hold(waiting.request, selection)
                 if reply is None:
                     # Refused everywhere meanwhile: back in the queue (behind its tenant's others).
@@ -402,7 +373,8 @@ class AdmissionHandlers:
             self.on_placed(owner, reply)
         return len(self._book.replicas) - before
 
-    def on_engine_status(self, status: EngineStatusEvent, at: datetime | None = None) -> None:
+    def on_engine_status(self, status: EngineStatusEvent) -> None:
+        """An engine's report: the replica's figures now (a shorter queue may let waiting requests in)."""
         if self._book.report(status, now_ms=self._timer()) and len(self._queue):
             self._wake.set()
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from shared.contracts.placement import PlaceReply
 from shared.contracts.subjects import token, untoken
@@ -295,7 +294,3 @@ class ReplicaBook:
             if replica is not None and replica.node == node:
                 hold.grant = pool.grant(replica.engine, hold.kv_bytes)  # best effort: existing holds stay
         self._pools[node] = pool
-
-
-def seen_at_ms(at: datetime) -> float:
-    return at.timestamp() * 1000

@@ -142,6 +142,13 @@ async def stack(
     await s.place("tf", "llama3.1-8b", "us-west-1")
     await s.place("east", "llama3.1-8b", "us-east-1")
     yield s
+    # The session's database is shared with later modules: give back what this one placed (its
+    # admissions' holds end with their replicas).
+    for allocation_id, _node in s.replicas.values():
+        reply = await rpc.ask(
+            Rpc.PLACEMENT_RELEASE, ReleaseRequest(allocation_id=allocation_id, tenant="platform"), ReleaseReply
+        )
+        assert getattr(reply, "status", None) == "released", reply
     await rpc.close()
     await nc.close()
     for name in ("rq_router", "rq_placement", "rq_ledger", "rq_topology"):

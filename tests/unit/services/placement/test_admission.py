@@ -67,7 +67,7 @@ class FakeLedger(RpcClient):
         if rpc is Rpc.LEDGER_COMMIT_BATCH:
             assert isinstance(request, CommitBatchRequest)
             self.batches.append(len(request.commits))
-            return CommitBatchReply(results=[self._commit(commit) for commit in request.commits])  # type: ignore[misc]
+            return CommitBatchReply(results=[self._commit(commit) for commit in request.commits])
         assert rpc is Rpc.LEDGER_COMMIT and isinstance(request, CommitRequest)
         return self._commit(request)
 
