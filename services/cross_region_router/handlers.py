@@ -43,6 +43,7 @@ from shared.contracts.subjects import Context, Rpc
 from shared.domain.admission import members
 from shared.domain.models import ModelSpec
 from shared.domain.routing import (
+    KEPT_BY_SESSION,
     CostTerms,
     Region,
     RegionState,
@@ -188,7 +189,7 @@ class RoutingHandlers:
                     error=rejected(ErrorCode.NO_CAPACITY, decision.reason).error,
                 )
             admission = await self._admit(request, decision) if request.admit else None
-            held = decision.kept_by == "session" and request.in_flight
+            held = decision.kept_by == KEPT_BY_SESSION and request.in_flight
             if admission is not None and _full(admission) and not held and len(full) < len(self._regions):
                 full.add(decision.region)  # full there for this request: the next tier decides
                 continue
@@ -399,4 +400,6 @@ class RoutingHandlers:
 
 def _full(admission: AdmitReply) -> bool:
     """Admission in that region found nothing that could take the request."""
-    return admission.status == "rejected" and admission.error is not None and admission.error.code == "no_capacity"
+    return (
+        admission.status == "rejected" and admission.error is not None and admission.error.code == ErrorCode.NO_CAPACITY
+    )
