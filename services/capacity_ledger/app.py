@@ -14,6 +14,7 @@ from services.capacity_ledger.handlers import LedgerHandlers
 from shared.contracts.ledger import (
     CommitBatchRequest,
     CommitRequest,
+    LedgerPreemptRequest,
     LedgerReleaseRequest,
     LedgerRenewRequest,
     SnapshotRequest,
@@ -67,6 +68,7 @@ SERVICE = ServiceDefinition(
         Route(Rpc.LEDGER_COMMIT_BATCH, CommitBatchRequest, lambda ctx: ctx.handlers.commit_batch),
         Route(Rpc.LEDGER_RELEASE, LedgerReleaseRequest, lambda ctx: ctx.handlers.release),
         Route(Rpc.LEDGER_RENEW, LedgerRenewRequest, lambda ctx: ctx.handlers.renew),
+        Route(Rpc.LEDGER_PREEMPT, LedgerPreemptRequest, lambda ctx: ctx.handlers.preempt),
         Route(Rpc.LEDGER_SNAPSHOT, SnapshotRequest, lambda ctx: ctx.handlers.snapshot),
     ),
     consumers=(

@@ -102,8 +102,11 @@ def wire(runtime: Runtime) -> Ctx:
         after_commit=_fault_after_commit(settings),
         queueing=Queueing(timeout_s=settings.placement_queue_timeout_s, retry_s=settings.placement_queue_retry_s),
         admission=admission,
+        reservations=readmodel.book,
+        holds=readmodel.holds,
     )
     readmodel.on_freed = handlers.wake_queue  # the view holds an event that may have freed capacity
+    readmodel.on_reservation = handlers.wake_queue  # an offer or a reclaimed GPU may let a queued one fit
     readmodel.on_engine_status = admission.on_engine_status
     readmodel.on_hold = admission.on_hold_event
     return Ctx(handlers=handlers, readmodel=readmodel, admission=admission)
@@ -144,6 +147,7 @@ SERVICE = ServiceDefinition(
         Loop("placement-reconciler", lambda ctx: ctx.handlers.reconcile),
         Loop("placement-queue", lambda ctx: ctx.handlers.serve_queue),
         Loop("admission-queue", lambda ctx: ctx.admission.serve_queue),
+        Loop("placement-reservations", lambda ctx: ctx.readmodel.follow_reservations),
     ),
     checks=lambda ctx: ctx.readmodel.health(),
     calls=(
@@ -154,9 +158,10 @@ SERVICE = ServiceDefinition(
         Rpc.LEDGER_SNAPSHOT,
         Rpc.FLEET_GET,
         Rpc.FLEET_DESCRIBE,
+        Rpc.RESERVATION_RECLAIM,
     ),
     # Ordered readers of the view (readmodel.STREAMS): GPU telemetry for each node's PCIe utilisation.
-    reads=(Context.TOPOLOGY, Context.LEDGER, Context.TELEMETRY),
+    reads=(Context.TOPOLOGY, Context.LEDGER, Context.TELEMETRY, Context.RESERVATION),
 )
 
 

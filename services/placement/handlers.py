@@ -73,6 +73,7 @@ from shared.contracts.placement import (
     RenewRequest,
 )
 from shared.contracts.placement_events import PlacementEvent, PlacementEventName, PlacementReleasedEvent
+from shared.contracts.reservation import ReservationReclaimReply, ReservationReclaimRequest
 from shared.contracts.subjects import Context, Rpc
 from shared.domain.placement import decide
 from shared.domain.placement.ownership import (
@@ -89,6 +90,7 @@ from shared.domain.placement.ownership import (
 )
 from shared.domain.placement.types import Decision, FleetSnapshot
 from shared.domain.placement.view import AssumeKey, Crossing, LedgerAccelerator, overlay
+from shared.domain.reservations import ReservationBook, plan_reclaim, withhold
 from shared.infra import deadline
 from shared.infra.clock import Clock, MonotonicMs
 from shared.infra.locks import KeyedLocks
@@ -96,6 +98,10 @@ from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
 MAX_ATTEMPTS = 4
+RECLAIM_WAIT_S = 2.0
+RECLAIM_POLL_S = 0.005
+"""How long, and how often, an owner's placement waits for its view to hear that the borrowers it had
+preempted (soft) are gone."""
 """Commits tried per placement: each conflict decides again on fresher figures."""
 WAIT_POLL_S = 0.05
 """How often a request waits for another process's attempt at the same request id to finish."""
@@ -237,8 +243,15 @@ class PlacementHandlers:
         poll_s: float = WAIT_POLL_S,
         queueing: Queueing | None = None,
         admission: AdmissionHandlers | None = None,
+        reservations: ReservationBook | None = None,
+        holds: Callable[[str], bool] = lambda _allocation_id: False,
     ) -> None:
         self._admission = admission
+        # Reservations as the RESERVATION stream tells them (the read model's fold): what a tenant may not
+        # use, and the borrowers an owner may reclaim from; ``holds``: does the view still count an allocation.
+        self._reservations = reservations or ReservationBook()
+        self._holds = holds
+        self._withheld: dict[tuple[str, bool], tuple[int, frozenset[str]]] = {}
         self._view = view
         self._store = store
         self._uow = uow
@@ -268,6 +281,9 @@ class PlacementHandlers:
             return _caller_gone()
         async with self.ids.hold((request.tenant, request.request_id)):
             body = body_hash(request)
+            reclaiming = await self._reclaim(request)
+            if reclaiming is not None:
+                return reclaiming
             fast = await self._first(request, body)
             if fast is not None:
                 return fast
@@ -889,8 +905,81 @@ class PlacementHandlers:
         reply = pending.model_copy(update={"allocation_id": allocation_id, "explanation": [*pending.explanation, note]})
         return await self._record(request, claim, reply, PlacementEventName.PLACEMENT_DECIDED, 0.0, 1)
 
+    def _rights(self, snapshot: FleetSnapshot, request: PlaceRequest) -> FleetSnapshot:
+        """The snapshot as this tenant may use it: other tenants' reserved GPUs withheld, except those a
+        soft or spot reservation lends now when the replica is preemptible."""
+        if self._reservations.empty:
+            return snapshot
+        key = (request.tenant, request.preemptible)
+        cached = self._withheld.get(key)
+        if cached is None or cached[0] != self._reservations.version:
+            if len(self._withheld) > 4096:
+                self._withheld.clear()
+            cached = (
+                self._reservations.version,
+                self._reservations.withheld(request.tenant, preemptible=request.preemptible),
+            )
+            self._withheld[key] = cached
+        return withhold(snapshot, cached[1]) if cached[1] else snapshot
+
+    async def _reclaim(self, request: PlaceRequest) -> BaseModel | None:
+        """An owner's replica that fits nowhere it may go, but would if borrowers of its own soft or spot
+        reservations left (the fewest, most recently lent first): have the reservation filler preempt them.
+        Soft: the ledger ends them at once; this waits (bounded) until the view no longer counts them, then
+        the ordinary path places. Spot: they have until their deadline; a request that may queue is queued
+        by the ordinary path (placed when they leave), any other is refused now with the deadline, nothing
+        recorded, so the same request id can come back. None: the ordinary path takes over."""
+        borrowed = self._reservations.borrowed_from(request.tenant)
+        if not borrowed:
+            return None
+        snapshot = self._rights(self._view.snapshot, request)
+        wanted = to_domain(request)
+        if decide(snapshot, wanted).placed:
+            return None
+        stored = await self._uow.run(
+            lambda uow: self._store.lock(session=uow.session, tenant=request.tenant, request_id=request.request_id)
+        )
+        if stored is not None:  # a retry: the request id's own answer stands
+            return None
+        plan = plan_reclaim(snapshot, borrowed, lambda s: decide(s, wanted))
+        if plan is None:
+            return None
+        ask = ReservationReclaimRequest(
+            request_id=request.request_id,
+            tenant=request.tenant,
+            allocation_ids=[borrow.allocation_id for _, borrow in plan.evict],
+        )
+        try:
+            answer = await self._rpc.ask(Rpc.RESERVATION_RECLAIM, ask, ReservationReclaimReply)
+        except RpcError as exc:
+            self._log.warning("reservation.reclaim unanswered: %s", exc)
+            return None
+        if isinstance(answer, Rejected):
+            self._log.warning("reservation.reclaim refused: %s", answer.error.message)
+            return None
+        now = self._clock()
+        later = [p for p in answer.preemptions if p.deadline_at > now]
+        if not later:  # soft: freed now; wait for the view to hear of it
+            waited = 0.0
+            gone = {p.allocation_id for p in answer.preemptions}
+            while any(self._holds(a) for a in gone) and waited < RECLAIM_WAIT_S and not deadline.expired():
+                await asyncio.sleep(RECLAIM_POLL_S)
+                waited += RECLAIM_POLL_S
+            return None
+        if may_queue(request):
+            return None
+        until = max(p.deadline_at for p in later)
+        return rejected(
+            ErrorCode.NO_CAPACITY,
+            f"reclaiming {len(later)} borrower(s) of this tenant's spot reservation; they leave by "
+            f"{until.isoformat()}: retry then (nothing was recorded for this request id)",
+            deadline_at=until.isoformat(),
+            retry_after_s=max(0.0, (until - now).total_seconds()),
+        )
+
     def _decide(self, snapshot: FleetSnapshot, request: PlaceRequest) -> tuple[Decision, float]:
         started = self._timer()
+        snapshot = self._rights(snapshot, request)
         decision = decide(snapshot, to_domain(request))
         elapsed_ms = self._timer() - started
         self._metrics.decision_ms.record(elapsed_ms)

@@ -20,6 +20,7 @@ often (off by default: the streams keep it current).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 from collections.abc import Callable, Mapping
@@ -39,6 +40,7 @@ from shared.contracts.fleet import FleetDescribeReply, FleetDescribeRequest
 from shared.contracts.ledger import AllocationEvent, LedgerEvent
 from shared.contracts.permissions import EVENT_PUBLISHERS, NODE_SCOPED_EVENTS
 from shared.contracts.registry import EVENTS
+from shared.contracts.reservation import ReservationEvent, reservation_of
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects, token
 from shared.contracts.topology import EngineStatusEvent, NodeProfilePayload, TelemetryEvent, TopologyEvent
@@ -46,6 +48,7 @@ from shared.domain.hardware import Sku
 from shared.domain.models import ModelSpec
 from shared.domain.placement.types import FleetSnapshot
 from shared.domain.placement.view import DEFAULT_PCIE_WINDOW_S, AssumeKey, Crossing, FleetView
+from shared.domain.reservations import ReservationBook
 from shared.infra.clock import Clock
 from shared.infra.rpc import RpcClient
 
@@ -221,6 +224,12 @@ class ReadModel:
         self.on_hold: Callable[[str, AllocationEvent], None] = lambda _name, _payload: None
         self.synced_at: datetime | None = None
         self._feeds: dict[Context, _Feed] = {}
+        # Reservations: the RESERVATION stream folded from its first sequence (each event carries its
+        # reservation's whole state), independent of the fleet syncs.
+        self.book = ReservationBook()
+        self.on_reservation: Callable[[], None] = lambda: None
+        self._reservations: Subscription | None = None
+        self._reservations_progress = Progress()
         self._lock = asyncio.Lock()
         self._problem = "not loaded yet"
 
@@ -240,6 +249,47 @@ class ReadModel:
 
     def forget(self, token: int) -> None:
         self.view.forget(token)
+
+    def holds(self, allocation_id: str) -> bool:
+        """The view still counts this allocation's bytes."""
+        return self.view.ledger.holds(allocation_id)
+
+    # -- reservations ----------------------------------------------------------------------------
+
+    async def follow_reservations(self) -> None:
+        """Fold the RESERVATION stream from its first sequence, and every event after (an ordered consumer
+        restarts itself on a gap). Retried until the stream exists (the filler creates it)."""
+        while self._reservations is None:
+            try:
+                self._reservations = await self._jetstream().subscribe(
+                    self._subjects.events_of(Context.RESERVATION),
+                    stream=stream_name(Context.RESERVATION, stream_prefix=self._stream_prefix),
+                    cb=self._on_reservation,
+                    ordered_consumer=True,
+                    deliver_policy=DeliverPolicy.ALL,
+                )
+            except Exception as exc:
+                self._log.debug("no RESERVATION stream yet; retrying", extra={"error": str(exc)[:200]})
+                await asyncio.sleep(RETRY_S)
+
+    async def _on_reservation(self, msg: Msg) -> None:
+        meta = msg.metadata
+        self._reservations_progress.sequence = meta.sequence.stream
+        self._reservations_progress.pending = meta.num_pending
+        try:
+            envelope = EventEnvelope.model_validate_json(msg.data)
+            payload = ReservationEvent.model_validate(envelope.payload)
+        except ValidationError as exc:
+            self._log.warning(
+                "dropping a RESERVATION message that is not a reservation event", extra={"error": str(exc)[:300]}
+            )
+            return
+        self._reservations_progress.occurred_at = envelope.occurred_at
+        if envelope.source != EVENT_PUBLISHERS[Context.RESERVATION]:
+            self._log.warning("dropping a reservation event from %s", envelope.source[:100])
+            return
+        if self.book.apply(reservation_of(payload.reservation)):
+            self.on_reservation()
 
     # -- sync ------------------------------------------------------------------------------------
 
@@ -353,6 +403,10 @@ class ReadModel:
         for feed in self._feeds.values():
             await feed.close()
         self._feeds = {}
+        if self._reservations is not None:
+            with contextlib.suppress(Exception):  # the connection may be gone already
+                await self._reservations.unsubscribe()
+            self._reservations = None
 
     # -- how stale -------------------------------------------------------------------------------
 
@@ -370,4 +424,9 @@ class ReadModel:
                     behind.append(
                         f"{context.value} {progress.pending} events pending, last applied {lag_ms:.0f} ms old"
                     )
+        progress = self._reservations_progress
+        if progress.pending and progress.occurred_at is not None:
+            lag_ms = (now - progress.occurred_at).total_seconds() * 1000
+            if lag_ms > self._stale_after_ms:
+                behind.append(f"reservation {progress.pending} events pending, last applied {lag_ms:.0f} ms old")
         return {"view": "behind: " + "; ".join(behind) if behind else "ok"}

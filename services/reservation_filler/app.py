@@ -1,8 +1,10 @@
 """Wiring of the reservation-filler service (the shape of docs/SERVICE.md): its routes, consumers and loops,
-and ``wire``, which builds its handlers once. The logic will live in `shared/domain/`."""
+and ``wire``, which builds its handlers once. The rules live in `shared/domain/reservations`."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,9 +12,19 @@ from faststream import FastStream
 
 from services.reservation_filler.handlers import ReservationHandlers
 from services.reservation_filler.tables import SCHEMA
-from shared.contracts.reservation import ReservationCancelRequest, ReservationCreateRequest, ReservationStatusRequest
-from shared.contracts.subjects import Rpc
-from shared.infra.service import Route, Runtime, ServiceDefinition, build_app
+from shared.contracts.ledger import LedgerEvent
+from shared.contracts.reservation import (
+    ReservationCancelRequest,
+    ReservationCreateRequest,
+    ReservationReclaimRequest,
+    ReservationReportRequest,
+    ReservationStatusRequest,
+)
+from shared.contracts.subjects import Context, Rpc
+from shared.contracts.topology import TopologyEvent
+from shared.domain.reservations import LendingPolicy
+from shared.infra.catalog import load_regions, load_skus
+from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
 
 
@@ -22,7 +34,31 @@ class Ctx:
 
 
 def wire(runtime: Runtime) -> Ctx:
-    return Ctx(handlers=ReservationHandlers(uow=runtime.uow, rpc=runtime.rpc, clock=runtime.clock))
+    settings = runtime.settings
+    policy = LendingPolicy(
+        fill_target=settings.reservation_fill_target,
+        backoff_s=settings.reservation_backoff_s,
+        backoff_max_s=settings.reservation_backoff_max_s,
+    )
+    handlers = ReservationHandlers(
+        uow=runtime.uow,
+        rpc=runtime.rpc,
+        clock=runtime.clock,
+        policy=policy,
+        skus=load_skus(settings.sku_catalog),
+        regions=load_regions(settings.regions_file),
+        tick_s=settings.reservation_tick_s,
+        log=runtime.log,
+        after_record=_fault_after_record(settings),
+    )
+    return Ctx(handlers=handlers)
+
+
+def _fault_after_record(settings: Settings) -> Callable[[], None]:
+    """Tests only: `exit` dies the way a SIGKILL would, between writing preemptions and asking the ledger."""
+    if settings.reservation_fault_after_record == "exit":
+        return lambda: os._exit(70)
+    return lambda: None
 
 
 SERVICE = ServiceDefinition(
@@ -31,10 +67,39 @@ SERVICE = ServiceDefinition(
     schema=SCHEMA,
     wire=wire,
     routes=(
-        Route(Rpc.RESERVATION_CREATE, ReservationCreateRequest),  # not built yet: answers not_implemented
-        Route(Rpc.RESERVATION_CANCEL, ReservationCancelRequest),  # not built yet: answers not_implemented
-        Route(Rpc.RESERVATION_STATUS, ReservationStatusRequest),  # not built yet: answers not_implemented
+        Route(Rpc.RESERVATION_CREATE, ReservationCreateRequest, lambda ctx: ctx.handlers.create),
+        Route(Rpc.RESERVATION_CANCEL, ReservationCancelRequest, lambda ctx: ctx.handlers.cancel),
+        Route(Rpc.RESERVATION_STATUS, ReservationStatusRequest, lambda ctx: ctx.handlers.status),
+        Route(Rpc.RESERVATION_REPORT, ReservationReportRequest, lambda ctx: ctx.handlers.report),
+        Route(Rpc.RESERVATION_RECLAIM, ReservationReclaimRequest, lambda ctx: ctx.handlers.reclaim),
     ),
+    on_start=(lambda ctx: ctx.handlers.start(),),
+    consumers=(
+        # The GPUs a reservation may take.
+        Consumer(
+            Context.TOPOLOGY,
+            "topology",
+            on={
+                TopologyEvent.NODE_PROFILED: lambda ctx: ctx.handlers.on_node_profiled,
+                TopologyEvent.NODE_CHANGED: lambda ctx: ctx.handlers.on_node_profiled,
+                TopologyEvent.NODE_REMOVED: lambda ctx: ctx.handlers.on_node_removed,
+            },
+        ),
+        # Who uses each reserved GPU: the owner, a borrower, nobody.
+        Consumer(
+            Context.LEDGER,
+            "ledger",
+            on={
+                LedgerEvent.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.on_allocation_committed,
+                LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.on_allocation_ended,
+                LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.on_allocation_ended,
+            },
+            # Requests' KV holds live inside a replica's allocation: they change nobody's use.
+            skip=lambda payload: payload.kind == "request",
+        ),
+    ),
+    loops=(Loop("reservation-tick", lambda ctx: ctx.handlers.tick),),
+    calls=(Rpc.LEDGER_PREEMPT,),
 )
 
 

@@ -246,6 +246,32 @@ class LedgerReleaseReply(Contract):
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
 
 
+class LedgerPreemptRequest(Request):
+    """The reservation filler, for an owner taking its capacity back: end a preemptible allocation at
+    ``deadline_at`` (at once when it has passed). Only a preemptible allocation may be preempted; a
+    deadline after its lease changes nothing; a repeat is harmless."""
+
+    allocation_id: str = Field(min_length=1, max_length=ID_MAX, description="Allocation.", examples=["al-..."])
+    deadline_at: datetime = Field(description="End it then at the latest (UTC).")
+    reservation_id: str | None = Field(
+        default=None, max_length=ID_MAX, description="For the record: whose reservation.", examples=["res-1"]
+    )
+
+    @field_validator("deadline_at")
+    @classmethod
+    def _aware(cls, value: datetime) -> datetime:
+        return as_utc(value) or value
+
+
+class LedgerPreemptReply(Contract):
+    status: Literal["ended", "scheduled", "rejected"] = Field(
+        description="`ended` (freed now), `scheduled` (its lease now ends at `lease_expires_at`).", examples=["ended"]
+    )
+    already: bool = Field(default=False, description="It had ended before.")
+    lease_expires_at: datetime | None = Field(default=None, description="When it ends, if scheduled.")
+    error: ErrorBody | None = Field(default=None, description="Null, or why.")
+
+
 class LedgerRenewRequest(Request):
     allocation_id: str = Field(min_length=1, max_length=ID_MAX, description="Allocation.", examples=["al-..."])
     tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Owner.", examples=["acme"])

@@ -1,38 +1,84 @@
-"""Reservation contracts (`hetsched.reservation.*`)."""
+"""Reservation contracts (`hetsched.reservation.*`) and the events of the RESERVATION stream.
+
+Every RESERVATION event carries the reservation's whole state after the change (``reservation``), so a
+reader rebuilds every reservation by folding the stream from its first sequence
+(``shared.domain.reservations.ReservationBook``); the other fields say what changed.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, model_validator
 
 from shared.contracts.base import ID_MAX, NAME_MAX, Contract, ErrorBody, Request
+from shared.domain.reservations import Backoff, Borrow, Preemption, Reservation
+
+PolicyName = Literal["hard", "soft", "spot"]
+MIN_SPOT_EVICTION_S = 5
+MAX_SPOT_EVICTION_S = 30
+"""The brief: a spot reservation's borrower yields within 5-30 s."""
+
+
+class ReservationEventName(StrEnum):
+    """Event names of the RESERVATION stream (`<prefix>.events.reservation.<name>`)."""
+
+    CREATED = "created"
+    CANCELLED = "cancelled"
+    OFFERED = "offered"  # the accelerators open to borrowers changed
+    LENT = "lent"  # a borrower's allocation landed on the reservation's accelerators
+    RECLAIMED = "reclaimed"  # a borrower's allocation left them (preempted, released or expired)
+    PREEMPTED = "preempted"  # a borrower is told to leave by `deadline_at`
+
+
+AccId = Annotated[str, StringConstraints(min_length=1, max_length=ID_MAX)]
 
 
 class ReservationCreateRequest(Request):
+    request_id: str | None = Field(
+        default=None,
+        max_length=ID_MAX,
+        description="Idempotency key: the same id creates once and answers the same reservation.",
+        examples=["res-req-1"],
+    )
     tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Tenant.", examples=["acme"])
-    policy: Literal["hard", "soft", "spot"] = Field(description="Reservation policy.", examples=["hard"])
-    accelerators: list[Annotated[str, StringConstraints(max_length=ID_MAX)]] | None = Field(
+    policy: PolicyName = Field(description="Reservation policy.", examples=["hard"])
+    accelerators: list[AccId] | None = Field(
         default=None, max_length=4096, description="Explicit accelerators.", examples=[None]
     )
-    count: int | None = Field(default=None, gt=0, description="How many accelerators.", examples=[8])
+    count: int | None = Field(default=None, gt=0, le=100_000, description="How many accelerators.", examples=[8])
     sku: str | None = Field(
         default=None, max_length=NAME_MAX, description="SKU, with count.", examples=["H100-SXM-80GB"]
     )
     region: str | None = Field(
         default=None, max_length=NAME_MAX, description="Region, with count.", examples=["us-west-1"]
     )
+    spot_eviction_s: int = Field(
+        default=MAX_SPOT_EVICTION_S,
+        ge=MIN_SPOT_EVICTION_S,
+        le=MAX_SPOT_EVICTION_S,
+        description="Spot only: how long a borrower has to leave once the owner wants its capacity back.",
+        examples=[30],
+    )
 
     @model_validator(mode="after")
     def _either_list_or_count(self) -> ReservationCreateRequest:
-        if not self.accelerators and self.count is None:
-            raise ValueError("give `accelerators` or `count` + `sku` + `region`")
+        if self.accelerators and self.count is not None:
+            raise ValueError("give `accelerators`, or `count` + `sku` + `region`, not both")
+        if not self.accelerators and (self.count is None or not self.sku or not self.region):
+            raise ValueError("give `accelerators`, or `count` + `sku` + `region`")
+        if self.accelerators and len(set(self.accelerators)) != len(self.accelerators):
+            raise ValueError("`accelerators` names an accelerator twice")
         return self
 
 
 class ReservationCreateReply(Contract):
-    status: str = Field(description="`created` or `rejected`.", examples=["created"])
+    status: Literal["created", "rejected"] = Field(description="`created` or `rejected`.", examples=["created"])
     reservation_id: str | None = Field(default=None, description="Reservation id.", examples=["res-1"])
+    accelerators: list[str] = Field(default_factory=list, description="The accelerators reserved.")
+    duplicate: bool = Field(default=False, description="True when this request id had created it before.")
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
 
 
@@ -41,10 +87,209 @@ class ReservationCancelRequest(Request):
     tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Tenant.", examples=["acme"])
 
 
+class ReservationCancelReply(Contract):
+    status: Literal["cancelled", "rejected"] = Field(description="Outcome.", examples=["cancelled"])
+    reservation_id: str | None = Field(default=None, description="Reservation id.", examples=["res-1"])
+    already: bool = Field(default=False, description="It had been cancelled before.")
+    error: ErrorBody | None = Field(default=None, description="Null, or why.")
+
+
 class ReservationStatusRequest(Request):
     tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Tenant.", examples=["acme"])
+    reservation_id: str | None = Field(
+        default=None, max_length=ID_MAX, description="Only this one (it must be the tenant's).", examples=[None]
+    )
+
+
+class BorrowView(Contract):
+    allocation_id: str = Field(description="The borrower's allocation.", examples=["al-..."])
+    tenant: str = Field(description="The borrower.", examples=["globex"])
+    accelerators: list[str] = Field(description="Of the reservation's, those it holds.")
+    bytes: dict[str, int] = Field(default_factory=dict, description="HBM bytes it holds per accelerator.")
+    lent_at: datetime = Field(description="When it landed (reclaim takes the latest first).")
+
+
+class BackoffView(Contract):
+    accelerator: str = Field(description="Accelerator.", examples=["dgx-h100-01/gpu0"])
+    until: datetime = Field(description="Not lent again before this.")
+    strikes: int = Field(description="Reclaims in a row (each doubles the wait).", examples=[1])
+    last: datetime = Field(description="The last reclaim.")
+
+
+class PreemptionView(Contract):
+    allocation_id: str = Field(description="The borrower's allocation.", examples=["al-..."])
+    tenant: str = Field(description="The borrower.", examples=["globex"])
+    reservation_id: str = Field(description="Reservation.", examples=["res-1"])
+    deadline_at: datetime = Field(description="The ledger frees the allocation then at the latest.")
+    issued_at: datetime = Field(description="When the owner asked.")
+    done: bool = Field(default=False, description="The ledger has acknowledged it.")
+
+
+class ReservationState(Contract):
+    """A reservation's whole state, as every RESERVATION event carries it."""
+
+    reservation_id: str = Field(description="Reservation id.", examples=["res-1"])
+    tenant: str = Field(description="Owner.", examples=["acme"])
+    policy: PolicyName = Field(description="Policy.", examples=["soft"])
+    sku: str | None = Field(default=None, description="SKU (when all its accelerators share one).")
+    region: str | None = Field(default=None, description="Region (when all share one).")
+    accelerators: list[str] = Field(description="Reserved accelerators.")
+    spot_eviction_s: int = Field(default=MAX_SPOT_EVICTION_S, description="Spot: borrower's notice.")
+    created_at: datetime = Field(description="Created.")
+    state: Literal["active", "cancelled"] = Field(default="active", description="State.")
+    offered: list[str] = Field(default_factory=list, description="Accelerators open to borrowers now.")
+    borrowers: list[BorrowView] = Field(default_factory=list, description="Borrowers on it, oldest first.")
+    backoff: list[BackoffView] = Field(default_factory=list, description="Accelerators not lent again yet.")
+    preemptions: list[PreemptionView] = Field(default_factory=list, description="Preemptions not yet done.")
+    version: int = Field(default=1, description="Bumped by every change.")
+
+
+class ReservationEvent(Contract):
+    """Payload of every RESERVATION event."""
+
+    reservation: ReservationState = Field(description="The reservation after the change.")
+    accelerators: list[str] = Field(default_factory=list, description="What the change was about.")
+    allocation_id: str | None = Field(default=None, description="lent / reclaimed / preempted: the borrower's.")
+    tenant: str | None = Field(default=None, description="lent / reclaimed / preempted: the borrower.")
+    reservation_id: str | None = Field(default=None, description="Reservation id (as in `reservation`).")
+    deadline_at: datetime | None = Field(default=None, description="preempted: leave by then.")
+    reason: str | None = Field(default=None, description="Why (e.g. `owner_demand`, `released`, `filled`).")
+
+
+class ReservationStatusView(Contract):
+    reservation_id: str = Field(description="Reservation id.", examples=["res-1"])
+    tenant: str = Field(description="Owner.", examples=["acme"])
+    policy: PolicyName = Field(description="Policy.", examples=["soft"])
+    sku: str | None = Field(default=None, description="SKU.")
+    region: str | None = Field(default=None, description="Region.")
+    accelerators: list[str] = Field(description="Reserved accelerators.")
+    owner_used: int = Field(description="Accelerators the owner uses.", examples=[60])
+    lent: int = Field(description="Accelerators borrowers use.", examples=[30])
+    idle: int = Field(description="Accelerators nobody uses.", examples=[10])
+    offered: int = Field(default=0, description="Accelerators open to borrowers now.", examples=[10])
+    fill_rate: float = Field(description="(owner_used + lent) / reserved.", examples=[0.9])
+    idle_cost_usd_per_hour: float = Field(description="What the idle ones cost per hour.", examples=[32.0])
+    borrowers: list[BorrowView] = Field(default_factory=list, description="Who borrows, oldest first.")
+    preemptions: list[PreemptionView] = Field(default_factory=list, description="Preemptions in progress.")
 
 
 class ReservationStatusReply(Contract):
-    status: str = Field(default="ok", description="`ok`.", examples=["ok"])
-    reservations: list[dict[str, Any]] = Field(default_factory=list, description="With fill rate and lent.")
+    status: Literal["ok"] = Field(default="ok", description="`ok`.", examples=["ok"])
+    reservations: list[ReservationStatusView] = Field(default_factory=list, description="With fill rate and lent.")
+    fill_rate: float | None = Field(default=None, description="The tenant's, over all its reservations.")
+    idle_cost_usd_per_hour: float = Field(default=0.0, description="The tenant's idle reserved capacity, per hour.")
+
+
+class ReservationReportRequest(Request):
+    pass
+
+
+class ReservationReportReply(Contract):
+    status: Literal["ok"] = Field(default="ok", description="`ok`.", examples=["ok"])
+    fill_rate: float | None = Field(default=None, description="Overall (None: nothing reserved).", examples=[0.9])
+    by_tenant: dict[str, float] = Field(default_factory=dict, description="Fill rate per tenant.")
+    by_cluster: dict[str, float] = Field(default_factory=dict, description="Fill rate per `<region>/<cluster>`.")
+    reserved: int = Field(default=0, description="Accelerators reserved.", examples=[100])
+    owner_used: int = Field(default=0, description="Used by their owners.", examples=[60])
+    lent: int = Field(default=0, description="Used by borrowers.", examples=[30])
+    idle_cost_usd_per_hour: float = Field(default=0.0, description="Idle reserved capacity, per hour.")
+
+
+class ReservationReclaimRequest(Request):
+    """Placement, for an owner whose placement needs capacity its reservations lent: preempt these
+    borrowers' allocations (internal: only placement calls it)."""
+
+    request_id: str = Field(min_length=1, max_length=ID_MAX, description="The owner's placement request id.")
+    tenant: str = Field(min_length=1, max_length=NAME_MAX, description="The owner.", examples=["acme"])
+    allocation_ids: list[AccId] = Field(min_length=1, max_length=4096, description="Borrowers' allocations.")
+
+
+class ReservationReclaimReply(Contract):
+    status: Literal["preempted", "rejected"] = Field(description="Outcome.", examples=["preempted"])
+    preemptions: list[PreemptionView] = Field(default_factory=list, description="One per allocation.")
+    error: ErrorBody | None = Field(default=None, description="Null, or why.")
+
+
+# -- contract <-> domain (the filler writes these states, placement folds them) --------------------
+
+
+def state_of(reservation: Reservation) -> ReservationState:
+    """The wire form of a reservation's whole state."""
+    return ReservationState(
+        reservation_id=reservation.id,
+        tenant=reservation.tenant,
+        policy=reservation.policy,
+        sku=reservation.sku,
+        region=reservation.region,
+        accelerators=list(reservation.accelerators),
+        spot_eviction_s=reservation.spot_eviction_s,
+        created_at=reservation.created_at,
+        state=reservation.state,
+        offered=sorted(reservation.offered),
+        borrowers=[
+            BorrowView(
+                allocation_id=b.allocation_id,
+                tenant=b.tenant,
+                accelerators=list(b.accelerators),
+                bytes=dict(b.bytes),
+                lent_at=b.lent_at,
+            )
+            for b in reservation.borrowers
+        ],
+        backoff=[
+            BackoffView(accelerator=acc, until=b.until, strikes=b.strikes, last=b.last)
+            for acc, b in sorted(reservation.backoff.items())
+        ],
+        preemptions=[preemption_view(p) for p in reservation.preemptions],
+        version=reservation.version,
+    )
+
+
+def preemption_view(p: Preemption) -> PreemptionView:
+    return PreemptionView(
+        allocation_id=p.allocation_id,
+        tenant=p.tenant,
+        reservation_id=p.reservation_id,
+        deadline_at=p.deadline_at,
+        issued_at=p.issued_at,
+        done=p.done,
+    )
+
+
+def reservation_of(state: ReservationState) -> Reservation:
+    """The domain value of a wire state (what an event carries)."""
+    return Reservation(
+        id=state.reservation_id,
+        tenant=state.tenant,
+        policy=state.policy,
+        accelerators=tuple(state.accelerators),
+        created_at=state.created_at,
+        sku=state.sku,
+        region=state.region,
+        spot_eviction_s=state.spot_eviction_s,
+        state=state.state,
+        offered=frozenset(state.offered),
+        borrowers=tuple(
+            Borrow(
+                allocation_id=b.allocation_id,
+                tenant=b.tenant,
+                accelerators=tuple(b.accelerators),
+                bytes=dict(b.bytes),
+                lent_at=b.lent_at,
+            )
+            for b in state.borrowers
+        ),
+        backoff={b.accelerator: Backoff(until=b.until, strikes=b.strikes, last=b.last) for b in state.backoff},
+        preemptions=tuple(
+            Preemption(
+                allocation_id=p.allocation_id,
+                tenant=p.tenant,
+                reservation_id=p.reservation_id,
+                deadline_at=p.deadline_at,
+                issued_at=p.issued_at,
+                done=p.done,
+            )
+            for p in state.preemptions
+        ),
+        version=state.version,
+    )

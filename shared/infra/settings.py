@@ -309,6 +309,35 @@ class Settings(BaseSettings):
         default=500, gt=0, description="How often the router writes its traffic counts (affinity) to Postgres."
     )
 
+    # -- reservations (issue 15) -------------------------------------------------------------------
+    reservation_fill_target: float = Field(
+        default=0.85,
+        gt=0,
+        le=1,
+        description="A soft or spot reservation's idle accelerators are lent while its owner fills less than this "
+        "share of it (the brief's 0.85).",
+    )
+    reservation_backoff_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="An accelerator reclaimed from a borrower is not lent again for this long; each reclaim within "
+        "`reservation_backoff_max_s` of the last doubles it.",
+    )
+    reservation_backoff_max_s: float = Field(
+        default=1800.0, gt=0, description="The longest backoff, and how long a reclaim is remembered."
+    )
+    reservation_fault_after_record: str = Field(
+        default="",
+        description="Tests only: `exit` makes the filler exit the way a SIGKILL would, right after it has written "
+        "a reclaim's preemptions and before it asks the ledger.",
+    )
+    reservation_tick_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="How often the filler re-issues preemptions the ledger has not acknowledged and re-offers "
+        "accelerators whose backoff ended.",
+    )
+
     # -- Postgres security (issue 11) --------------------------------------------------------------
     database_tls_ca_file: Path | None = Field(
         default=None,

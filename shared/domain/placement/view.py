@@ -291,6 +291,10 @@ class LedgerMirror:
             self.cross_domain.pop(cluster, None)
         self.cross_domain_version += 1
 
+    def holds(self, allocation_id: str) -> bool:
+        """Some accelerator still counts bytes of this allocation (O(accelerators held); for rare checks)."""
+        return any(allocation_id in holders for holders in self._holders.values())
+
     def is_shared(self, accelerator_id: str) -> bool:
         """Something is reserved on it and every holder is a `shared` replica."""
         holders = self._holders.get(accelerator_id)
