@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from pydantic import BaseModel, ValidationError
@@ -31,6 +31,16 @@ from shared.contracts.placement import (
     ReleaseReply,
     ReleaseRequest,
     Slo,
+)
+from shared.contracts.reservation import (
+    ReservationCancelReply,
+    ReservationCancelRequest,
+    ReservationCreateReply,
+    ReservationCreateRequest,
+    ReservationReportReply,
+    ReservationReportRequest,
+    ReservationStatusReply,
+    ReservationStatusRequest,
 )
 from shared.contracts.routing import RouteRegionReply, RouteRegionRequest, RouteSelectReply, RouteSelectRequest
 from shared.contracts.subjects import Rpc, Subjects
@@ -406,6 +416,216 @@ def route_region(
     )
 
 
+POLICY_NAMES = ("soft", "hard", "spot")
+
+
+def _refuse(message: str) -> NoReturn:
+    """A bad combination of options: say which on stderr and exit 2, before anything is asked."""
+    err.print(message, style="red", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _build(build: Callable[[], BaseModel]) -> BaseModel:
+    """The request, or exit 2 with what the contract refused (the answer the service would give)."""
+    try:
+        return build()
+    except ValidationError as exc:
+        _refuse(str(exc))
+
+
+def _refusal(reply: BaseModel, as_json: bool) -> None:
+    """A `rejected` reply exits 1 with its code and message on stderr (after the JSON with --json)."""
+    if getattr(reply, "status", None) != "rejected":
+        return
+    if as_json:
+        print(reply.model_dump_json(indent=2))
+    error = getattr(reply, "error", None)
+    what = f"{error.code}: {error.message}" if error is not None else "no reason given"
+    err.print(f"rejected: {what}", style="red", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _say(text: str) -> None:
+    """One line as it is: no markup, no highlighting, never folded (ids are copied from it)."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _columns(headers: list[str], rows: list[list[str]]) -> None:
+    """A plain table, each column as wide as its widest cell: nothing is cut or folded to fit the
+    terminal (an id is copied from it into `--cancel`), and `awk` reads it."""
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=False)]
+    for line in [headers, *rows]:
+        _say("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+
+
+@app.command()
+def reserve(
+    tenant: TenantOption,
+    policy: Annotated[str, typer.Option(help="soft, hard or spot (docs/RESERVATIONS.md).")],
+    count: Annotated[int | None, typer.Option(help="How many accelerators (with --sku and --region).")] = None,
+    sku: Annotated[str | None, typer.Option(help="SKU of the accelerators (with --count).")] = None,
+    region: Annotated[str | None, typer.Option(help="Region of the accelerators (with --count).")] = None,
+    accelerator: Annotated[
+        list[str] | None,
+        typer.Option("--accelerator", help="Reserve this accelerator (repeatable), instead of --count/--sku/--region."),
+    ] = None,
+    spot_eviction_s: Annotated[
+        int | None, typer.Option(help="Spot only: how long a borrower has to leave (5-30 s, default 30).")
+    ] = None,
+    request_id: Annotated[str | None, typer.Option(help="Idempotency key (random by default).")] = None,
+    as_json: JsonOption = False,
+    data_dir: DataDirOption = None,
+) -> None:
+    """One `reservation.create` call: reserve accelerators for a tenant; prints its id and accelerators."""
+    if policy not in POLICY_NAMES:
+        _refuse(f"--policy: expected soft, hard or spot, got {policy!r}")
+    by_count = {"--count": count, "--sku": sku, "--region": region}
+    if accelerator and any(v is not None for v in by_count.values()):
+        _refuse("give --accelerator (repeatable), or --count with --sku and --region, not both")
+    if not accelerator:
+        missing = [name for name, value in by_count.items() if value is None]
+        if len(missing) == len(by_count):
+            _refuse("give --count with --sku and --region, or --accelerator (repeatable)")
+        if missing:
+            _refuse(f"--count, --sku and --region go together: {', '.join(missing)} missing")
+    if spot_eviction_s is not None and policy != "spot":
+        _refuse("--spot-eviction-s: only with --policy spot")
+    fields: dict[str, Any] = {
+        "request_id": _request_id(request_id),
+        "tenant": tenant,
+        "policy": policy,
+        "accelerators": accelerator or None,
+        "count": count,
+        "sku": sku,
+        "region": region,
+        "spot_eviction_s": spot_eviction_s,
+    }
+    request = _build(
+        lambda: ReservationCreateRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    )
+    reply = _with_rpc(
+        data_dir,
+        Rpc.RESERVATION_CREATE.value,
+        lambda client: client.ask(Rpc.RESERVATION_CREATE, request, ReservationCreateReply, rejection_as_reply=True),
+    )
+    _refusal(reply, as_json)
+    if as_json:
+        print(reply.model_dump_json(indent=2))
+        return
+    assert isinstance(reply, ReservationCreateReply)
+    again = " (this request id had created it before)" if reply.duplicate else ""
+    _say(f"reservation {reply.reservation_id}: {policy}, {len(reply.accelerators)} accelerators{again}")
+    for acc in reply.accelerators:
+        _say(f"  {acc}")
+
+
+@app.command()
+def reservations(
+    tenant: Annotated[str | None, typer.Option(help="Tenant (its own reservations only).")] = None,
+    report: Annotated[
+        bool, typer.Option("--report", help="Operators: fill rate overall, by tenant and by cluster.")
+    ] = False,
+    cancel: Annotated[
+        str | None, typer.Option("--cancel", metavar="RES_ID", help="Cancel this reservation (with --tenant).")
+    ] = None,
+    as_json: JsonOption = False,
+    data_dir: DataDirOption = None,
+) -> None:
+    """A tenant's reservations (`reservation.status`): fill rate, lent and idle accelerators, idle cost.
+    `--report`: `reservation.report`; `--cancel RES_ID --tenant T`: `reservation.cancel`."""
+    if report and (cancel is not None or tenant is not None):
+        _refuse("--report: not with --tenant or --cancel (it covers every tenant)")
+    if report:
+        _reservation_report(data_dir, as_json)
+        return
+    if tenant is None:
+        _refuse("--tenant is required (or --report, for operators)")
+    if cancel is not None:
+        _reservation_cancel(data_dir, cancel, tenant, as_json)
+        return
+    request = _build(lambda: ReservationStatusRequest(tenant=tenant))
+    # No rejection_as_reply: a refusal has no field in the status reply and would lose its error.
+    answer = _with_rpc(
+        data_dir,
+        Rpc.RESERVATION_STATUS.value,
+        lambda client: client.ask(Rpc.RESERVATION_STATUS, request, ReservationStatusReply),
+    )
+    _refusal(answer, as_json)
+    if as_json:
+        print(answer.model_dump_json(indent=2))
+        return
+    assert isinstance(answer, ReservationStatusReply)
+    rows = [
+        [
+            view.reservation_id,
+            view.policy,
+            view.sku or "-",
+            view.region or "-",
+            str(len(view.accelerators)),
+            str(view.owner_used),
+            str(view.lent),
+            str(view.idle),
+            str(view.offered),
+            _fraction(view.fill_rate),
+            f"{view.idle_cost_usd_per_hour:.2f}",
+        ]
+        for view in answer.reservations
+    ]
+    headers = ["id", "policy", "sku", "region", "reserved", "owner_used", "lent", "idle", "offered", "fill_rate"]
+    _columns([*headers, "idle $/h"], rows)
+    for view in answer.reservations:
+        for p in view.preemptions:
+            leaves = p.deadline_at.isoformat()
+            _say(f"{view.reservation_id}: borrower {p.tenant} ({p.allocation_id}) leaves by {leaves}")
+    _say(
+        f"{tenant}: fill rate {_fraction(answer.fill_rate)}, idle ${answer.idle_cost_usd_per_hour:.2f}/h "
+        f"over {len(answer.reservations)} reservation(s)"
+    )
+
+
+def _reservation_cancel(data_dir: Path | None, reservation_id: str, tenant: str, as_json: bool) -> None:
+    """`hetsched reservations --cancel RES_ID --tenant T`: one `reservation.cancel` call."""
+    request = _build(lambda: ReservationCancelRequest(reservation_id=reservation_id, tenant=tenant))
+    reply = _with_rpc(
+        data_dir,
+        Rpc.RESERVATION_CANCEL.value,
+        lambda client: client.ask(Rpc.RESERVATION_CANCEL, request, ReservationCancelReply, rejection_as_reply=True),
+    )
+    _refusal(reply, as_json)
+    if as_json:
+        print(reply.model_dump_json(indent=2))
+        return
+    assert isinstance(reply, ReservationCancelReply)
+    before = " (it had been cancelled before)" if reply.already else ""
+    _say(f"cancelled {reply.reservation_id}{before}")
+
+
+def _reservation_report(data_dir: Path | None, as_json: bool) -> None:
+    """`hetsched reservations --report`: one `reservation.report` call (operators)."""
+    request = ReservationReportRequest()
+    answer = _with_rpc(
+        data_dir,
+        Rpc.RESERVATION_REPORT.value,
+        lambda client: client.ask(Rpc.RESERVATION_REPORT, request, ReservationReportReply),
+    )
+    _refusal(answer, as_json)
+    if as_json:
+        print(answer.model_dump_json(indent=2))
+        return
+    assert isinstance(answer, ReservationReportReply)
+    _say(
+        f"fill rate {_fraction(answer.fill_rate)}: {answer.reserved} reserved, {answer.owner_used} used by their "
+        f"owners, {answer.lent} lent; idle ${answer.idle_cost_usd_per_hour:.2f}/h"
+    )
+    for title, rates in (("tenant", answer.by_tenant), ("cluster", answer.by_cluster)):
+        _say("")
+        _columns([title, "fill_rate"], [[name, _fraction(rate)] for name, rate in sorted(rates.items())])
+
+
 @app.command("engine-sim")
 def engine_sim(
     replica: Annotated[str, typer.Option("--replica", help="The replica's allocation id (placement.place's).")],
@@ -505,11 +725,29 @@ def sim(
         ),
     ] = False,
     loads: Annotated[str, typer.Option("--loads", help="Loads for --sweep, comma separated.")] = "0.6,0.8,0.95",
+    reserve: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--reserve",
+            help="TENANT:POLICY:COUNT:SKU (policy hard, soft or spot), repeatable: COUNT GPUs of SKU reserved for "
+            "TENANT (whole nodes first); the KPIs then add fill rate, preemptions and preempted requests.",
+        ),
+    ] = None,
+    owner_models: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--owner-models",
+            help="With --reserve: the models whose replicas are the reserving tenant's (not preemptible), a,b, or "
+            "TENANT=a,b when several tenants reserve (repeatable); every other model's replicas are one "
+            "preemptible tenant's and may borrow what soft and spot reservations lend.",
+        ),
+    ] = None,
     data_dir: DataDirOption = None,
 ) -> None:
     """Replay a workload trace against a fleet under each placement policy and print the KPIs."""
-    from hetsched.sim_cli import dump_json, render_table, run_sim, write_plots
+    from hetsched.sim_cli import dump_json, parse_reservations, render_table, run_sim, write_plots
     from shared.domain.sim import POLICIES, SimConfig
+    from shared.infra.catalog import load_models
 
     if bad_rows not in ("reject", "skip"):
         err.print(f"[red]--bad-rows: expected reject or skip, got {bad_rows!r}[/red]")
@@ -529,6 +767,14 @@ def sim(
     if load is not None and not load > 0:
         err.print(f"[red]--load: expected a positive load, got {load}[/red]")
         raise typer.Exit(2)
+    if (reserve or owner_models) and (live or sweep or load is not None or sharing == "compare"):
+        err.print("[red]--reserve: not with --live, --load, --sweep or --sharing compare[/red]")
+        raise typer.Exit(2)
+    try:
+        reservations = parse_reservations(reserve or [], owner_models or [], known_models=load_models())
+    except ValueError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
     if sweep or load is not None:
         _sim_sweep(
             fleet,
@@ -575,7 +821,7 @@ def sim(
                 seed=seed,
                 on_bad_rows="skip" if bad_rows == "skip" else "reject",
                 limit=limit,
-                config=SimConfig(share_small=sharing == "shared"),
+                config=SimConfig(share_small=sharing == "shared", reservations=reservations),
                 live=live_policy,
             )
     finally:

@@ -14,6 +14,12 @@ ours against the best baseline per load, and with ``--plots`` a cost-vs-SLO PNG 
 ``--sharing compare`` replays the trace twice with ``hetsched``: every replica exclusive, then the small
 models (``shared.domain.sim.sharing.small_models``) asking ``sharing: shared``, and prints both KPI
 sets side by side, for the whole workload and for the small models' requests alone.
+
+``--reserve TENANT:POLICY:COUNT:SKU`` (repeatable) replays the trace with reservations
+(``shared.domain.sim.reservations``): ``--owner-models`` names the models whose replicas are the
+reserving tenant's (``TENANT=a,b`` when several tenants reserve); every other model's replicas are one
+preemptible tenant's, which borrow what soft and spot reservations lend. The table then adds the fill
+rate, the preemptions and the requests that failed on a preempted replica.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import gc
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,7 +37,19 @@ from rich.console import Console
 from rich.table import Table
 
 from shared.domain.placement import FleetSnapshot
-from shared.domain.sim import POLICIES, Kpis, Policy, SimConfig, SimResult, compute_kpis, make_policy, simulate
+from shared.domain.reservations import POLICIES as RESERVATION_POLICIES
+from shared.domain.sim import (
+    POLICIES,
+    Kpis,
+    Policy,
+    ReservationSetup,
+    SimConfig,
+    SimReservation,
+    SimResult,
+    compute_kpis,
+    make_policy,
+    simulate,
+)
 from shared.domain.sim.load import FleetLoad, fleet_load, scale_arrivals
 from shared.domain.sim.sharing import small_models
 from shared.domain.traces import AssignedRequest, OnError, Trace, assign_workload, detect_format, read_trace
@@ -105,6 +123,66 @@ def _run_policies(
         name: simulate(snapshot, assigned, make_policy(name, seed=seed), config=config, timer=time.perf_counter)
         for name in names
     }
+
+
+# -- `--reserve` and `--owner-models` ---------------------------------------------------------------
+
+
+def parse_reserve(text: str) -> SimReservation:
+    """``TENANT:POLICY:COUNT:SKU`` -> a reservation of COUNT GPUs of SKU; ValueError saying what is wrong."""
+    parts = text.split(":")
+    if len(parts) != 4 or not all(p.strip() for p in parts):
+        raise ValueError(f"--reserve: expected TENANT:POLICY:COUNT:SKU, got {text!r}")
+    tenant, policy, count, sku = (p.strip() for p in parts)
+    if policy not in RESERVATION_POLICIES:
+        raise ValueError(f"--reserve {text}: policy {policy!r} is not one of {', '.join(RESERVATION_POLICIES)}")
+    try:
+        n = int(count)
+    except ValueError:
+        raise ValueError(f"--reserve {text}: count {count!r} is not a whole number") from None
+    if n <= 0:
+        raise ValueError(f"--reserve {text}: count must be positive")
+    return SimReservation(tenant=tenant, policy=policy, count=n, sku=sku)
+
+
+def parse_owner_models(values: Sequence[str], tenants: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """``a,b`` (the one reserving tenant's) or ``TENANT=a,b`` -> (model, tenant) pairs; ValueError when
+    a bare list is ambiguous (several tenants reserve), a tenant reserves nothing, or a model repeats."""
+    owners: dict[str, str] = {}
+    for value in values:
+        tenant, sep, models = value.rpartition("=")
+        if not sep:
+            if len(set(tenants)) != 1:
+                raise ValueError(f"--owner-models {value}: several tenants reserve; write TENANT={value}")
+            tenant = tenants[0]
+        elif tenant not in tenants:
+            raise ValueError(f"--owner-models {value}: tenant {tenant!r} has no --reserve")
+        names = [m.strip() for m in models.split(",") if m.strip()]
+        if not names:
+            raise ValueError(f"--owner-models {value!r}: no model named")
+        for model in names:
+            if model in owners:
+                raise ValueError(f"--owner-models: {model} is named twice")
+            owners[model] = tenant
+    return tuple(owners.items())
+
+
+def parse_reservations(
+    reserve: Sequence[str], owner_models: Sequence[str], *, known_models: Collection[str] | None = None
+) -> ReservationSetup | None:
+    """The ``SimConfig.reservations`` of ``--reserve`` and ``--owner-models`` (None without either);
+    ValueError for a bad value, an owner model without a reservation, or a model ``known_models`` lacks."""
+    if not reserve:
+        if owner_models:
+            raise ValueError("--owner-models: give --reserve too")
+        return None
+    reservations = tuple(parse_reserve(text) for text in reserve)
+    owners = parse_owner_models(owner_models, [r.tenant for r in reservations])
+    if known_models is not None:
+        unknown = sorted(m for m, _ in owners if m not in known_models)
+        if unknown:
+            raise ValueError(f"--owner-models: unknown model(s) {', '.join(unknown)}")
+    return ReservationSetup(reservations=reservations, owner_models=owners)
 
 
 # -- `--load` and `--sweep` -------------------------------------------------------------------------
@@ -412,6 +490,11 @@ _COLUMNS = (
     ("decision_p50_ms", "dec p50 ms"),
     ("decision_p99_ms", "dec p99 ms"),
 )
+_RESERVATION_COLUMNS = (
+    ("fill_rate", "fill rate"),
+    ("preemptions", "preemptions"),
+    ("preempted_requests", "preempted reqs"),
+)
 
 
 _SHARING_COLUMNS = (
@@ -457,7 +540,8 @@ def render_table(results: Mapping[str, SimResult], console: Console) -> None:
     for name in results:
         table.add_column(name, justify="right")
     rows = {name: r.kpis.to_dict() for name, r in results.items()}
-    for key, header in _COLUMNS:
+    reserved = any(r.kpis.fill_rate is not None for r in results.values())
+    for key, header in (*_COLUMNS, *(_RESERVATION_COLUMNS if reserved else ())):
         table.add_row(header, *(_fmt(rows[name][key]) for name in results))
     console.print(table)
 

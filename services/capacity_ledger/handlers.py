@@ -303,35 +303,40 @@ class LedgerHandlers:
         return LedgerRenewReply(status="renewed", lease_expires_at=end)
 
     async def preempt(self, request: LedgerPreemptRequest) -> BaseModel:
-        """End a preemptible allocation for the reservation filler: at once when its deadline has passed
-        (``allocation_released``), else by moving its lease end to the deadline (the sweeper ends it then
-        with ``allocation_expired``). Never lengthens a lease; a repeat answers the same."""
+        """End a preemptible allocation for the reservation filler, in one transaction: at once when its
+        deadline has passed (``allocation_released``), else by moving its lease end to the deadline (the
+        sweeper ends it then with ``allocation_expired``). Never lengthens a lease; a repeat answers the same."""
         now = self._clock()
 
-        async def check(uow: UnitOfWork) -> tuple[Access, AllocationRecord | None]:
-            allocation = await self._store.lock_allocation(session=uow.session, allocation_id=request.allocation_id)
+        async def work(uow: UnitOfWork) -> BaseModel:
+            locked = await self._store.lock_allocations(session=uow.session, ids=[request.allocation_id])
+            allocation = locked.get(request.allocation_id)
             access = may_change(allocation, tenant=None)
-            if access is Access.OK and allocation is not None and allocation.preemptible and request.deadline_at > now:
-                if request.deadline_at < allocation.lease_expires_at:
-                    await self._store.set_lease(
-                        session=uow.session, allocation_id=request.allocation_id, expires_at=request.deadline_at
-                    )
-            return access, allocation
+            if access is Access.NOT_FOUND:
+                return rejected(ErrorCode.NOT_FOUND, f"no allocation {request.allocation_id!r}")
+            if access is Access.ENDED:
+                return LedgerPreemptReply(status="ended", already=True)
+            assert allocation is not None
+            if not allocation.preemptible:
+                return rejected(ErrorCode.CONFLICT, "only a preemptible allocation may be preempted")
+            if request.deadline_at > now:
+                end = min(request.deadline_at, allocation.lease_expires_at)
+                if end < allocation.lease_expires_at:
+                    await self._store.set_lease(session=uow.session, allocation_id=allocation.id, expires_at=end)
+                return LedgerPreemptReply(status="scheduled", lease_expires_at=end)
+            for ended in await self._store.end_allocations(
+                session=uow.session, allocations=[allocation], state=AllocationState.RELEASED, now=uow.now
+            ):
+                uow.emit(
+                    Context.LEDGER,
+                    LedgerEvent.ALLOCATION_RELEASED,
+                    mapping.ended_event(ended),
+                    tenant=ended.allocation.tenant,
+                    correlation_id=ended.allocation.request_id,
+                )
+            return LedgerPreemptReply(status="ended")
 
-        access, allocation = await self._uow.run(check)
-        if access is Access.NOT_FOUND:
-            return rejected(ErrorCode.NOT_FOUND, f"no allocation {request.allocation_id!r}")
-        if access is Access.ENDED:
-            return LedgerPreemptReply(status="ended", already=True)
-        assert allocation is not None
-        if not allocation.preemptible:
-            return rejected(ErrorCode.CONFLICT, "only a preemptible allocation may be preempted")
-        if request.deadline_at > now:
-            return LedgerPreemptReply(
-                status="scheduled", lease_expires_at=min(request.deadline_at, allocation.lease_expires_at)
-            )
-        (ended,) = await self._end_many([(request.allocation_id, None)], AllocationState.RELEASED)
-        return LedgerPreemptReply(status="ended", already=ended is Access.ENDED)
+        return await self._uow.run(work)
 
     async def snapshot(self, request: SnapshotRequest) -> BaseModel:
         page = await self._uow.read(

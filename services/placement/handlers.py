@@ -31,8 +31,8 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
 from typing import Protocol
 
 from opentelemetry.metrics import Counter, Histogram, Meter
@@ -90,7 +90,7 @@ from shared.domain.placement.ownership import (
 )
 from shared.domain.placement.types import Decision, FleetSnapshot
 from shared.domain.placement.view import AssumeKey, Crossing, LedgerAccelerator, overlay
-from shared.domain.reservations import ReservationBook, plan_reclaim, withhold
+from shared.domain.reservations import ReservationBook, plan_reclaim, vacate, withhold
 from shared.infra import deadline
 from shared.infra.clock import Clock, MonotonicMs
 from shared.infra.locks import KeyedLocks
@@ -928,20 +928,26 @@ class PlacementHandlers:
         Soft: the ledger ends them at once; this waits (bounded) until the view no longer counts them, then
         the ordinary path places. Spot: they have until their deadline; a request that may queue is queued
         by the ordinary path (placed when they leave), any other is refused now with the deadline, nothing
-        recorded, so the same request id can come back. None: the ordinary path takes over."""
+        recorded, so the same request id can come back; coming back, it counts the borrowers already told
+        to leave for it instead of evicting more. None: the ordinary path takes over."""
+        leaving = self._reservations.leaving_for(request.tenant, request.request_id)
         borrowed = self._reservations.borrowed_from(request.tenant)
-        if not borrowed:
+        if not borrowed and not leaving:
             return None
         snapshot = self._rights(self._view.snapshot, request)
         wanted = to_domain(request)
         if decide(snapshot, wanted).placed:
             return None
+        if leaving and decide(vacate(snapshot, (b for b, _ in leaving)), wanted).placed:
+            return await self._await_leaving(
+                request, [p.allocation_id for _, p in leaving], [p.deadline_at for _, p in leaving]
+            )
         stored = await self._uow.run(
             lambda uow: self._store.lock(session=uow.session, tenant=request.tenant, request_id=request.request_id)
         )
         if stored is not None:  # a retry: the request id's own answer stands
             return None
-        plan = plan_reclaim(snapshot, borrowed, lambda s: decide(s, wanted))
+        plan = plan_reclaim(vacate(snapshot, (b for b, _ in leaving)), borrowed, lambda s: decide(s, wanted))
         if plan is None:
             return None
         ask = ReservationReclaimRequest(
@@ -957,30 +963,46 @@ class PlacementHandlers:
         if isinstance(answer, Rejected):
             self._log.warning("reservation.reclaim refused: %s", answer.error.message)
             return None
+        preemptions = [*answer.preemptions]
+        return await self._await_leaving(
+            request,
+            [p.allocation_id for p in preemptions] + [p.allocation_id for _, p in leaving],
+            [p.deadline_at for p in preemptions] + [p.deadline_at for _, p in leaving],
+        )
+
+    async def _await_leaving(
+        self, request: PlaceRequest, allocations: list[str], deadlines: list[datetime]
+    ) -> BaseModel | None:
+        """Borrowers are leaving for this request: freed now (soft), wait until the view no longer counts
+        them; leaving later (spot), queue (None: the ordinary path queues it) or refuse with the deadline."""
         now = self._clock()
-        later = [p for p in answer.preemptions if p.deadline_at > now]
-        if not later:  # soft: freed now; wait for the view to hear of it
+        if all(d <= now for d in deadlines):
             waited = 0.0
-            gone = {p.allocation_id for p in answer.preemptions}
-            while any(self._holds(a) for a in gone) and waited < RECLAIM_WAIT_S and not deadline.expired():
+            while any(self._holds(a) for a in allocations) and waited < RECLAIM_WAIT_S and not deadline.expired():
                 await asyncio.sleep(RECLAIM_POLL_S)
                 waited += RECLAIM_POLL_S
             return None
         if may_queue(request):
             return None
-        until = max(p.deadline_at for p in later)
+        until = max(deadlines)
         return rejected(
             ErrorCode.NO_CAPACITY,
-            f"reclaiming {len(later)} borrower(s) of this tenant's spot reservation; they leave by "
+            f"reclaiming {len(allocations)} borrower(s) of this tenant's spot reservation; they leave by "
             f"{until.isoformat()}: retry then (nothing was recorded for this request id)",
             deadline_at=until.isoformat(),
-            retry_after_s=max(0.0, (until - now).total_seconds()),
+            retry_after_s=round(max(0.0, (until - now).total_seconds()), 3),
         )
 
     def _decide(self, snapshot: FleetSnapshot, request: PlaceRequest) -> tuple[Decision, float]:
         started = self._timer()
-        snapshot = self._rights(snapshot, request)
-        decision = decide(snapshot, to_domain(request))
+        rights = self._rights(snapshot, request)
+        decision = decide(rights, to_domain(request))
+        if not decision.placed and rights is not snapshot:
+            withheld = self._withheld[(request.tenant, request.preemptible)][1]
+            note = f"{len(withheld)} GPU(s) reserved by other tenants were not considered" + (
+                "" if request.preemptible else " (a preemptible replica may borrow those their owners lend)"
+            )
+            decision = replace(decision, explanation=(*decision.explanation, note))
         elapsed_ms = self._timer() - started
         self._metrics.decision_ms.record(elapsed_ms)
         return decision, elapsed_ms

@@ -112,6 +112,7 @@ class ReservationHandlers:
         log: logging.Logger | None = None,
         after_record: Callable[[], None] = lambda: None,
     ) -> None:
+        self._marking: set[asyncio.Task[None]] = set()
         self._after_record = after_record  # a fault-injection point for tests (HETSCHED_RESERVATION_FAULT_AFTER_RECORD)
         self._uow = uow
         self._rpc = rpc
@@ -307,7 +308,9 @@ class ReservationHandlers:
                 mine = [a for a in request.allocation_ids if reservation.borrow(a) is not None]
                 if not mine or not reservation.lends:
                     continue
-                after, preemptions = reclaim(reservation, mine, now=uow.now, policy=self._policy)
+                after, preemptions = reclaim(
+                    reservation, mine, now=uow.now, policy=self._policy, request_id=request.request_id
+                )
                 issued += preemptions
                 wanted -= set(mine)
                 if after.version != reservation.version:
@@ -354,8 +357,17 @@ class ReservationHandlers:
 
         acknowledged = {a for a in await asyncio.gather(*(one(p) for p in preemptions)) if a is not None}
         if acknowledged:
-            await self._mark_done({p.reservation_id for p in preemptions}, acknowledged)
+            # Recorded after the answer goes back (the owner's placement is waiting); a crash before it
+            # only makes the next tick ask the ledger again, which answers the same.
+            task = asyncio.create_task(self._mark_done({p.reservation_id for p in preemptions}, acknowledged))
+            self._marking.add(task)
+            task.add_done_callback(self._marked)
         return acknowledged
+
+    def _marked(self, task: asyncio.Task[None]) -> None:
+        self._marking.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._log.warning("could not record acknowledged preemptions: %s", task.exception())
 
     async def _mark_done(self, reservation_ids: set[str], allocation_ids: set[str]) -> None:
         async def work(uow: UnitOfWork) -> None:
@@ -387,10 +399,13 @@ class ReservationHandlers:
 
         async def work(uow: UnitOfWork) -> list[Preemption]:
             pending: list[Preemption] = []
-            for reservation in await store.load_many(session=uow.session, lock=True):
+            due: list[str] = []
+            for reservation in await store.load_many(session=uow.session):
                 pending += [p for p in reservation.preemptions if not p.done]
-                if not reservation.lends or not reservation.backoff:
-                    continue
+                if reservation.lends and any(b.until <= uow.now for b in reservation.backoff.values()):
+                    due.append(reservation.id)
+            # Only the reservations whose backoff may have ended are locked and refreshed.
+            for reservation in await store.load_many(session=uow.session, ids=due, lock=True):
                 uses = await store.uses_on(session=uow.session, accelerators=reservation.accelerators)
                 after = refresh(reservation, uses, now=uow.now, policy=self._policy)
                 if after.version != reservation.version:

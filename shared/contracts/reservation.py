@@ -123,6 +123,7 @@ class PreemptionView(Contract):
     deadline_at: datetime = Field(description="The ledger frees the allocation then at the latest.")
     issued_at: datetime = Field(description="When the owner asked.")
     done: bool = Field(default=False, description="The ledger has acknowledged it.")
+    request_id: str | None = Field(default=None, description="The owner's placement it makes room for.")
 
 
 class ReservationState(Contract):
@@ -253,6 +254,7 @@ def preemption_view(p: Preemption) -> PreemptionView:
         deadline_at=p.deadline_at,
         issued_at=p.issued_at,
         done=p.done,
+        request_id=p.request_id,
     )
 
 
@@ -288,6 +290,7 @@ def reservation_of(state: ReservationState) -> Reservation:
                 deadline_at=p.deadline_at,
                 issued_at=p.issued_at,
                 done=p.done,
+                request_id=p.request_id,
             )
             for p in state.preemptions
         ),

@@ -66,7 +66,7 @@ class Stack:
         self.reservations: dict[str, str] = {}  # reservation id -> tenant
 
     async def place(
-        self, rid: str, tenant: str, *, preemptible: bool = False, sku: str = SKU, **extra: Any
+        self, rid: str, tenant: str, *, preemptible: bool = False, sku: str = SKU, region: str = REGION, **extra: Any
     ) -> PlaceReply | Rejected:
         request = PlaceRequest(
             request_id=rid,
@@ -74,7 +74,7 @@ class Stack:
             model="llama3.1-8b",
             context_tokens=8192,
             tp=1,
-            region=REGION,
+            region=region,
             skus=[sku],
             backend="gpu",
             preemptible=preemptible,
@@ -423,3 +423,61 @@ async def test_a_filler_killed_during_a_reclaim_reissues_it_when_it_starts(stack
     final = await stack.status("acme", reservation_id=view.reservation_id)
     assert isinstance(final, ReservationStatusReply)
     assert all(p.done for p in final.reservations[0].preemptions)
+
+
+async def test_a_spot_borrower_gets_its_notice_and_the_owner_is_placed_when_it_ends(stack: Stack) -> None:
+    h200, east = "H200-SXM-141GB", "us-east-1"
+    # Every H200 of us-east-1 that is free (earlier modules of the run may hold one): nothing else to go to.
+    probe = await stack.rpc.ask(
+        Rpc.RESERVATION_CREATE,
+        ReservationCreateRequest(tenant="hooli", policy="spot", count=100_000, sku=h200, region=east),
+        ReservationCreateReply,
+    )
+    assert isinstance(probe, Rejected) and probe.error.details is not None
+    free = int(probe.error.details["free"])
+    assert free >= 8, probe
+    created = await stack.reserve("hooli", "spot", count=free, sku=h200, region=east, spot_eviction_s=5)
+    assert created.reservation_id is not None and len(created.accelerators) == free
+    borrowers: list[str] = []
+    for i in range(free):
+
+        async def borrowed(i: int = i) -> PlaceReply | None:
+            reply = await stack.place(f"spot-b-{i}", "globex", preemptible=True, sku=h200, region=east)
+            return reply if isinstance(reply, PlaceReply) and reply.status == "placed" else None
+
+        reply = await wait_for(borrowed, 15, what="placement learns the spot offer")
+        assert reply.allocation_id is not None
+        borrowers.append(reply.allocation_id)
+    await _until_lent(stack, "hooli", created.reservation_id, lent=free, owner=0)
+
+    # The owner's replica that may not queue is refused, with the deadline, and nothing is recorded.
+    asked = time.monotonic()
+    first = await stack.place("hooli-1", "hooli", sku=h200, region=east)
+    assert isinstance(first, Rejected) and first.error.code == "no_capacity", first
+    assert first.error.details is not None and 4 <= first.error.details["retry_after_s"] <= 5
+    events = [e for e in await stack.events() if _preempted(e) and e["payload"]["reason"] == "owner_demand"]
+    assert events[-1]["payload"]["allocation_id"] == borrowers[-1]  # LIFO
+    assert events[-1]["payload"]["deadline_at"] is not None
+    assert borrowers[-1] in await stack.live()  # it has its notice: still running
+
+    # One that may queue is queued; both are placed once the notice ends (the same request ids).
+    queued = await stack.place("hooli-2", "hooli", sku=h200, region=east, fallbacks=["queue"])
+    assert isinstance(queued, PlaceReply) and queued.status == "queued", queued
+
+    async def placed_again() -> PlaceReply | None:
+        reply = await stack.place("hooli-1", "hooli", sku=h200, region=east)
+        return reply if isinstance(reply, PlaceReply) and reply.status == "placed" else None
+
+    reply = await wait_for(placed_again, 20, what="the spot borrower's notice ends")
+    waited_s = time.monotonic() - asked
+    print(f"the spot owner was placed {waited_s:.2f} s after asking (notice 5 s)")
+    assert waited_s >= 4.5  # never before the borrower's notice ended
+    stack.placed.pop(borrowers[-1], None)
+
+    async def queued_one_placed() -> PlaceReply | None:
+        again = await stack.place("hooli-2", "hooli", sku=h200, region=east, fallbacks=["queue"])
+        return again if isinstance(again, PlaceReply) and again.status == "placed" else None
+
+    await wait_for(queued_one_placed, 30, what="the queued owner placement is served")
+    live = await stack.live()
+    assert borrowers[-1] not in live and borrowers[-2] not in live and borrowers[0] in live

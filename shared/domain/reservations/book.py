@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from shared.domain.placement.types import Decision, FleetSnapshot
-from shared.domain.reservations.model import Borrow, Reservation
+from shared.domain.reservations.model import Borrow, Preemption, Reservation
 from shared.domain.reservations.rules import lifo
 
 
@@ -86,15 +86,28 @@ class ReservationBook:
         )
 
     def borrowed_from(self, tenant: str) -> list[tuple[Reservation, Borrow]]:
-        """Borrowers on the tenant's lending reservations, most recently lent first (over all of them)."""
+        """Borrowers on the tenant's lending reservations that nobody has told to leave yet, most recently
+        lent first (over all of them): the order reclaim takes them in."""
         pairs = [
             (r, b)
             for r in self._reservations.values()
             if r.active and r.tenant == tenant and r.lends
             for b in lifo(r)
-            if r.preemption(b.allocation_id) is None or not r.preemption(b.allocation_id).done  # type: ignore[union-attr]
+            if r.preemption(b.allocation_id) is None
         ]
         return sorted(pairs, key=lambda p: (p[1].lent_at, p[1].allocation_id), reverse=True)
+
+    def leaving_for(self, tenant: str, request_id: str) -> list[tuple[Borrow, Preemption]]:
+        """Borrowers told to leave to make room for this placement of the tenant's, still there."""
+        return [
+            (b, p)
+            for r in self._reservations.values()
+            if r.active and r.tenant == tenant
+            for p in r.preemptions
+            if p.request_id == request_id
+            for b in (r.borrow(p.allocation_id),)
+            if b is not None
+        ]
 
 
 def withhold(snapshot: FleetSnapshot, accelerators: Iterable[str]) -> FleetSnapshot:

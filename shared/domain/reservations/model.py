@@ -81,6 +81,7 @@ class Preemption:
     deadline_at: datetime
     issued_at: datetime
     done: bool = False
+    request_id: str | None = None  # the owner's placement it makes room for
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,12 +139,18 @@ def lifo(reservation: Reservation) -> list[Borrow]:
 
 
 def reclaim(
-    reservation: Reservation, allocation_ids: Sequence[str], *, now: datetime, policy: LendingPolicy
+    reservation: Reservation,
+    allocation_ids: Sequence[str],
+    *,
+    now: datetime,
+    policy: LendingPolicy,
+    request_id: str | None = None,
 ) -> tuple[Reservation, list[Preemption]]:
     """Preempt these borrowers of the reservation for its owner: each gets a deadline (now for ``soft``,
     ``spot_eviction_s`` from now for ``spot``), a preemption already issued is returned as it was, and
     every accelerator they hold stops being offered and backs off (``LendingPolicy``). Ids that are not
-    borrowers of this reservation are ignored (the caller checks)."""
+    borrowers of this reservation are ignored (the caller checks). ``request_id``: the owner's placement
+    the room is for (a retry of it counts these borrowers as leaving instead of evicting more)."""
     deadline = now
     if reservation.policy == "spot":
         deadline = now + timedelta(seconds=reservation.spot_eviction_s)
@@ -166,6 +172,7 @@ def reclaim(
             reservation_id=reservation.id,
             deadline_at=deadline,
             issued_at=now,
+            request_id=request_id,
         )
         preemptions.append(preemption)
         issued.append(preemption)

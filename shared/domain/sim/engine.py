@@ -31,6 +31,14 @@ Rules (``SimConfig`` holds every number):
   placements by ``hetsched`` never are). Replicas sharing a GPU split its cost and energy. With
   ``share_small`` the models whose weights fit a quarter of the largest GPU ask ``sharing: shared``.
 * SLO: TTFT <= ``slo_ttft_ms`` (2 s) and TPOT <= ``slo_tpot_ms`` (100 ms); a failed request misses it.
+* Reservations (``sim.reservations``, only with ``SimConfig.reservations``): each replica's tenant comes
+  from its model (the owners' models are not preemptible, the rest are one preemptible tenant's); a
+  decision sees the fleet without the GPUs its tenant may not use; every replica placed or released
+  refreshes the reservations (borrowers, offers, backoff). An owner's replica that fits nowhere evicts
+  the borrowers ``plan_reclaim`` picks: soft at once (then it is decided again), spot after
+  ``spot_eviction_s`` (meanwhile they drain: no new request is routed to them; the owner's model is
+  asked again when they leave); an evicted replica's in-flight requests fail (``preempted``). GPUs
+  that back off are lent again at the backoff's end. Without reservations none of this runs.
 
 Deterministic: the same requests, fleet, policy and seed give the same result (ties break on ids).
 """
@@ -40,7 +48,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shared.domain.hardware import Sku
 from shared.domain.latency import LatencyEstimate, ModelShape, decode_step_ms, prefill_ms
@@ -56,6 +64,7 @@ from shared.domain.placement import (
 from shared.domain.placement.perf import model_shape
 from shared.domain.sim.kpis import Kpis, ReplicaLife, RequestOutcome, Sample, compute_kpis, nvlinked_group
 from shared.domain.sim.policies import Policy, ReleasingPolicy
+from shared.domain.sim.reservations import ReservationRun, ReservationSetup
 from shared.domain.sim.sharing import (
     SMALL_WEIGHT_FRACTION,
     Residency,
@@ -89,6 +98,7 @@ class SimConfig:
     scale_backlog_ms: float = 1000.0  # a replica with this much prefill queued counts as full
     tell_shape: bool = True  # the replica request carries the model's mean prompt and output so far
     tell_slo: bool = True  # the replica request carries the SLO (``slo_ttft_ms``, ``slo_tpot_ms``)
+    reservations: ReservationSetup | None = None  # reservations and lending (``sim.reservations``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +124,7 @@ class _Replica:
     active: int = 0
     empty_since: float | None = None
     prefill_free_ms: float = 0.0  # when the prompts admitted so far are all prefilled
+    leaving: bool = False  # a spot borrower told to leave: it drains (takes no new request) until evicted
 
 
 def replica_request(
@@ -187,7 +198,7 @@ def release(snapshot: FleetSnapshot, decision: Decision) -> FleetSnapshot:
 
 
 # Event kinds, in the order they run at the same instant.
-_DONE, _IDLE, _TIMEOUT, _ARRIVE = 0, 1, 2, 3
+_DONE, _IDLE, _TIMEOUT, _ARRIVE, _EVICT, _LEND = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -216,10 +227,13 @@ class _Sim:
     seen: dict[str, tuple[int, float, float]] = field(default_factory=dict)  # model -> (n, prompt, output sums)
     residency: Residency = field(init=False)
     small: frozenset[str] = field(init=False)
+    lending: ReservationRun | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.residency = Residency(usable={acc: cap.usable for acc, cap in self.snapshot.capacity.items()})
         self.small = small_models(self.snapshot, self.config.small_fraction) if self.config.share_small else frozenset()
+        setup = self.config.reservations
+        self.lending = None if setup is None else ReservationRun(setup, self.snapshot, borrower=self.config.tenant)
 
     def push(self, time: float, kind: int, ref: int) -> None:
         self.seq += 1
@@ -235,7 +249,10 @@ class _Sim:
         shape = (prompts / n, outputs / n)
         request = replica_request(model, self.next_replica, self.config, shared=model in self.small, shape=shape)
         start = self.timer()
-        decision = self.policy.decide(self.snapshot, request)
+        if self.lending is None:
+            decision = self.policy.decide(self.snapshot, request)
+        else:
+            decision = self.decide_reserved(self.lending, request, now)
         self.decision_ms.append((self.timer() - start) * 1000.0)
         if not decision.placed or decision.sku is None or decision.tp is None:
             self.blocked.add(model)
@@ -256,11 +273,58 @@ class _Sim:
             self.residency.join(replica.id, replica.gpus, decision.share.total, now)
         self.tpu_used = self.tpu_used or decision.tpu is not None
         self.replicas[replica.id] = replica
+        if self.lending is not None:
+            self.lending.placed(replica.id, model, decision, now)
         return replica
+
+    def decide_reserved(self, lending: ReservationRun, request: PlacementRequest, now: float) -> Decision:
+        """The decision for ``request`` as its model's tenant may place it; an owner refused for want of
+        the GPUs it lent reclaims them: soft borrowers leave now and it is decided again, spot borrowers
+        leave at their deadline (the refusal stands until then)."""
+        request = lending.request_for(request)
+        decision = lending.decide(self.snapshot, request, self.policy.decide, now)
+        if decision.placed:
+            return decision
+        plan = lending.plan(self.snapshot, request, self.policy.decide)
+        if plan is None:
+            return decision
+        evicted = False
+        for eviction in lending.reclaim(plan, now):
+            if eviction.at_ms <= now:
+                evicted = self.evict(eviction.replica_id, now) or evicted
+            elif eviction.issued and eviction.replica_id in self.replicas:
+                self.replicas[eviction.replica_id].leaving = True
+                self.push(eviction.at_ms, _EVICT, eviction.replica_id)
+            if eviction.issued:
+                self.push(eviction.lend_ms, _LEND, 0)
+        return lending.decide(self.snapshot, request, self.policy.decide, now) if evicted else decision
+
+    def evict(self, replica_id: int, now: float) -> bool:
+        """A borrower replica preempted at ``now``: its in-flight requests fail, then it is retired."""
+        replica = self.replicas.get(replica_id)
+        if replica is None:
+            return False  # it was released before its deadline
+        for index in sorted(i for i, (r, _) in self.running.items() if r == replica_id):
+            _, outcome = self.running.pop(index)
+            self.outcomes[index] = replace(
+                outcome,
+                admitted=False,
+                ttft_ms=None,
+                tpot_ms=None,
+                done_ms=None,
+                slo_met=False,
+                tokens=0,
+                replica_tokens_per_s=None,
+                preempted=True,
+            )
+        self.retire(replica, now)
+        return True
 
     def retire(self, replica: _Replica, now: float) -> None:
         del self.replicas[replica.id]
         self.snapshot = release(self.snapshot, replica.decision)
+        if self.lending is not None:
+            self.lending.released(replica.id, now)
         if isinstance(self.policy, ReleasingPolicy):
             self.policy.released(replica.decision)
         self.blocked.clear()
@@ -289,7 +353,7 @@ class _Sim:
         best: _Replica | None = None
         best_key = (0.0, 0, 0)
         for replica in self.replicas.values():
-            if replica.model == model and replica.active < self.config.slots:
+            if replica.model == model and replica.active < self.config.slots and not replica.leaving:
                 key = (max(0.0, replica.prefill_free_ms - now), replica.active, replica.id)
                 if best is None or key < best_key:
                     best, best_key = replica, key
@@ -356,6 +420,11 @@ class _Sim:
             self.waiting.discard(index)
             self.admit(index, replica, now)
 
+    def serve_queued(self, now: float) -> None:
+        """Capacity changed: admit what every model has queued, in model order."""
+        for model in sorted(m for m, q in self.queues.items() if q):
+            self.serve(model, now)
+
     def fail(self, index: int, now: float) -> None:
         req = self.requests[index]
         self.outcomes[index] = RequestOutcome(
@@ -392,6 +461,7 @@ class _Sim:
                 queue_length=len(self.waiting),
                 slo_attainment=self.window_met / self.window_done if self.window_done else None,
                 tpu_fragmentation=self.tpu_fragmentation(),
+                fill_rate=self.lending.fill_now() if self.lending is not None else None,
             )
         )
         self.window_done = self.window_met = 0
@@ -424,7 +494,7 @@ class _Sim:
                 if ref in self.waiting:
                     self.waiting.discard(ref)
                     self.fail(ref, now)
-            elif kind == _DONE:
+            elif kind == _DONE and ref in self.running:  # not there: it failed when its replica was evicted
                 replica_id, outcome = self.running.pop(ref)
                 self.outcomes[ref] = outcome
                 self.window_done += 1
@@ -440,8 +510,14 @@ class _Sim:
                 if idle is not None and idle.active == 0 and idle.empty_since is not None:
                     if now - idle.empty_since >= self.config.idle_release_s * 1000.0:
                         self.retire(idle, now)
-                        for model in sorted(m for m, q in self.queues.items() if q):
-                            self.serve(model, now)
+                        self.serve_queued(now)
+            elif kind == _EVICT:
+                if self.evict(ref, now):
+                    self.serve_queued(now)
+            elif kind == _LEND and self.lending is not None:
+                self.lending.refresh(now)  # backoff over: the GPUs may be offered again
+                self.blocked.clear()
+                self.serve_queued(now)
             if len(self.outcomes) == len(self.requests):
                 break  # the workload is over: what replicas would idle through after it is not its cost
         self.sample(now)
@@ -464,7 +540,14 @@ def simulate(
     sim = _Sim(snapshot=snapshot, policy=policy, config=config, timer=timer, requests=ordered)
     sim.run()
     outcomes = tuple(sim.outcomes[i] for i in sorted(sim.outcomes))
-    kpis = compute_kpis(outcomes, sim.lives, sim.samples, sim.decision_ms, gpu_hbm_fill=sim.residency.hbm_fill)
+    kpis = compute_kpis(
+        outcomes,
+        sim.lives,
+        sim.samples,
+        sim.decision_ms,
+        gpu_hbm_fill=sim.residency.hbm_fill,
+        preemptions=sim.lending.preemptions if sim.lending is not None else 0,
+    )
     return SimResult(
         policy=policy.name,
         kpis=kpis,

@@ -8,7 +8,11 @@
   divided by the tokens (prompt + output) of the requests served, x 1e6. ``energy_kwh`` = TDP x the
   same accelerator-hours. A replica alone on its GPUs is charged accelerators x lifetime; replicas
   that share a GPU split its time (``sim.sharing.Residency``). ``accelerator_hours`` is their sum.
-  ``fill_rate`` is None (no reservation filler in the simulator).
+* ``fill_rate`` (only with reservations, ``sim.reservations``; else None) = the time-weighted mean of
+  (owner use + lent use) / reserved accelerators over the sample times: each sample's value weighs the
+  time since the previous sample (the run's start for the first, a partial period for the last).
+  ``preemptions`` counts borrower replicas the owners reclaimed; ``preempted_requests`` the requests
+  that failed in flight on them.
 * Sharing (``sim.sharing``): ``shared_replicas`` were placed ``sharing: shared``;
   ``contended_requests`` were admitted while their replica's GPU had other busy replicas (their
   times x k); ``mean_tpot_ms`` and ``replica_tokens_per_s`` (the decode tokens/s of the replica
@@ -42,6 +46,7 @@ class RequestOutcome:
     tokens: int
     co_tenants: int = 1  # busy replicas on the replica's busiest GPU at admission (itself included)
     replica_tokens_per_s: float | None = None  # the replica's decode tokens/s at admission
+    preempted: bool = False  # failed in flight: its replica was evicted for a reservation's owner
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +82,7 @@ class Sample:
     queue_length: int
     slo_attainment: float | None  # of the requests completed in the period
     tpu_fragmentation: float
+    fill_rate: float | None = None  # (owner use + lent use) / reserved now; None without reservations
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +112,8 @@ class Kpis:
     replica_tokens_per_s: float | None = None
     accelerator_hours: float = 0.0
     gpu_hbm_fill: float | None = None
+    preemptions: int = 0
+    preempted_requests: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,6 +126,25 @@ def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(1, math.ceil(q / 100.0 * len(ordered)))
     return ordered[rank - 1]
+
+
+def time_weighted_fill(samples: Sequence[Sample]) -> float | None:
+    """The mean of the samples' fill rates, each weighed by the minutes since the sample before it (the
+    first: since minute 0); the plain mean when no time passed; None when no sample has one."""
+    total = weighted = 0.0
+    previous = 0.0
+    fills: list[float] = []
+    for sample in samples:
+        span = max(0.0, sample.minute - previous)
+        previous = sample.minute
+        if sample.fill_rate is None:
+            continue
+        fills.append(sample.fill_rate)
+        total += span
+        weighted += span * sample.fill_rate
+    if not fills:
+        return None
+    return weighted / total if total > 0 else sum(fills) / len(fills)
 
 
 def _split(acc_id: str) -> tuple[str, int]:
@@ -149,6 +176,7 @@ def compute_kpis(
     decision_ms: Sequence[float],
     *,
     gpu_hbm_fill: float | None = None,
+    preemptions: int = 0,
 ) -> Kpis:
     total = len(outcomes)
     placed = sum(o.admitted for o in outcomes)
@@ -172,7 +200,7 @@ def compute_kpis(
         tp_groups=len(groups),
         nvlink_affinity=linked / len(groups) if groups else None,
         tp_groups_not_nvlinked=len(groups) - linked,
-        fill_rate=None,
+        fill_rate=time_weighted_fill(samples),
         tpu_fragmentation=sum(s.tpu_fragmentation for s in samples) / len(samples) if samples else 0.0,
         cost_per_million_tokens=dollars / tokens * 1e6 if tokens else None,
         energy_kwh=sum(r.tdp_w * r.charged_hours for r in replicas) / 1000.0,
@@ -185,4 +213,6 @@ def compute_kpis(
         replica_tokens_per_s=sum(rates) / len(rates) if rates else None,
         accelerator_hours=sum(r.charged_hours for r in replicas),
         gpu_hbm_fill=gpu_hbm_fill,
+        preemptions=preemptions,
+        preempted_requests=sum(o.preempted for o in outcomes),
     )

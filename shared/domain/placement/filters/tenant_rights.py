@@ -1,10 +1,14 @@
-"""Filter ``tenant_rights``: a slot for reservations and isolation; today it accepts every host.
+"""Filter ``tenant_rights``: reservations and isolation.
 
-The reservation issue fills it: capacity that one tenant has reserved may host another tenant's
-replica only when that replica is ``preemptible`` (it runs on lent capacity and is preempted when
-the owner reclaims it); non-preemptible work of other tenants gets ``Code.FORBIDDEN``. When it does,
-whatever it reads about reservations must join the host class keys (``hosts.py``), because hosts
-that differ in it are no longer interchangeable.
+The rule (issue 15, docs/RESERVATIONS.md): a GPU another tenant has reserved may host a replica only
+when the replica is ``preemptible`` and the reservation (``soft`` or ``spot``) offers that GPU now; the
+owner may use its own. The rule is per accelerator and a filter sees hosts (a host class speaks for
+identical hosts), so it is applied before the cycle, to the snapshot itself:
+``shared.domain.reservations.withhold`` marks the GPUs a tenant may not use unavailable (placement's
+``PlacementHandlers._rights``, fed by the RESERVATION stream's fold, ``ReservationBook.withheld``; the
+simulator does the same). Withheld GPUs then differ from the others in availability, which the host
+class keys already hold, so classes never mix them. This filter therefore accepts every host it is
+shown; it stays in the profile as the named place of the rule.
 """
 
 from __future__ import annotations

@@ -298,8 +298,9 @@ def test_withheld(book: ReservationBook, tenant: str, preemptible: bool, withhel
 
 
 def test_borrowed_from_lists_the_owners_borrowers_newest_first_over_reservations() -> None:
-    """Across a tenant's lending reservations, newest first; a done preemption no longer counts; a hard
-    reservation and another tenant's reservations are not the owner's to reclaim."""
+    """Across a tenant's lending reservations, newest first; a borrower already told to leave is not
+    offered for eviction again (it is `leaving_for` the placement it makes room for); a hard reservation
+    and another tenant's reservations are not the owner's to reclaim."""
 
     def borrow(i: str, t: float, acc: str) -> Borrow:
         return Borrow(i, "globex", (acc,), {acc: GB}, at(t))
@@ -308,14 +309,17 @@ def test_borrowed_from_lists_the_owners_borrowers_newest_first_over_reservations
     spot = _res("r-spot", "acme", "spot", SPOT, [])
     soft = replace(soft, borrowers=(borrow("a", 10, SOFT[0]), borrow("c", 30, SOFT[1])))
     spot = replace(spot, borrowers=(borrow("b", 20, SPOT[0]), borrow("d", 40, SPOT[1])))
-    spot, _ = reclaim(spot, ["d"], now=at(50), policy=POLICY)
+    spot, _ = reclaim(spot, ["d"], now=at(50), policy=POLICY, request_id="acme-7")
     other = replace(_res("r-o", "initech", "soft", OTHER, []), borrowers=(borrow("e", 99, OTHER[0]),))
     book = ReservationBook()
     for r in (soft, spot, other):
         book.apply(r)
-    # "d" is preempted but not done yet: it is still there to be waited for.
-    assert [b.allocation_id for _, b in book.borrowed_from("acme")] == ["d", "c", "b", "a"]
+    # "d" is preempted for acme-7: still there, counted as leaving for that placement only.
+    assert [b.allocation_id for _, b in book.borrowed_from("acme")] == ["c", "b", "a"]
+    assert [(b.allocation_id, p.deadline_at) for b, p in book.leaving_for("acme", "acme-7")] == [("d", at(50 + 30))]
+    assert book.leaving_for("acme", "acme-8") == [] and book.leaving_for("globex", "acme-7") == []
     book.apply(preemption_done(spot, "d"))
     assert [b.allocation_id for _, b in book.borrowed_from("acme")] == ["c", "b", "a"]
+    assert len(book.leaving_for("acme", "acme-7")) == 1  # acknowledged, not gone yet
     assert [r.id for r, _ in book.borrowed_from("acme")] == ["r-soft", "r-spot", "r-soft"]
     assert book.borrowed_from("globex") == []
