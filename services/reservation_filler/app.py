@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from faststream import FastStream
+from opentelemetry import metrics
 
 from services.reservation_filler.handlers import ReservationHandlers
 from services.reservation_filler.tables import SCHEMA
@@ -50,6 +51,7 @@ def wire(runtime: Runtime) -> Ctx:
         tick_s=settings.reservation_tick_s,
         log=runtime.log,
         after_record=_fault_after_record(settings),
+        meter=metrics.get_meter("hetsched.reservation"),
     )
     return Ctx(handlers=handlers)
 

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from opentelemetry.metrics import Meter, Observation
 from pydantic import BaseModel
 
 from services.reservation_filler import store
@@ -69,6 +70,18 @@ from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
 PREEMPT_TIMEOUT_S = 2.0
+METRICS_EVERY_S = 10.0
+"""How often the fill-rate gauge's figures are worked out again (one `reservation.report`)."""
+
+
+def fill_observations(report: ReservationReportReply) -> list[Observation]:
+    """The fill-rate gauge's points: per tenant, per cluster, and overall (``scope`` says which)."""
+    points: list[Observation] = []
+    if report.fill_rate is not None:
+        points.append(Observation(report.fill_rate, {"scope": "overall"}))
+    points += [Observation(rate, {"scope": "tenant", "tenant": t}) for t, rate in report.by_tenant.items()]
+    points += [Observation(rate, {"scope": "cluster", "cluster": c}) for c, rate in report.by_cluster.items()]
+    return points
 
 
 def new_reservation_id() -> str:
@@ -111,8 +124,18 @@ class ReservationHandlers:
         tick_s: float = 1.0,
         log: logging.Logger | None = None,
         after_record: Callable[[], None] = lambda: None,
+        meter: Meter | None = None,
     ) -> None:
         self._marking: set[asyncio.Task[None]] = set()
+        # The brief's SRE metric (reservation_fill_rate per customer, cluster, overall), from the last report.
+        self._fill: list[Observation] = []
+        self._fill_at = -METRICS_EVERY_S
+        if meter is not None:
+            meter.create_observable_gauge(
+                "hetsched.reservation.fill_rate",
+                callbacks=[lambda _options: list(self._fill)],
+                description="(owner use + lent use) / reserved, per tenant, per cluster and overall",
+            )
         self._after_record = after_record  # a fault-injection point for tests (HETSCHED_RESERVATION_FAULT_AFTER_RECORD)
         self._uow = uow
         self._rpc = rpc
@@ -387,12 +410,19 @@ class ReservationHandlers:
     async def tick(self) -> None:
         """Forever: re-issue preemptions the ledger has not acknowledged (after a crash or a silent ledger)
         and re-offer accelerators whose backoff ended."""
+        elapsed = 0.0
         while True:
             try:
                 await self.tick_once()
+                if elapsed - self._fill_at >= METRICS_EVERY_S:
+                    self._fill_at = elapsed
+                    report = await self.report(ReservationReportRequest())
+                    if isinstance(report, ReservationReportReply):
+                        self._fill = fill_observations(report)
             except Exception:
                 self._log.exception("reservation tick failed; retrying")
             await asyncio.sleep(self._tick_s)
+            elapsed += self._tick_s
 
     async def tick_once(self) -> int:
         """One pass; how many preemptions it (re-)issued."""

@@ -193,6 +193,15 @@ async def _stored(stack: Stack, reservation_id: str) -> ReservationState:
     return ReservationState.model_validate(body)
 
 
+def _no_double_booking(ledger: SnapshotReply, stack: Stack, reserved: list[str]) -> None:
+    """No accelerator is over-committed, and no reserved one holds both the owner's and a borrower's replica."""
+    tenants = {a: t for a, (t, _r) in stack.placed.items()}
+    for acc in ledger.accelerators:
+        assert acc.hbm_reserved <= acc.hbm_usable, acc
+        if acc.id in reserved:
+            assert len({tenants.get(a) for a in acc.allocations}) <= 1, acc
+
+
 def _preempted(event: dict[str, Any]) -> bool:
     return str(event["type"]).endswith(".preempted")
 
@@ -271,13 +280,7 @@ async def test_idle_reserved_gpus_are_lent_and_the_owner_takes_them_back_lifo(st
         stack.placed.pop(allocation_id, None)
     await _until_lent(stack, "acme", reservation_id, lent=2, owner=6)
 
-    # No accelerator is over-committed, and none holds both the owner's and a borrower's replica.
-    ledger = await stack.ledger()
-    owners = {a: t for a, (t, _r) in stack.placed.items()}
-    for acc in ledger.accelerators:
-        assert acc.hbm_reserved <= acc.hbm_usable
-        if acc.id in created.accelerators:
-            assert len({owners.get(a) for a in acc.allocations}) <= 1, acc
+    _no_double_booking(await stack.ledger(), stack, created.accelerators)
 
 
 async def test_tenants_see_and_touch_only_their_own_reservations(stack: Stack) -> None:
@@ -416,9 +419,7 @@ async def test_a_filler_killed_during_a_reclaim_reissues_it_when_it_starts(stack
     assert [e for e in await stack.events() if _preempted(e) and e["payload"]["allocation_id"] == newest]
     stack.placed.pop(newest, None)
     _placed(await stack.place("acme-7", "acme"))
-    ledger = await stack.ledger()
-    for acc in ledger.accelerators:
-        assert acc.hbm_reserved <= acc.hbm_usable
+    _no_double_booking(await stack.ledger(), stack, view.accelerators)
     await _until_lent(stack, "acme", view.reservation_id, lent=1, owner=7)
     final = await stack.status("acme", reservation_id=view.reservation_id)
     assert isinstance(final, ReservationStatusReply)
