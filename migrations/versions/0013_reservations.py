@@ -87,3 +87,4 @@ def downgrade() -> None:
     op.execute(f"SET LOCAL ROLE {OWNER}")
     for table in ("uses", "inventory", "holds", "reservations"):
         op.drop_table(table, schema=SCHEMA)
+    op.execute("RESET ROLE")

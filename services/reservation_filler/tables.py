@@ -16,7 +16,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, Column, DateTime, Text
+from sqlalchemy import BigInteger, Boolean, Column, DateTime, Index, Text, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Field, SQLModel
 
@@ -25,7 +25,16 @@ SCHEMA = "reservation"
 
 class ReservationRow(SQLModel, table=True):
     __tablename__ = "reservations"
-    __table_args__ = {"schema": SCHEMA}
+    __table_args__ = (
+        Index(
+            "ux_reservation_reservations_request",
+            "tenant",
+            "request_id",
+            unique=True,
+            postgresql_where=text("request_id IS NOT NULL"),
+        ),
+        {"schema": SCHEMA},
+    )
 
     reservation_id: str = Field(sa_column=Column(Text, primary_key=True))
     tenant: str = Field(sa_column=Column(Text, nullable=False, index=True))
@@ -57,7 +66,10 @@ class InventoryRow(SQLModel, table=True):
 
 class UseRow(SQLModel, table=True):
     __tablename__ = "uses"
-    __table_args__ = {"schema": SCHEMA}
+    __table_args__ = (
+        Index("ix_reservation_uses_accelerators", "bytes", postgresql_using="gin"),
+        {"schema": SCHEMA},
+    )
 
     allocation_id: str = Field(sa_column=Column(Text, primary_key=True))
     tenant: str = Field(sa_column=Column(Text, nullable=False))

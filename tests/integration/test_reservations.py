@@ -436,7 +436,7 @@ async def test_a_spot_borrower_gets_its_notice_and_the_owner_is_placed_when_it_e
     )
     assert isinstance(probe, Rejected) and probe.error.details is not None
     free = int(probe.error.details["free"])
-    assert free >= 8, probe
+    assert free >= 2, probe
     created = await stack.reserve("hooli", "spot", count=free, sku=h200, region=east, spot_eviction_s=5)
     assert created.reservation_id is not None and len(created.accelerators) == free
     borrowers: list[str] = []
