@@ -767,8 +767,8 @@ def sim(
     if load is not None and not load > 0:
         err.print(f"[red]--load: expected a positive load, got {load}[/red]")
         raise typer.Exit(2)
-    if (reserve or owner_models) and (live or sweep or load is not None or sharing == "compare"):
-        err.print("[red]--reserve: not with --live, --load, --sweep or --sharing compare[/red]")
+    if (reserve or owner_models) and (live or sharing == "compare"):
+        err.print("[red]--reserve: not with --live or --sharing compare[/red]")
         raise typer.Exit(2)
     try:
         reservations = parse_reservations(reserve or [], owner_models or [], known_models=load_models())
@@ -788,6 +788,7 @@ def sim(
             as_json=as_json,
             plots=plots,
             sweep=sweep,
+            reservations=reservations,
         )
         return
     if sharing == "compare":
@@ -872,6 +873,7 @@ def _sim_sweep(
     as_json: bool,
     plots: Path | None,
     sweep: bool,
+    reservations: Any = None,  # shared.domain.sim.reservations.ReservationSetup (imported when run)
 ) -> None:
     """`hetsched sim --sweep`: every policy at each load, one table, margins, cost-vs-SLO plots. Without
     ``sweep`` (`--load X`): the one load's KPI table, time-series plots, and the scaling on stderr."""
@@ -897,7 +899,7 @@ def _sim_sweep(
             seed=seed,
             on_bad_rows="skip" if bad_rows == "skip" else "reject",
             limit=limit,
-            config=SimConfig(share_small=share_small),
+            config=SimConfig(share_small=share_small, reservations=reservations),
         )
     _report_skipped(loaded)
     if not sweep:

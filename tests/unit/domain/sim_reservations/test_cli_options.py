@@ -96,7 +96,7 @@ def test_sim_without_reserve_has_no_fill_row() -> None:
         (("--reserve", "acme:soft:8"), "TENANT:POLICY:COUNT:SKU"),
         (("--owner-models", "llama3-8b"), "give --reserve"),
         (("--reserve", "acme:soft:8:H100-SXM-80GB", "--owner-models", "llama-9"), "unknown model"),
-        (("--reserve", "acme:soft:8:H100-SXM-80GB", "--sweep"), "not with --live"),
+        (("--reserve", "acme:soft:8:H100-SXM-80GB", "--sharing", "compare"), "not with --live"),
         (("--reserve", "acme:soft:9999:H100-SXM-80GB"), "fewer than 9999"),
     ],
 )
