@@ -32,6 +32,7 @@ from shared.contracts.placement import (
     ReleaseRequest,
     Slo,
 )
+from shared.contracts.rebalance import RebalanceStatusReply, RebalanceStatusRequest
 from shared.contracts.reservation import (
     ReservationCancelReply,
     ReservationCancelRequest,
@@ -624,6 +625,65 @@ def _reservation_report(data_dir: Path | None, as_json: bool) -> None:
     for title, rates in (("tenant", answer.by_tenant), ("cluster", answer.by_cluster)):
         _say("")
         _columns([title, "fill_rate"], [[name, _fraction(rate)] for name, rate in sorted(rates.items())])
+
+
+@app.command()
+def rebalance(as_json: JsonOption = False, data_dir: DataDirOption = None) -> None:
+    """Operators: the rebalancer now (`rebalance.status`): each detector and its targets pending or firing,
+    the plans open or running (and the last finished) and the recent actions, newest first."""
+    request = RebalanceStatusRequest()
+    # No rejection_as_reply: a refusal has no field in the status reply and would lose its error.
+    answer = _with_rpc(
+        data_dir,
+        Rpc.REBALANCE_STATUS.value,
+        lambda client: client.ask(Rpc.REBALANCE_STATUS, request, RebalanceStatusReply),
+    )
+    _refusal(answer, as_json)
+    if as_json:
+        print(answer.model_dump_json(indent=2))
+        return
+    assert isinstance(answer, RebalanceStatusReply)
+    # The direction is part of the threshold (`>0.85` fires above it), so each cell is one word for `awk`.
+    _columns(
+        ["detector", "threshold", "window_s", "state", "targets"],
+        [
+            [d.name, f"{'>' if d.above else '<'}{d.threshold:g}", f"{d.window_s:g}", d.state, str(len(d.targets))]
+            for d in answer.detectors
+        ],
+    )
+    targets = [
+        [d.name, t.key, t.phase, f"{t.value:.3f}", t.since.isoformat()] for d in answer.detectors for t in d.targets
+    ]
+    _say("")
+    if targets:
+        _columns(["detector", "target", "phase", "value", "since"], targets)
+    else:
+        _say("no target pending or firing")
+    _say("")
+    if answer.plans:
+        # The reason is free text with spaces: last, so the columns before it stay one word each.
+        _columns(
+            ["plan", "kind", "state", "cluster", "target", "steps", "reason"],
+            [
+                [
+                    p.plan_id,
+                    p.kind,
+                    p.state,
+                    p.cluster or "-",
+                    p.target or "-",
+                    f"{sum(s.state == 'done' for s in p.steps)}/{len(p.steps)}",
+                    p.reason,
+                ]
+                for p in answer.plans
+            ],
+        )
+    else:
+        _say("no plan")
+    _say("")
+    if answer.recent:
+        _columns(["at", "plan", "what"], [[a.at.isoformat(), a.plan_id or "-", a.what] for a in answer.recent])
+    else:
+        _say("no action yet")
 
 
 @app.command("engine-sim")

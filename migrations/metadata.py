@@ -8,6 +8,7 @@ def register_all_tables() -> None:
     import services.capacity_ledger.tables
     import services.cross_region_router.tables
     import services.placement.tables
+    import services.rebalancer.tables
     import services.reservation_filler.tables
     import services.topology_discovery.tables  # noqa: F401
     from shared.infra import tables

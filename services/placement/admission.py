@@ -136,8 +136,10 @@ class AdmissionHandlers:
         timer: MonotonicMs,
         log: logging.Logger,
         load_placed: Callable[[], Awaitable[list[tuple[str, PlaceReply]]]] | None = None,
+        draining: Callable[[], set[str]] = set,
     ) -> None:
         self._load_placed = load_placed
+        self._moving = draining  # replicas the rebalancer is moving: no new request goes to them
         # The holds of concurrent admissions go to the ledger together.
         self._holds: Grouped[CommitRequest, CommitReply | Rejected | None] = Grouped(
             lambda commits: _ask_ledger(rpc, commits), max_group=64, in_flight=4
@@ -192,6 +194,9 @@ class AdmissionHandlers:
 
     def _select(self, request: AdmitRequest, names: tuple[str, ...], now_ms: float) -> Selection:
         replicas = self._book.serving(names, request.region)
+        draining = self._moving()
+        if draining:  # their requests in flight finish on them; new ones go to the copies
+            replicas = [r for r in replicas if r.replica_id not in draining]
         ask = AdmitAsk(
             input_tokens=request.input_tokens,
             output_tokens=request.output_tokens,

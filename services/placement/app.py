@@ -82,6 +82,7 @@ def wire(runtime: Runtime) -> Ctx:
         timer=monotonic_ms,
         log=runtime.log,
         load_placed=load_placed,
+        draining=lambda: readmodel.draining,
     )
     handlers = PlacementHandlers(
         view=readmodel,
@@ -104,6 +105,7 @@ def wire(runtime: Runtime) -> Ctx:
         admission=admission,
         reservations=readmodel.book,
         holds=readmodel.holds,
+        throttled=lambda: readmodel.throttled,
     )
     readmodel.on_freed = handlers.wake_queue  # the view holds an event that may have freed capacity
     readmodel.on_reservation = handlers.wake_queue  # an offer or a reclaimed GPU may let a queued one fit
@@ -161,7 +163,7 @@ SERVICE = ServiceDefinition(
         Rpc.RESERVATION_RECLAIM,
     ),
     # Ordered readers of the view (readmodel.STREAMS): GPU telemetry for each node's PCIe utilisation.
-    reads=(Context.TOPOLOGY, Context.LEDGER, Context.TELEMETRY, Context.RESERVATION),
+    reads=(Context.TOPOLOGY, Context.LEDGER, Context.TELEMETRY, Context.RESERVATION, Context.REBALANCE),
 )
 
 

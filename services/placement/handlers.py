@@ -40,7 +40,6 @@ from pydantic import BaseModel
 
 from services.placement.admission import AdmissionHandlers
 from services.placement.mapping import (
-    balance_to_domain,
     body_hash,
     commit_held,
     crossing,
@@ -49,7 +48,6 @@ from services.placement.mapping import (
     may_queue,
     placement_request_id,
     to_commit,
-    to_domain,
     to_reply,
 )
 from services.placement.store import DecisionStore, QueuedRequest, StoredIntent
@@ -93,6 +91,7 @@ from shared.domain.placement.view import AssumeKey, Crossing, LedgerAccelerator,
 from shared.domain.reservations import ReservationBook, plan_reclaim, vacate, withhold
 from shared.infra import deadline
 from shared.infra.clock import Clock, MonotonicMs
+from shared.infra.fleet_view import balance_to_domain, to_domain
 from shared.infra.locks import KeyedLocks
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
@@ -245,12 +244,14 @@ class PlacementHandlers:
         admission: AdmissionHandlers | None = None,
         reservations: ReservationBook | None = None,
         holds: Callable[[str], bool] = lambda _allocation_id: False,
+        throttled: Callable[[], set[str]] = set,
     ) -> None:
         self._admission = admission
         # Reservations as the RESERVATION stream tells them (the read model's fold): what a tenant may not
         # use, and the borrowers an owner may reclaim from; ``holds``: does the view still count an allocation.
         self._reservations = reservations or ReservationBook()
         self._holds = holds
+        self._throttled_nodes = throttled  # nodes the rebalancer throttles (REBALANCE events)
         self._withheld: dict[tuple[str, bool], tuple[int, frozenset[str]]] = {}
         self._view = view
         self._store = store
@@ -908,6 +909,19 @@ class PlacementHandlers:
     def _rights(self, snapshot: FleetSnapshot, request: PlaceRequest) -> FleetSnapshot:
         """The snapshot as this tenant may use it: other tenants' reserved GPUs withheld, except those a
         soft or spot reservation lends now when the replica is preemptible."""
+        if request.avoid_accelerators:  # the rebalancer moving a replica off them
+            snapshot = withhold(snapshot, request.avoid_accelerators)
+        throttled = self._throttled_nodes()
+        if throttled:  # a node whose PCIe the rebalancer throttles takes no new replica (a cold start)
+            snapshot = withhold(
+                snapshot,
+                (
+                    snapshot.nodes[n].accelerator_id(a.index)
+                    for n in throttled
+                    if n in snapshot.nodes
+                    for a in snapshot.nodes[n].accelerators
+                ),
+            )
         if self._reservations.empty:
             return snapshot
         key = (request.tenant, request.preemptible)
@@ -997,8 +1011,9 @@ class PlacementHandlers:
         started = self._timer()
         rights = self._rights(snapshot, request)
         decision = decide(rights, to_domain(request))
-        if not decision.placed and rights is not snapshot:
-            withheld = self._withheld[(request.tenant, request.preemptible)][1]
+        held = self._withheld.get((request.tenant, request.preemptible))
+        if not decision.placed and held is not None and held[1] and not self._reservations.empty:
+            withheld = held[1]
             note = f"{len(withheld)} GPU(s) reserved by other tenants were not considered" + (
                 "" if request.preemptible else " (a preemptible replica may borrow those their owners lend)"
             )
@@ -1130,6 +1145,7 @@ class PlacementHandlers:
                 reply=reply,
                 decision_ms=round(decision_ms, 3),
                 attempts=attempts,
+                request=request if event is PlacementEventName.PLACEMENT_DECIDED else None,
             ),
             tenant=request.tenant,
             correlation_id=request.request_id,

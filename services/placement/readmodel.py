@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import gc
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -33,12 +33,17 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from pydantic import BaseModel, ValidationError
 
-from services.placement.mapping import apply_event, view_from
 from shared.contracts.base import Rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.fleet import FleetDescribeReply, FleetDescribeRequest
 from shared.contracts.ledger import AllocationEvent, LedgerEvent
 from shared.contracts.permissions import EVENT_PUBLISHERS, NODE_SCOPED_EVENTS
+from shared.contracts.rebalance import (
+    NodeThrottleEvent,
+    PlanEvent,
+    RebalanceEventName,
+    ReplicaDrainingEvent,
+)
 from shared.contracts.registry import EVENTS
 from shared.contracts.reservation import ReservationEvent, reservation_of
 from shared.contracts.streams import stream_name
@@ -50,6 +55,7 @@ from shared.domain.placement.types import FleetSnapshot
 from shared.domain.placement.view import DEFAULT_PCIE_WINDOW_S, AssumeKey, Crossing, FleetView
 from shared.domain.reservations import ReservationBook
 from shared.infra.clock import Clock
+from shared.infra.fleet_view import apply_event, view_from
 from shared.infra.rpc import RpcClient
 
 STREAMS = (Context.TOPOLOGY, Context.LEDGER, Context.TELEMETRY)
@@ -228,8 +234,12 @@ class ReadModel:
         # reservation's whole state), independent of the fleet syncs.
         self.book = ReservationBook()
         self.on_reservation: Callable[[], None] = lambda: None
-        self._reservations: Subscription | None = None
+        self._followers: dict[Context, Subscription] = {}
         self._reservations_progress = Progress()
+        # The rebalancer's: nodes whose PCIe it throttles, replicas it is moving (REBALANCE stream).
+        self.throttled: set[str] = set()
+        self.draining: set[str] = set()
+        self._rebalance_progress = Progress()
         self._lock = asyncio.Lock()
         self._problem = "not loaded yet"
 
@@ -257,39 +267,75 @@ class ReadModel:
     # -- reservations ----------------------------------------------------------------------------
 
     async def follow_reservations(self) -> None:
-        """Fold the RESERVATION stream from its first sequence, and every event after (an ordered consumer
-        restarts itself on a gap). Retried until the stream exists (the filler creates it)."""
-        while self._reservations is None:
+        """Fold the RESERVATION and REBALANCE streams from their first sequence, and every event after (an
+        ordered consumer restarts itself on a gap). Retried until each stream exists (its owner creates it)."""
+        await asyncio.gather(
+            self._follow(Context.RESERVATION, self._on_reservation),
+            self._follow(Context.REBALANCE, self._on_rebalance),
+        )
+
+    async def _follow(self, context: Context, cb: Callable[[Msg], Awaitable[None]]) -> None:
+        while context not in self._followers:
             try:
-                self._reservations = await self._jetstream().subscribe(
-                    self._subjects.events_of(Context.RESERVATION),
-                    stream=stream_name(Context.RESERVATION, stream_prefix=self._stream_prefix),
-                    cb=self._on_reservation,
+                self._followers[context] = await self._jetstream().subscribe(
+                    self._subjects.events_of(context),
+                    stream=stream_name(context, stream_prefix=self._stream_prefix),
+                    cb=cb,
                     ordered_consumer=True,
                     deliver_policy=DeliverPolicy.ALL,
                 )
             except Exception as exc:
-                self._log.debug("no RESERVATION stream yet; retrying", extra={"error": str(exc)[:200]})
+                self._log.debug("no %s stream yet; retrying", context.value, extra={"error": str(exc)[:200]})
                 await asyncio.sleep(RETRY_S)
 
-    async def _on_reservation(self, msg: Msg) -> None:
+    def _envelope(self, msg: Msg, context: Context, progress: Progress) -> EventEnvelope | None:
         meta = msg.metadata
-        self._reservations_progress.sequence = meta.sequence.stream
-        self._reservations_progress.pending = meta.num_pending
+        progress.sequence = meta.sequence.stream
+        progress.pending = meta.num_pending
         try:
             envelope = EventEnvelope.model_validate_json(msg.data)
+        except ValidationError as exc:
+            self._log.warning("dropping a malformed event", extra={"error": str(exc)[:300]})
+            return None
+        progress.occurred_at = envelope.occurred_at
+        if envelope.source != EVENT_PUBLISHERS[context]:
+            self._log.warning("dropping a %s event from %s", context.value, envelope.source[:100])
+            return None
+        return envelope
+
+    async def _on_reservation(self, msg: Msg) -> None:
+        envelope = self._envelope(msg, Context.RESERVATION, self._reservations_progress)
+        if envelope is None:
+            return
+        try:
             payload = ReservationEvent.model_validate(envelope.payload)
         except ValidationError as exc:
-            self._log.warning(
-                "dropping a RESERVATION message that is not a reservation event", extra={"error": str(exc)[:300]}
-            )
-            return
-        self._reservations_progress.occurred_at = envelope.occurred_at
-        if envelope.source != EVENT_PUBLISHERS[Context.RESERVATION]:
-            self._log.warning("dropping a reservation event from %s", envelope.source[:100])
+            self._log.warning("dropping a malformed reservation event", extra={"error": str(exc)[:300]})
             return
         if self.book.apply(reservation_of(payload.reservation)):
             self.on_reservation()
+
+    async def _on_rebalance(self, msg: Msg) -> None:
+        """The rebalancer's word to placement: nodes throttled (no new replica: a cold start would load its
+        weights over a saturated PCIe link) and replicas draining (admission sends them nothing new)."""
+        envelope = self._envelope(msg, Context.REBALANCE, self._rebalance_progress)
+        if envelope is None:
+            return
+        name = envelope.type.rsplit(".", 1)[-1]
+        try:
+            match name:
+                case RebalanceEventName.THROTTLE_STARTED:
+                    self.throttled.add(NodeThrottleEvent.model_validate(envelope.payload).node)
+                case RebalanceEventName.THROTTLE_ENDED:
+                    self.throttled.discard(NodeThrottleEvent.model_validate(envelope.payload).node)
+                    self.on_reservation()  # capacity came back: the queue may place now
+                case RebalanceEventName.REPLICA_DRAINING:
+                    self.draining.add(ReplicaDrainingEvent.model_validate(envelope.payload).allocation_id)
+                case RebalanceEventName.PLAN_FINISHED:
+                    plan = PlanEvent.model_validate(envelope.payload).plan
+                    self.draining.difference_update(step.allocation_id for step in plan.steps)
+        except ValidationError as exc:
+            self._log.warning("dropping a malformed rebalance event", extra={"error": str(exc)[:300]})
 
     # -- sync ------------------------------------------------------------------------------------
 
@@ -403,10 +449,10 @@ class ReadModel:
         for feed in self._feeds.values():
             await feed.close()
         self._feeds = {}
-        if self._reservations is not None:
+        for follower in self._followers.values():
             with contextlib.suppress(Exception):  # the connection may be gone already
-                await self._reservations.unsubscribe()
-            self._reservations = None
+                await follower.unsubscribe()
+        self._followers = {}
 
     # -- how stale -------------------------------------------------------------------------------
 
@@ -424,9 +470,9 @@ class ReadModel:
                     behind.append(
                         f"{context.value} {progress.pending} events pending, last applied {lag_ms:.0f} ms old"
                     )
-        progress = self._reservations_progress
-        if progress.pending and progress.occurred_at is not None:
-            lag_ms = (now - progress.occurred_at).total_seconds() * 1000
-            if lag_ms > self._stale_after_ms:
-                behind.append(f"reservation {progress.pending} events pending, last applied {lag_ms:.0f} ms old")
+        for name, progress in (("reservation", self._reservations_progress), ("rebalance", self._rebalance_progress)):
+            if progress.pending and progress.occurred_at is not None:
+                lag_ms = (now - progress.occurred_at).total_seconds() * 1000
+                if lag_ms > self._stale_after_ms:
+                    behind.append(f"{name} {progress.pending} events pending, last applied {lag_ms:.0f} ms old")
         return {"view": "behind: " + "; ".join(behind) if behind else "ok"}

@@ -75,6 +75,13 @@ class PlaceRequest(Request):
         description="How long a `queued` request waits for capacity before it is rejected (default from settings).",
         examples=[600],
     )
+    avoid_accelerators: list[Annotated[str, StringConstraints(max_length=ID_MAX)]] = Field(
+        default_factory=list,
+        max_length=4096,
+        description="Accelerators (GPU ids or TPU chip ids) this replica may not use: the rebalancer moving a "
+        "replica off them.",
+        examples=[[]],
+    )
 
     @field_validator("tp")
     @classmethod

@@ -7,7 +7,7 @@ from enum import StrEnum
 from pydantic import Field
 
 from shared.contracts.base import Contract
-from shared.contracts.placement import PlaceReply
+from shared.contracts.placement import PlaceReply, PlaceRequest
 
 
 class PlacementEventName(StrEnum):
@@ -32,6 +32,9 @@ class PlacementEvent(Contract):
     reply: PlaceReply = Field(description="The `placement.place` reply, explanation included.")
     decision_ms: float = Field(description="Time the decision took.", examples=[0.4])
     attempts: int = Field(default=1, description="Ledger commits tried (conflicts retry).", examples=[1])
+    request: PlaceRequest | None = Field(
+        default=None, description="What was asked (the rebalancer asks it again, with a new id, to move it)."
+    )
 
 
 class PlacementReleasedEvent(Contract):

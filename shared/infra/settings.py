@@ -326,6 +326,31 @@ class Settings(BaseSettings):
     reservation_backoff_max_s: float = Field(
         default=1800.0, gt=0, description="The longest backoff, and how long a reclaim is remembered."
     )
+    # -- rebalancer (issue 16) ---------------------------------------------------------------------
+    rebalance_hot_util: float = Field(default=0.85, gt=0, le=1, description="A replica's GPUs above this HBM use ...")
+    rebalance_hot_window_s: float = Field(default=60.0, ge=0, description="... for this long: replicate it.")
+    rebalance_cold_util: float = Field(default=0.30, gt=0, le=1, description="A node below this HBM use ...")
+    rebalance_cold_window_s: float = Field(default=300.0, ge=0, description="... for this long: consolidate.")
+    rebalance_frag_threshold: float = Field(
+        default=0.3, gt=0, le=1, description="A TPU pod fragmented above this: defragment it."
+    )
+    rebalance_frag_window_s: float = Field(default=60.0, ge=0, description="How long the fragmentation must last.")
+    rebalance_pcie_util: float = Field(default=0.7, gt=0, le=1, description="A node's PCIe above this ...")
+    rebalance_pcie_window_s: float = Field(default=60.0, ge=0, description="... for this long: throttle cold starts.")
+    rebalance_drift_ratio: float = Field(
+        default=0.10, gt=0, description="|observed - reserved| HBM over this share of an allocation is drift."
+    )
+    rebalance_drift_check_s: float = Field(default=10.0, gt=0, description="How often drift is checked per node.")
+    rebalance_drift_window_s: float = Field(
+        default=60.0, ge=0, description="Drift lasting this long re-places the allocation (an alarm comes at once)."
+    )
+    rebalance_hysteresis: float = Field(
+        default=0.05, ge=0, description="A firing detector clears only this far past its threshold."
+    )
+    rebalance_migrations_per_min: float = Field(
+        default=2.0, gt=0, description="Replica copies the rebalancer starts per minute and cluster."
+    )
+    rebalance_tick_s: float = Field(default=1.0, gt=0, description="How often the rebalancer plans and runs plans.")
     reservation_fault_after_record: str = Field(
         default="",
         description="Tests only: `exit` makes the filler exit the way a SIGKILL would, right after it has written "

@@ -79,11 +79,13 @@ def test_services_publish_only_their_own_events_and_only_callers_reach_the_ledge
             assert (f"$JS.API.STREAM.UPDATE.{stream}" in p.publish) == (owner == name), (name, stream)
         assert p.subscribe[0] == f"_INBOX_svc_{next(d.schema for d in SERVICES.values() if d.name == name)}.>"
     callers = {name for name, p in perms.items() if any(s.startswith("hetsched.ledger.") for s in p.publish)}
-    assert callers == {"placement", "reservation-filler"}
+    assert callers == {"placement", "reservation-filler", "rebalancer"}
     # The filler reaches the ledger only to preempt its borrowers; only placement asks it to reclaim.
     assert [s for s in perms["reservation-filler"].publish if s.startswith("hetsched.ledger.")] == [
         "hetsched.ledger.preempt"
     ]
+    # The rebalancer reads the ledger's snapshot when it plans; it moves replicas through placement.
+    assert [s for s in perms["rebalancer"].publish if s.startswith("hetsched.ledger.")] == ["hetsched.ledger.snapshot"]
     reclaimers = {n for n, p in perms.items() if "hetsched.reservation.reclaim" in p.publish}
     assert reclaimers == {"placement"}
     assert any(s == "hetsched.placement.place.*" for s in perms["placement"].subscribe)

@@ -10,7 +10,7 @@ A summed-area (prefix-sum) table built with the grid makes "is this block free?"
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import lru_cache
@@ -270,6 +270,20 @@ def allocate(grid: TpuGrid, block: TpuSlice) -> TpuGrid:
     if grid.occupied_in(block):
         raise ValueError(f"slice {block} overlaps taken chips")
     return grid._with(block, 1)
+
+
+def occupy(grid: TpuGrid, coords: Iterable[Sequence[int]]) -> TpuGrid:
+    """A new grid with these chips taken, whatever shape they make (chips a decision may not use: a
+    rebalancer freeing a block marks it so). Chips already taken stay taken; the same grid when none
+    changes. Raises `ValueError` for a chip outside the pod."""
+    cells = bytearray(grid.occupancy)
+    changed = False
+    for coord in coords:
+        index = grid._index(coord)
+        if not cells[index]:
+            cells[index] = 1
+            changed = True
+    return TpuGrid(grid.tpu_type, grid.dims, bytes(cells)) if changed else grid
 
 
 def free(grid: TpuGrid, block: TpuSlice) -> TpuGrid:

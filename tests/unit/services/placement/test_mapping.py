@@ -9,15 +9,7 @@ from typing import Any
 
 import pytest
 
-from services.placement.mapping import (
-    apply_event,
-    crossing,
-    may_queue,
-    to_commit,
-    to_domain,
-    to_reply,
-    view_from,
-)
+from services.placement.mapping import crossing, may_queue, to_commit, to_reply
 from shared.contracts.fleet import FleetGetReply, NodeView, RackView, TpuPodView
 from shared.contracts.ledger import (
     AcceleratorBalance,
@@ -43,6 +35,7 @@ from shared.domain.errors import ErrorCode
 from shared.domain.fleet import AcceleratorId
 from shared.domain.memory import MemoryShare, usable_hbm
 from shared.domain.placement.types import Decision
+from shared.infra.fleet_view import apply_event, to_domain, view_from
 from shared.infra.profiles import profile_to_payload
 from tests.unit.placement.builders import models, node, skus, snapshot
 
