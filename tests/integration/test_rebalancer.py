@@ -182,6 +182,19 @@ async def test_cold_nodes_are_consolidated_and_a_hot_replica_is_replicated(stack
     # Both nodes half idle: each replica's GPU at 20%, the rest at 2% -> node HBM use far under 0.30.
     samples = {node_a: {index[first.allocation_id]: 0.2}, other: {index[second.allocation_id]: 0.2}}
     reporter = asyncio.create_task(_keep_reporting(stack, samples, 60))
+    # Checked against the ledger all along: the tenant's replicas on the two nodes never drop below two
+    # (a copy is placed before its original is released: 2 -> 3 -> 2, never 1).
+    counts: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            live: set[str] = set()
+            for node in NODES:
+                live |= await stack.on_node(node)
+            counts.append(len(live))
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(watch())
     try:
 
         async def consolidated() -> RebalanceStatusReply | None:
@@ -192,6 +205,8 @@ async def test_cold_nodes_are_consolidated_and_a_hot_replica_is_replicated(stack
         status = await wait_for(consolidated, 40, what="a consolidation plan runs to the end")
     finally:
         reporter.cancel()
+        watcher.cancel()
+    assert counts and min(counts) >= 2, counts
     cold = next(d for d in status.detectors if d.name == "hbm_cold")
     assert (cold.threshold, cold.above) == (0.30, False)
     plan = next(p for p in status.plans if p.kind == "consolidate" and p.state == "done")
@@ -295,12 +310,12 @@ async def test_bad_input_on_the_status_subject_gets_a_typed_error(stack: Stack) 
         assert b'"rejected"' in msg.data, msg.data
 
 
-def _profile(name: str, links: LinkMatrix) -> NodeProfilePayload:
+def _profile(name: str, links: LinkMatrix, *, region: str = "rb-region") -> NodeProfilePayload:
     """An 8-GPU H100 node as its agent reports it, in a region of its own (so requests can aim at it)."""
     return profile_to_payload(
         NodeProfile(
             name=name,
-            region="rb-region",
+            region=region,
             cluster="c1",
             rack="r-rb",
             sku="H100-SXM-80GB",
