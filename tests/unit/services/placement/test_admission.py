@@ -118,7 +118,7 @@ def _status(replica: Replica, **figures: Any) -> EngineStatusEvent:
 
 
 def _stack(
-    *replicas: Replica, fairness: Fairness | None = None
+    *replicas: Replica, fairness: Fairness | None = None, draining: set[str] | None = None
 ) -> tuple[AdmissionHandlers, FakeLedger, Clock, ReplicaBook]:
     book = ReplicaBook(models=MODELS)
     for replica in replicas:
@@ -134,6 +134,7 @@ def _stack(
         fairness=fairness or Fairness(),
         timer=clock,
         log=log,
+        draining=lambda: draining if draining is not None else set(),
     )
     return handlers, ledger, clock, book
 
@@ -165,6 +166,23 @@ async def test_a_64k_request_to_a_group_with_ssm_and_transformer_goes_to_the_ssm
     commit = ledger.commits[0]
     assert (commit.kind, commit.parent_id, commit.tenant) == ("request", "r-ssm", "platform")
     assert hold_requester(commit.request_id) == ("acme", "long")
+
+
+async def test_a_replica_the_rebalancer_drains_takes_no_new_request_but_keeps_its_holds() -> None:
+    """While a replica is being moved (REBALANCE `replica_draining`), new requests go to its copy; what it
+    already holds (messages in flight) stays until released."""
+    old, copy = _replica("r-old", "llama3.1-8b", "n1"), _replica("r-copy", "llama3.1-8b", "n2")
+    draining: set[str] = set()
+    handlers, _ledger, _clock, _book = _stack(old, copy, draining=draining)
+    handlers.on_engine_status(_status(old, latency_p50_ms=30.0, queue_depth=0))  # the better one
+    handlers.on_engine_status(_status(copy, latency_p50_ms=90.0, queue_depth=2))
+    before = await handlers.admit(_ask("in-flight", tokens=1000))
+    assert isinstance(before, AdmitReply) and before.replica_id == "r-old"
+
+    draining.add("r-old")
+    after = await handlers.admit(_ask("new", tokens=1000))
+    assert isinstance(after, AdmitReply) and after.replica_id == "r-copy"
+    assert handlers.owner_of_hold(before.allocation_id or "", "acme") is not None  # still held on the old one
 
 
 async def test_a_stale_replica_is_never_chosen() -> None:
