@@ -742,6 +742,43 @@ def fleet(
     render_fleet(reply, console)
 
 
+@app.command("console")
+def console_page(
+    port: Annotated[int, typer.Option(help="Port to serve on (0: any free port; the URL is printed).")] = 8470,
+    host: Annotated[
+        str, typer.Option(help="Address to listen on. The page shows operator data: keep it on loopback.")
+    ] = "127.0.0.1",
+    data_dir: DataDirOption = None,
+) -> None:
+    """Operators: a live web page of the fleet (per-GPU HBM, NVLink domains, TPU pods with their slices),
+    reservations and fill rate, recent placements with their explanations, and the rebalancer; it polls
+    every second. Read-only; connects to NATS as the other commands do. Ctrl-C stops it."""
+    from hetsched.console.server import run_console
+
+    settings = _settings(data_dir)
+    nats_url, _db, prefix = _endpoints(settings)
+
+    def announce(url: str) -> None:
+        print(f"hetsched console at {url}", flush=True)
+
+    try:
+        asyncio.run(
+            run_console(
+                nats_url=nats_url,
+                subject_prefix=prefix,
+                stream_prefix=settings.stream_prefix,
+                host=host,
+                port=port,
+                timeout_s=settings.request_timeout_ms / 1000,
+                connect_options=operator_options(settings),
+                announce=announce,
+            )
+        )
+    except OSError as exc:
+        err.print(f"[red]console: {type(exc).__name__} {exc} (NATS at {nats_url}, http on {host}:{port})[/red]")
+        raise typer.Exit(2) from exc
+
+
 @app.command()
 def sim(
     fleet: Annotated[Path, typer.Option("--fleet", help="Fleet inventory YAML (API.md format).")],

@@ -3,14 +3,16 @@ consumers of topology (capacity, lost and removed nodes) and telemetry (drift). 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from faststream import FastStream
 
-from services.capacity_ledger import tables
+from services.capacity_ledger import store, tables
 from services.capacity_ledger.batcher import CommitBatcher
 from services.capacity_ledger.handlers import LedgerHandlers
+from services.capacity_ledger.metrics import LedgerMetrics, refresh_loop
 from shared.contracts.ledger import (
     CommitBatchRequest,
     CommitRequest,
@@ -30,11 +32,13 @@ from shared.infra.settings import Settings
 class Ctx:
     handlers: LedgerHandlers
     batcher: CommitBatcher
+    refresh_metrics: Callable[[], Awaitable[None]]
 
 
 def wire(runtime: Runtime) -> Ctx:
     settings = runtime.settings
     batcher = CommitBatcher(max_batch=settings.ledger_max_batch)
+    metrics = LedgerMetrics(runtime.metrics)
     handlers = LedgerHandlers(
         uow=runtime.uow,
         clock=runtime.clock,
@@ -46,8 +50,16 @@ def wire(runtime: Runtime) -> Ctx:
         max_payload=lambda: runtime.nats.max_payload,
         log=runtime.log,
         crossing_budget=settings.ledger_cross_domain_budget_bytes_per_s,
+        metrics=metrics,
     )
-    return Ctx(handlers=handlers, batcher=batcher)
+
+    async def figures() -> store.MetricsFigures:
+        return await runtime.uow.read(lambda session: store.metrics_figures(session=session))
+
+    async def refresh() -> None:
+        await refresh_loop(metrics, figures, log=runtime.log)
+
+    return Ctx(handlers=handlers, batcher=batcher, refresh_metrics=refresh)
 
 
 async def start_batcher(ctx: Ctx) -> None:
@@ -86,7 +98,10 @@ SERVICE = ServiceDefinition(
         ),
         Consumer(Context.TELEMETRY, "telemetry", on={TelemetryEvent.GPU: lambda ctx: ctx.handlers.on_gpu_telemetry}),
     ),
-    loops=(Loop("lease-sweeper", lambda ctx: ctx.handlers.sweep_leases),),
+    loops=(
+        Loop("lease-sweeper", lambda ctx: ctx.handlers.sweep_leases),
+        Loop("ledger-metrics", lambda ctx: ctx.refresh_metrics),
+    ),
     on_start=(start_batcher,),
     on_stop=(stop_batcher,),
 )

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.capacity_ledger import mapping, store
+from services.capacity_ledger.metrics import LedgerMetrics
 from shared.contracts.base import ErrorCode, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import (
@@ -151,8 +152,11 @@ class LedgerHandlers:
         new_id: Callable[[], str] = new_allocation_id,
         log: logging.Logger | None = None,
         crossing_budget: int = 0,
+        metrics: LedgerMetrics | None = None,
     ) -> None:
         self._uow = uow
+        self._metrics = metrics
+        self._drifting: set[str] = set()  # accelerators in a drift episode (their gauge shows the difference)
         self._crossing_budget = crossing_budget  # bytes/s of cross-domain TP traffic per cluster; 0: none
         self._store = store
         self._clock = clock
@@ -252,6 +256,8 @@ class LedgerHandlers:
             return plan, new
 
         plan, new = await self._uow.run(work)
+        if self._metrics is not None:
+            self._metrics.committed(len(new))
         written = iter(new)
         outcomes = iter(plan.outcomes)
         replies: list[CommitReply] = []
@@ -513,6 +519,7 @@ class LedgerHandlers:
             drift = self._drift.observe(
                 accelerator_id=acc.id, observed_bytes=observed, reserved_bytes=acc.reserved, usable_bytes=acc.usable
             )
+            self._show_drift(acc, observed, reported=drift is not None)
             if drift is not None:
                 uow.emit(
                     Context.LEDGER,
@@ -526,3 +533,25 @@ class LedgerHandlers:
                     ),
                     causation_id=event.event_id,
                 )
+
+    def _show_drift(self, acc: AcceleratorCapacity, observed: int, *, reported: bool) -> None:
+        """The drift gauge: observed - reserved from the sample that reports an episode while the samples
+        stay outside the detector's band, back to 0 with the first one inside it (the episode ends)."""
+        if self._metrics is None or not (reported or acc.id in self._drifting):
+            return
+        if reported or _outside_band(self._drift, acc, observed):
+            self._drifting.add(acc.id)
+            self._metrics.drift(acc.id, observed - acc.reserved)
+        else:
+            self._drifting.discard(acc.id)
+            self._metrics.drift(acc.id, 0)
+
+
+def _outside_band(detector: DriftDetector, acc: AcceleratorCapacity, observed: int) -> bool:
+    """Whether ``detector``'s rule calls this one sample a difference (a fresh detector that needs one
+    sample answers it, so the rule stays the domain's)."""
+    probe = DriftDetector(threshold=detector.threshold, consecutive=1)
+    drift = probe.observe(
+        accelerator_id=acc.id, observed_bytes=observed, reserved_bytes=acc.reserved, usable_bytes=acc.usable
+    )
+    return drift is not None

@@ -589,3 +589,68 @@ async def node_accelerators(*, session: AsyncSession, node: str) -> list[Acceler
         .all()
     )
     return [_capacity(r) for r in rows]
+
+
+# -- metrics (read by the gauges' refresh loop) ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AcceleratorFigures:
+    """One accelerator's HBM as the ledger holds it."""
+
+    id: str
+    node: str
+    sku: str
+    usable: int
+    reserved: int
+    available: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GroupFigures:
+    """A live replica allocation on more than one accelerator (a TP group)."""
+
+    accelerators: tuple[str, ...]
+    cross_domain_bytes_per_s: int
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsFigures:
+    accelerators: list[AcceleratorFigures]
+    groups: list[GroupFigures]
+    cross_domain_bytes_per_s: int  # of every live replica allocation
+
+
+async def metrics_figures(*, session: AsyncSession) -> MetricsFigures:
+    """What the gauges show: every accelerator's HBM, the live TP groups, the cross-domain TP traffic.
+    Three plain reads (no locks); the active-shares and cross-domain partial indexes serve them."""
+    accelerators = (
+        await session.execute(
+            text("SELECT id, node, sku, hbm_usable, reserved, available FROM ledger.accelerators ORDER BY id")
+        )
+    ).all()
+    groups = (
+        await session.execute(
+            text(
+                "SELECT a.cross_domain_bytes_per_s AS crossing, "
+                "array_agg(s.accelerator_id ORDER BY s.accelerator_id) AS accelerators "
+                "FROM ledger.allocations a JOIN ledger.shares s ON s.allocation_id = a.id AND s.active "
+                "WHERE a.state = 'active' AND a.kind = 'replica' GROUP BY a.id HAVING count(*) > 1"
+            )
+        )
+    ).all()
+    crossing = (
+        await session.execute(
+            text(
+                "SELECT COALESCE(sum(cross_domain_bytes_per_s), 0)::bigint FROM ledger.allocations "
+                "WHERE state = 'active' AND kind = 'replica' AND cross_domain_bytes_per_s > 0"
+            )
+        )
+    ).scalar_one()
+    return MetricsFigures(
+        accelerators=[
+            AcceleratorFigures(r.id, r.node, r.sku, r.hbm_usable, r.reserved, r.available) for r in accelerators
+        ],
+        groups=[GroupFigures(tuple(g.accelerators), g.crossing) for g in groups],
+        cross_domain_bytes_per_s=int(crossing),
+    )

@@ -11,6 +11,7 @@ from typing import Any
 from faststream import FastStream
 
 from services.cross_region_router.handlers import RoutingHandlers
+from services.cross_region_router.metrics import RouterMetrics
 from services.cross_region_router.tables import SCHEMA
 from shared.contracts.placement_events import PlacementEventName
 from shared.contracts.routing import RouteRegionRequest, RouteSelectRequest
@@ -62,6 +63,7 @@ def wire(runtime: Runtime) -> Ctx:
         log=runtime.log,
         flush_s=settings.route_flush_ms / 1000,
         regions_changed=_watch(settings.regions_file),
+        metrics=RouterMetrics(runtime.metrics),
     )
     return Ctx(handlers=handlers)
 

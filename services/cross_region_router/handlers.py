@@ -25,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 from pydantic import BaseModel
 
 from services.cross_region_router import store
+from services.cross_region_router.metrics import RouterMetrics
 from shared.contracts.base import ErrorCode, Rejected, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.placement import AdmitReply, AdmitRequest, Slo
@@ -100,7 +101,9 @@ class RoutingHandlers:
         log: logging.Logger | None = None,
         flush_s: float = 0.5,
         regions_changed: Callable[[], Mapping[str, Region] | None] = lambda: None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
+        self._metrics = metrics
         self._regions_changed = regions_changed
         self._uow = uow
         self._rpc = rpc
@@ -194,7 +197,9 @@ class RoutingHandlers:
                 full.add(decision.region)  # full there for this request: the next tier decides
                 continue
             break
-        await self._remember(request, decision, previous, session_key, now)
+        moved = await self._remember(request, decision, previous, session_key, now)
+        if self._metrics is not None:
+            self._metrics.routed(rtt_ms=decision.rtt_ms, moved=moved)
         return RouteSelectReply(
             status="routed",
             region=decision.region,
@@ -240,13 +245,16 @@ class RoutingHandlers:
         previous: TenantRoute | None,
         session_key: tuple[str, str] | None,
         now: datetime,
-    ) -> None:
+    ) -> bool:
+        """Keep the tenant's and the session's region; whether either moved to another region."""
         region = decision.region
         assert region is not None
         now_s = now.timestamp()
         tenant_route = next_tenant_route(previous, decision, now_s)
         tenant_changed = tenant_route is not None and tenant_route != previous
-        session_changed = session_key is not None and self._sessions.get(session_key) != region
+        pinned = self._sessions.get(session_key) if session_key is not None else None
+        session_changed = session_key is not None and pinned != region
+        moved = (decision.switched and previous is not None) or (session_changed and pinned is not None)
         if tenant_changed or session_changed:
 
             async def work(uow: UnitOfWork) -> None:
@@ -288,6 +296,7 @@ class RoutingHandlers:
             self._seen[session_key] = now_s
         self._traffic.setdefault(request.tenant, Traffic()).add(region, now_s)
         self._pending[(request.tenant, region, day_of(now_s))] += 1
+        return moved
 
     # -- route.region (operators) ------------------------------------------------------------------------
 

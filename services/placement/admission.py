@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -121,6 +122,10 @@ async def _ask_ledger(rpc: RpcClient, commits: list[CommitRequest]) -> list[Comm
 
 def _key(tenant: str, request_id: str) -> str:
     return f"{tenant}\x00{request_id}"
+
+
+def _tenant_of(key: str) -> str:
+    return key.partition("\x00")[0]
 
 
 class AdmissionHandlers:
@@ -305,6 +310,10 @@ class AdmissionHandlers:
         self._done[key] = reply
 
     # -- the fair queue ------------------------------------------------------------------------------
+
+    def queue_depths(self) -> dict[str, int]:
+        """Requests waiting in the fair queue, per tenant."""
+        return dict(Counter(_tenant_of(key) for key in self._queue))
 
     async def drain(self) -> int:
         """Admit queued requests in fair order while replicas take them; how many were admitted."""

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from faststream import FastStream
-from opentelemetry import metrics
 
 from services.placement.admission import AdmissionHandlers, Fairness, parse_kv_shares, parse_weights
-from services.placement.handlers import Ownership, PlacementHandlers, PlacementMetrics, Queueing
+from services.placement.handlers import Ownership, PlacementHandlers, Queueing
+from services.placement.metrics import PlacementMetrics, ViewMetrics
 from services.placement.readmodel import ReadModel
 from services.placement.replicas import ReplicaBook
 from services.placement.store import DecisionStore
@@ -32,6 +32,7 @@ class Ctx:
     handlers: PlacementHandlers
     readmodel: ReadModel
     admission: AdmissionHandlers
+    metrics: ViewMetrics
 
 
 def _fault_after_commit(settings: Settings) -> Callable[[], None]:
@@ -91,7 +92,7 @@ def wire(runtime: Runtime) -> Ctx:
         rpc=runtime.rpc,
         timer=monotonic_ms,
         default_lease_s=settings.placement_default_lease_s,
-        metrics=PlacementMetrics.create(metrics.get_meter("hetsched.placement")),
+        metrics=PlacementMetrics.create(runtime.metrics),
         # An attempt holds its request id for one ledger round trip (and a second to record the outcome).
         ownership=Ownership(
             claim_s=settings.rpc_timeout_ms / 1000 + 1,
@@ -111,7 +112,10 @@ def wire(runtime: Runtime) -> Ctx:
     readmodel.on_reservation = handlers.wake_queue  # an offer or a reclaimed GPU may let a queued one fit
     readmodel.on_engine_status = admission.on_engine_status
     readmodel.on_hold = admission.on_hold_event
-    return Ctx(handlers=handlers, readmodel=readmodel, admission=admission)
+    metrics = ViewMetrics(
+        runtime.metrics, snapshot=lambda: readmodel.snapshot, queue_depths=admission.queue_depths, log=runtime.log
+    )
+    return Ctx(handlers=handlers, readmodel=readmodel, admission=admission, metrics=metrics)
 
 
 SERVICE = ServiceDefinition(
@@ -150,6 +154,7 @@ SERVICE = ServiceDefinition(
         Loop("placement-queue", lambda ctx: ctx.handlers.serve_queue),
         Loop("admission-queue", lambda ctx: ctx.admission.serve_queue),
         Loop("placement-reservations", lambda ctx: ctx.readmodel.follow_reservations),
+        Loop("placement-metrics", lambda ctx: ctx.metrics.run),
     ),
     checks=lambda ctx: ctx.readmodel.health(),
     calls=(

@@ -35,7 +35,6 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Protocol
 
-from opentelemetry.metrics import Counter, Histogram, Meter
 from pydantic import BaseModel
 
 from services.placement.admission import AdmissionHandlers
@@ -50,6 +49,7 @@ from services.placement.mapping import (
     to_commit,
     to_reply,
 )
+from services.placement.metrics import PlacementMetrics
 from services.placement.store import DecisionStore, QueuedRequest, StoredIntent
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
 from shared.contracts.envelope import EventEnvelope
@@ -93,6 +93,7 @@ from shared.infra import deadline
 from shared.infra.clock import Clock, MonotonicMs
 from shared.infra.fleet_view import balance_to_domain, to_domain
 from shared.infra.locks import KeyedLocks
+from shared.infra.metrics import ServiceMetrics
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
@@ -122,39 +123,6 @@ class View(Protocol):
     def confirm(self, token: int, allocation_id: str) -> None: ...
 
     def forget(self, token: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class PlacementMetrics:
-    decision_ms: Histogram
-    tp_degree: Counter
-    nvlink_groups: Counter
-    rejections: Counter
-    queue: Counter
-
-    @classmethod
-    def create(cls, meter: Meter) -> PlacementMetrics:
-        return cls(
-            decision_ms=meter.create_histogram(
-                "hetsched.placement.decision_ms", unit="ms", description="Pure decision time"
-            ),
-            tp_degree=meter.create_counter("hetsched.placement.tp_degree", description="Placed replicas by TP degree"),
-            nvlink_groups=meter.create_counter(
-                "hetsched.placement.tp_groups", description="TP>1 groups placed, by whether every pair is NVLinked"
-            ),
-            rejections=meter.create_counter("hetsched.placement.rejections", description="Rejections by reason"),
-            queue=meter.create_counter(
-                "hetsched.placement.queue", description="Queued requests by outcome (queued, placed, timed_out)"
-            ),
-        )
-
-    def count(self, decision: Decision) -> None:
-        if decision.placed and decision.tp:
-            self.tp_degree.add(1, {"tp": decision.tp})
-            if decision.tp > 1 and decision.tpu is None:
-                self.nvlink_groups.add(1, {"nvlinked": decision.domain is not None})
-        elif not decision.placed:
-            self.rejections.add(1, {"reason": decision.error_code or ErrorCode.NO_CAPACITY})
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +201,6 @@ class PlacementHandlers:
         rpc: RpcClient,
         timer: MonotonicMs,
         default_lease_s: int,
-        metrics: PlacementMetrics,
         ownership: Ownership,
         clock: Clock,
         log: logging.Logger | None = None,
@@ -245,6 +212,7 @@ class PlacementHandlers:
         reservations: ReservationBook | None = None,
         holds: Callable[[str], bool] = lambda _allocation_id: False,
         throttled: Callable[[], set[str]] = set,
+        metrics: PlacementMetrics | None = None,
     ) -> None:
         self._admission = admission
         # Reservations as the RESERVATION stream tells them (the read model's fold): what a tenant may not
@@ -259,7 +227,7 @@ class PlacementHandlers:
         self._rpc = rpc
         self._timer = timer
         self._default_lease_s = default_lease_s
-        self._metrics = metrics
+        self._metrics = metrics or PlacementMetrics.create(ServiceMetrics("placement"))
         self._ownership = ownership
         self._clock = clock
         self._log = log or logging.getLogger("hetsched.placement")
@@ -432,8 +400,8 @@ class PlacementHandlers:
                 else:
                     outcome = await self._serve(entry)
             outcomes[entry.request_id] = outcome
-            if outcome in ("placed", "timed_out"):
-                self._metrics.queue.add(1, {"outcome": outcome})
+            if outcome == "timed_out":  # refused after all (one placed is counted where it is committed)
+                self._metrics.rejections.labels(ErrorCode.NO_CAPACITY).inc()
         return outcomes
 
     async def _serve(self, entry: QueuedRequest) -> str:
@@ -563,8 +531,6 @@ class PlacementHandlers:
         position = await self._uow.run(work)
         if isinstance(position, _Lost):
             return LOST
-        if not claim.queued:
-            self._metrics.queue.add(1, {"outcome": "queued"})
         return reply.model_copy(update={"queue_position": position})
 
     async def _queued_reply(self, uow: UnitOfWork, stored: StoredIntent) -> PlaceReply | None:
@@ -1019,7 +985,7 @@ class PlacementHandlers:
             )
             decision = replace(decision, explanation=(*decision.explanation, note))
         elapsed_ms = self._timer() - started
-        self._metrics.decision_ms.record(elapsed_ms)
+        self._metrics.decided(elapsed_ms)
         return decision, elapsed_ms
 
     async def _reserve(self, commit: CommitRequest, token: int) -> CommitReply | Rejected | RpcError:

@@ -9,6 +9,7 @@ from typing import Any
 from faststream import FastStream
 
 from services.rebalancer.handlers import RebalanceConfig, RebalanceHandlers
+from services.rebalancer.metrics import RebalanceMetrics
 from services.rebalancer.tables import SCHEMA
 from shared.contracts.ledger import LedgerEvent
 from shared.contracts.placement_events import PlacementEventName
@@ -77,6 +78,7 @@ def wire(runtime: Runtime) -> Ctx:
         subjects=runtime.subjects,
         stream_prefix=settings.stream_prefix,
         log=runtime.log,
+        metrics=RebalanceMetrics(runtime.metrics),
     )
     return Ctx(handlers=handlers)
 

@@ -42,6 +42,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.rebalancer import store
 from services.rebalancer.mapping import cliques_of, move_request, plan_of_view, plan_view, replica_of
+from services.rebalancer.metrics import RebalanceMetrics
 from shared.contracts.base import Rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import AllocationEvent
@@ -153,8 +154,10 @@ class RebalanceHandlers:
         subjects: Subjects | None = None,
         stream_prefix: str = "",
         log: logging.Logger | None = None,
+        metrics: RebalanceMetrics | None = None,
     ) -> None:
         self._uow = uow
+        self._metrics = metrics
         self._rpc = rpc
         self._clock = clock
         self._config = config
@@ -168,6 +171,8 @@ class RebalanceHandlers:
             rule.name: SustainedDetector(rule)
             for rule in (config.hot, config.cold, config.fragmentation, config.pcie, config.drift_alarm, config.drift)
         }
+        if metrics is not None:  # every detector shows from the start, firing or not
+            metrics.firing(dict.fromkeys(self._detectors, 0))
         # What the events told (kept in Postgres, rebuilt from it at start).
         self._replicas: dict[str, Replica] = {}
         self._requests: dict[str, PlaceRequest] = {}
@@ -483,6 +488,8 @@ class RebalanceHandlers:
         for detector in self._detectors.values():
             self._pending.transitions += detector.sweep(now)
         self._watch_pods(now)
+        if self._metrics is not None:
+            self._metrics.firing({name: len(d.firing()) for name, d in self._detectors.items()})
         if (now - self._scanned).total_seconds() >= BROKEN_SCAN_S or self._pending.changed_nodes:
             self._scanned = now
             self._pending.changed_nodes |= self._broken_nodes(now)
@@ -780,6 +787,8 @@ class RebalanceHandlers:
                         reply.tpu_slice.pod if reply.tpu_slice else "?"
                     )
                     note = f"placed {reply.allocation_id} for {step.allocation_id} on {where}"
+                    if self._metrics is not None:
+                        self._metrics.copy_placed(plan.kind)
                 else:
                     why = (
                         reply.error.message

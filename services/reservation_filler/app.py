@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from faststream import FastStream
-from opentelemetry import metrics
 
 from services.reservation_filler.handlers import ReservationHandlers
+from services.reservation_filler.metrics import ReservationMetrics
 from services.reservation_filler.tables import SCHEMA
 from shared.contracts.ledger import LedgerEvent
 from shared.contracts.reservation import (
@@ -51,7 +51,7 @@ def wire(runtime: Runtime) -> Ctx:
         tick_s=settings.reservation_tick_s,
         log=runtime.log,
         after_record=_fault_after_record(settings),
-        meter=metrics.get_meter("hetsched.reservation"),
+        metrics=ReservationMetrics(runtime.metrics),
     )
     return Ctx(handlers=handlers)
 

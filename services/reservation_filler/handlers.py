@@ -19,10 +19,11 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from opentelemetry.metrics import Meter, Observation
 from pydantic import BaseModel
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.reservation_filler import store
+from services.reservation_filler.metrics import METRICS_EVERY_S, FillFigures, ReservationMetrics
 from shared.contracts.base import Rejected, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import AllocationEvent, LedgerPreemptReply, LedgerPreemptRequest
@@ -70,18 +71,31 @@ from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
 PREEMPT_TIMEOUT_S = 2.0
-METRICS_EVERY_S = 10.0
-"""How often the fill-rate gauge's figures are worked out again (one `reservation.report`)."""
 
 
-def fill_observations(report: ReservationReportReply) -> list[Observation]:
-    """The fill-rate gauge's points: per tenant, per cluster, and overall (``scope`` says which)."""
-    points: list[Observation] = []
-    if report.fill_rate is not None:
-        points.append(Observation(report.fill_rate, {"scope": "overall"}))
-    points += [Observation(rate, {"scope": "tenant", "tenant": t}) for t, rate in report.by_tenant.items()]
-    points += [Observation(rate, {"scope": "cluster", "cluster": c}) for c, rate in report.by_cluster.items()]
-    return points
+@dataclass(frozen=True, slots=True)
+class Filled:
+    """One live reservation's use now: whole, per cluster of its accelerators, and its idle cost."""
+
+    tenant: str
+    usage: Usage
+    by_cluster: Mapping[str, Usage]
+    idle_cost_usd_per_hour: float
+
+
+def fill_figures(filled: Sequence[Filled]) -> FillFigures:
+    """The metrics' figures: fill rate per (tenant, cluster) and overall, idle cost per tenant."""
+    by_scope: dict[tuple[str, str], list[Usage]] = {}
+    idle: dict[str, float] = {}
+    for f in filled:
+        idle[f.tenant] = idle.get(f.tenant, 0.0) + f.idle_cost_usd_per_hour
+        for cluster, part in f.by_cluster.items():
+            by_scope.setdefault((f.tenant, cluster), []).append(part)
+    return FillFigures(
+        by_tenant_cluster={scope: rate for scope, u in by_scope.items() if (rate := fill_rate(u)) is not None},
+        overall=fill_rate([f.usage for f in filled]),
+        idle_cost_by_tenant=idle,
+    )
 
 
 def new_reservation_id() -> str:
@@ -124,18 +138,12 @@ class ReservationHandlers:
         tick_s: float = 1.0,
         log: logging.Logger | None = None,
         after_record: Callable[[], None] = lambda: None,
-        meter: Meter | None = None,
+        metrics: ReservationMetrics | None = None,
     ) -> None:
         self._marking: set[asyncio.Task[None]] = set()
-        # The brief's SRE metric (reservation_fill_rate per customer, cluster, overall), from the last report.
-        self._fill: list[Observation] = []
+        # The brief's SRE metrics (fill rate per customer and cluster, overall; idle cost), worked out by the tick.
+        self._metrics = metrics
         self._fill_at = -METRICS_EVERY_S
-        if meter is not None:
-            meter.create_observable_gauge(
-                "hetsched.reservation.fill_rate",
-                callbacks=[lambda _options: list(self._fill)],
-                description="(owner use + lent use) / reserved, per tenant, per cluster and overall",
-            )
         self._after_record = after_record  # a fault-injection point for tests (HETSCHED_RESERVATION_FAULT_AFTER_RECORD)
         self._uow = uow
         self._rpc = rpc
@@ -292,21 +300,15 @@ class ReservationHandlers:
         """Operators: fill rate overall, per tenant and per cluster, and what idle reserved capacity costs."""
 
         async def read(uow: UnitOfWork) -> BaseModel:
-            reservations = await store.load_many(session=uow.session)
-            everything = {acc for r in reservations for acc in r.accelerators}
-            uses = await store.uses_on(session=uow.session, accelerators=everything)
-            inventory = await store.inventory(session=uow.session, ids=everything)
+            filled = await self._filled(uow.session)
             by_tenant: dict[str, list[Usage]] = {}
             by_cluster: dict[str, list[Usage]] = {}
-            total: list[Usage] = []
-            idle_cost = 0.0
-            for reservation in reservations:
-                current = usage(reservation, uses)
-                total.append(current)
-                by_tenant.setdefault(reservation.tenant, []).append(current)
-                idle_cost += self._view(reservation, current).idle_cost_usd_per_hour
-                for cluster, accs in _by_cluster(reservation.accelerators, inventory).items():
-                    by_cluster.setdefault(cluster, []).append(_restricted(current, accs))
+            for f in filled:
+                by_tenant.setdefault(f.tenant, []).append(f.usage)
+                for cluster, part in f.by_cluster.items():
+                    by_cluster.setdefault(cluster, []).append(part)
+            total = [f.usage for f in filled]
+            idle_cost = sum(f.idle_cost_usd_per_hour for f in filled)
             return ReservationReportReply(
                 fill_rate=_round(fill_rate(total)),
                 by_tenant={t: _round(fill_rate(u)) or 0.0 for t, u in sorted(by_tenant.items())},
@@ -318,6 +320,28 @@ class ReservationHandlers:
             )
 
         return await self._uow.run(read)
+
+    async def _filled(self, session: AsyncSession) -> list[Filled]:
+        """Every live reservation's use now (what the report and the metrics are worked out from)."""
+        reservations = await store.load_many(session=session)
+        everything = {acc for r in reservations for acc in r.accelerators}
+        uses = await store.uses_on(session=session, accelerators=everything)
+        inventory = await store.inventory(session=session, ids=everything)
+        filled: list[Filled] = []
+        for reservation in reservations:
+            current = usage(reservation, uses)
+            filled.append(
+                Filled(
+                    tenant=reservation.tenant,
+                    usage=current,
+                    by_cluster={
+                        cluster: _restricted(current, accs)
+                        for cluster, accs in _by_cluster(reservation.accelerators, inventory).items()
+                    },
+                    idle_cost_usd_per_hour=self._view(reservation, current).idle_cost_usd_per_hour,
+                )
+            )
+        return filled
 
     async def reclaim(self, request: ReservationReclaimRequest) -> BaseModel:
         """Placement, for an owner: preempt these borrowers of its reservations (LIFO was placement's
@@ -414,11 +438,9 @@ class ReservationHandlers:
         while True:
             try:
                 await self.tick_once()
-                if elapsed - self._fill_at >= METRICS_EVERY_S:
+                if self._metrics is not None and elapsed - self._fill_at >= METRICS_EVERY_S:
                     self._fill_at = elapsed
-                    report = await self.report(ReservationReportRequest())
-                    if isinstance(report, ReservationReportReply):
-                        self._fill = fill_observations(report)
+                    self._metrics.show(fill_figures(await self._uow.read(self._filled)))
             except Exception:
                 self._log.exception("reservation tick failed; retrying")
             await asyncio.sleep(self._tick_s)

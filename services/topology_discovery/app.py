@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from services.topology_discovery.agent import Agent, AgentIntervals, make_provider, node_name
 from services.topology_discovery.handlers import TopologyHandlers
+from services.topology_discovery.metrics import TopologyMetrics
 from services.topology_discovery.providers import TopologyProvider
 from services.topology_discovery.tables import SCHEMA
 from shared.contracts.fleet import FleetDescribeRequest, FleetGetRequest
@@ -45,6 +46,7 @@ def wire(runtime: Runtime, *, clock_ms: MonotonicMs = monotonic_ms) -> Ctx:
         inventory=settings.topology_inventory,
         max_payload=lambda: runtime.nats.max_payload,
         liveness_period_s=max(settings.topology_heartbeat_s / 4, 0.05),
+        metrics=TopologyMetrics(runtime.metrics, clock=runtime.clock),
     )
     return Ctx(handlers=handlers, heartbeat_subject=runtime.subjects.heartbeats())
 

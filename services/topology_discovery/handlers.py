@@ -24,6 +24,7 @@ from services.topology_discovery.mapping import (
     profile_event,
     tpu_pod_event,
 )
+from services.topology_discovery.metrics import TopologyMetrics
 from services.topology_discovery.store import FleetPage, TopologyStore
 from shared.contracts.base import ErrorCode, rejected
 from shared.contracts.envelope import EventEnvelope
@@ -75,8 +76,10 @@ class TopologyHandlers:
         inventory: Path | None = None,
         max_payload: Callable[[], int] = lambda: 1 << 20,
         liveness_period_s: float = 1.0,
+        metrics: TopologyMetrics | None = None,
     ) -> None:
         self._uow = uow
+        self._metrics = metrics
         self._monotonic_ms = monotonic_ms  # liveness counts silence on a monotonic clock; timestamps come from uow.now
         self._skus = skus
         self._tracker = tracker
@@ -147,11 +150,16 @@ class TopologyHandlers:
             name = TopologyEvent.NODE_CHANGED if previous else TopologyEvent.NODE_PROFILED
             own = domains_by_node(domains).get(node.name, [])
             uow.emit(Context.TOPOLOGY, name, profile_event(node, own, previous))
+            changed[:] = [previous is not None]
             return TopologyReportReply(status="accepted", fingerprint=fingerprint)
 
+        changed: list[bool] = []
         reply = await self._uow.run(work)
         if isinstance(reply, TopologyReportReply):
             self._tracker.watch(node.name, now_ms=self._monotonic_ms())
+            if self._metrics is not None:
+                self._metrics.profiles_changed(sum(changed))
+                self._metrics.refreshed()
         return reply
 
     async def _profile_failed(self, request: TopologyReportRequest) -> BaseModel:
@@ -188,10 +196,15 @@ class TopologyHandlers:
                 self._log.info(
                     "inventory unchanged since last load; serving the stored fleet", extra={"path": str(path)}
                 )
+                if self._metrics is not None:
+                    self._metrics.refreshed()
                 return
             fleet, fingerprint = await asyncio.to_thread(load_inventory, path, skus=dict(self._skus))
             counts = await self.sync_inventory(fleet, fingerprint)
             self._log.info("inventory loaded", extra={"path": str(path), **asdict(counts)})
+            if self._metrics is not None:
+                self._metrics.profiles_changed(counts.changed)
+                self._metrics.refreshed()
         except InventoryError as exc:
             self._log.error(
                 "inventory rejected; keeping the stored fleet", extra={"path": str(path), "error": str(exc)}
@@ -259,6 +272,8 @@ class TopologyHandlers:
         if self._tracker.state(beat.node) is None:
             return  # not (yet) a reported node: its first report starts the watch
         recovered = self._tracker.beat(beat.node, now_ms=self._monotonic_ms())
+        if self._metrics is not None:
+            self._metrics.refreshed()
         if recovered is not None:
             await self._record(recovered)
 
@@ -277,6 +292,8 @@ class TopologyHandlers:
         while True:
             await asyncio.sleep(self._liveness_period_s)
             await self.liveness_tick()
+            if self._metrics is not None:  # the map is maintained: every silent node has been judged
+                self._metrics.refreshed()
 
     async def _record(self, transition: Transition) -> None:
         """Store a lost/recovered node with its event; undone in the tracker when it could not be stored."""

@@ -30,6 +30,15 @@ class EventEnvelope(Contract):
     )
     tenant: str | None = Field(default=None, description="Tenant concerned, if any.", examples=["acme"])
     payload: dict[str, Any] = Field(description="The event's own fields; see the AsyncAPI document.")
+    traceparent: str | None = Field(
+        default=None,
+        max_length=128,  # 55 characters in version 00
+        description=(
+            "W3C trace context of the work that emitted the event (also sent as the `traceparent` header): "
+            "its consumers continue that trace."
+        ),
+        examples=["00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"],
+    )
 
 
 def new_event(
@@ -42,6 +51,7 @@ def new_event(
     correlation_id: str | None = None,
     causation_id: str | None = None,
     tenant: str | None = None,
+    traceparent: str | None = None,
 ) -> EventEnvelope:
     """Build an envelope; the id is random unless given (time is always handed in)."""
     return EventEnvelope(
@@ -53,4 +63,5 @@ def new_event(
         causation_id=causation_id,
         tenant=tenant,
         payload=payload,
+        traceparent=traceparent,
     )

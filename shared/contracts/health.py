@@ -22,3 +22,6 @@ class HealthReply(Contract):
         description="Per-dependency state (`ok` or an error).",
         examples=[{"postgres": "ok", "nats": "ok"}],
     )
+    metrics_url: str | None = Field(
+        default=None, description="Its Prometheus metrics endpoint.", examples=["http://127.0.0.1:9464/metrics"]
+    )

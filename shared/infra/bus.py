@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
+from opentelemetry.trace import SpanKind
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -29,6 +30,7 @@ from shared.contracts.permissions import EVENT_PUBLISHERS, NODE_SCOPED_EVENTS
 from shared.contracts.registry import EVENTS
 from shared.contracts.streams import StreamSpec
 from shared.contracts.subjects import Context, token
+from shared.infra import tracing
 from shared.infra.deadletter import UnappliableEvent
 from shared.infra.inbox import claim
 from shared.infra.uow import EventTooLarge, UnitOfWork, UnitOfWorkFactory
@@ -228,6 +230,10 @@ def consume(
     ``UnappliableEvent`` (redelivering it cannot help: the caller dead-letters it); an exception from a
     handler propagates so the caller redelivers the event with backoff, then dead-letters it. An event
     ``skip`` says is none of this consumer's business (after those checks) is done with at once.
+
+    An event that records a trace (``EventEnvelope.traceparent``) is applied in that trace: inside a
+    CONSUMER span named after its type when spans are exported (``shared.infra.tracing``), and the
+    events its handler emits carry the trace on.
     """
     expected_source = publisher or EVENT_PUBLISHERS[context]
     scoped = set(NODE_SCOPED_EVENTS.get(context, ()))
@@ -256,6 +262,22 @@ def consume(
                 raise UnappliableEvent(f"{event.type} names node {echo(node)} but came on {echo(subject)}")
         if skip is not None and skip(payload):
             return
+        parent = tracing.from_traceparent(event.traceparent)
+        if parent is None:  # an event no request caused (a sweep, an agent's report): no trace to continue
+            await _apply(event, payload, handler, session)
+            return
+        attributes = {
+            "messaging.system": "nats",
+            "messaging.operation.type": "process",
+            "messaging.consumer.group.name": consumer,
+            "messaging.message.id": str(event.event_id),
+        }
+        with tracing.span(event.type, kind=SpanKind.CONSUMER, parent=parent, attributes=attributes):
+            await _apply(event, payload, handler, session)
+
+    async def _apply(
+        event: EventEnvelope, payload: Any, handler: TypedEventHandler, session: AsyncSession | None
+    ) -> None:
         emitted = False
 
         async def work(unit: UnitOfWork) -> None:

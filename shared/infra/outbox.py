@@ -26,6 +26,7 @@ from sqlalchemy.sql import func
 from shared.contracts.envelope import EventEnvelope
 from shared.domain.errors import ErrorCode
 from shared.infra.tables import outbox_table
+from shared.infra.tracing import TRACEPARENT
 
 log = logging.getLogger("hetsched.outbox")
 
@@ -114,8 +115,13 @@ def _insert_rows(table: str) -> TextClause:
     )
 
 
-def msg_id_headers(event_id: str) -> dict[str, str]:
-    return {"Nats-Msg-Id": event_id}
+def msg_id_headers(event_id: str, *, traceparent: object = None) -> dict[str, str]:
+    """An event's NATS headers: ``Nats-Msg-Id`` = its id, and the trace it continues (``traceparent``,
+    as its envelope records it) for readers that take the trace from the headers."""
+    headers = {"Nats-Msg-Id": event_id}
+    if isinstance(traceparent, str) and traceparent:
+        headers[TRACEPARENT] = traceparent
+    return headers
 
 
 class RelayStalled(Exception):
@@ -186,7 +192,11 @@ class OutboxRelay:
             for row in rows:
                 payload: dict[str, Any] = row.payload
                 try:
-                    await self._js.publish(row.subject, event_body(payload), headers=msg_id_headers(str(row.event_id)))
+                    await self._js.publish(
+                        row.subject,
+                        event_body(payload),
+                        headers=msg_id_headers(str(row.event_id), traceparent=payload.get("traceparent")),
+                    )
                 except TRANSIENT_PUBLISH_ERRORS as exc:
                     stalled = exc
                     break

@@ -9,6 +9,10 @@ Deadlines (API.md "Deadlines"): each request carries ``Hetsched-Deadline`` (epoc
 ``default_deadline_ms`` from now. The handler's task sees it through ``shared.infra.deadline``; a
 request whose deadline passed while it waited for a worker is dropped unanswered (its caller has
 gone) and counted in ``abandoned``.
+
+Tracing (``shared.infra.tracing``): a request's ``traceparent`` header makes its trace current while it
+is served, inside a SERVER span named after the subject without its prefix (``route.select``) when
+spans are exported; calls the handler makes are children of it.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry.trace import SpanKind
 
 from shared.contracts.base import ErrorCode, Request, echo, rejected
-from shared.contracts.subjects import untoken
-from shared.infra import deadline
+from shared.contracts.subjects import Rpc, untoken
+from shared.infra import deadline, tracing
 from shared.infra.bus import DEFAULT_MAX_REQUEST_BYTES, REPLY_MARGIN_BYTES, dispatch
 
 log = logging.getLogger("hetsched.requests")
@@ -42,6 +47,13 @@ def _scope(subject: str, base: str) -> str | None:
         return untoken(subject[len(base) + 1 :])
     except ValueError:  # binascii.Error and UnicodeDecodeError are ValueErrors
         return _UNREADABLE
+
+
+def span_name(subject: str) -> str:
+    """A request subject without its prefix (``<prefix>.route.select`` -> ``route.select``), the name of
+    the spans that serve it; the subject itself when it is no known one."""
+    known = [rpc.value for rpc in Rpc if subject == rpc.value or subject.endswith("." + rpc.value)]
+    return max(known, key=len) if known else subject
 
 
 def _refuse_scope(subject: str) -> bytes:
@@ -60,6 +72,11 @@ class Endpoint:
     # A scoped endpoint is also served on ``<subject>.<token>`` (a tenant's or a node's form): the body
     # must then name that tenant or node (``scope_of``), else the reply is ``forbidden``.
     scope_of: Callable[[Any], str | None] | None = None
+
+    @property
+    def name(self) -> str:
+        """The subject without its prefix: the name of the spans serving it."""
+        return span_name(self.subject)
 
 
 @dataclass
@@ -129,6 +146,8 @@ class RequestServer:
     def _callback(self, endpoint: Endpoint, nc: Client) -> Any:
         slots = asyncio.Semaphore(endpoint.workers)
         load = self.loads[endpoint.subject]
+        name = endpoint.name
+        attributes = {"messaging.system": "nats", "rpc.method": name}
 
         async def serve(msg: Msg, until_ms: float) -> None:
             try:
@@ -137,19 +156,22 @@ class RequestServer:
                     log.warning("dropped a request whose deadline had passed", extra={"subject": endpoint.subject})
                     return
                 deadline.set_deadline(until_ms)  # this task's context only
-                scope = _scope(msg.subject, endpoint.subject)
-                if scope is _UNREADABLE:
-                    reply = _refuse_scope(msg.subject)
-                else:
-                    reply = await dispatch(
-                        msg.data,
-                        endpoint.model,
-                        endpoint.handler,
-                        max_bytes=self.max_request_bytes,
-                        max_reply_bytes=max(1024, nc.max_payload - REPLY_MARGIN_BYTES),
-                        scope=scope,
-                        scope_of=endpoint.scope_of,
-                    )
+                with tracing.span(
+                    name, kind=SpanKind.SERVER, parent=tracing.extract(msg.headers), attributes=attributes
+                ):
+                    scope = _scope(msg.subject, endpoint.subject)
+                    if scope is _UNREADABLE:
+                        reply = _refuse_scope(msg.subject)
+                    else:
+                        reply = await dispatch(
+                            msg.data,
+                            endpoint.model,
+                            endpoint.handler,
+                            max_bytes=self.max_request_bytes,
+                            max_reply_bytes=max(1024, nc.max_payload - REPLY_MARGIN_BYTES),
+                            scope=scope,
+                            scope_of=endpoint.scope_of,
+                        )
                 load.served += 1
                 if msg.reply:
                     await msg.respond(reply)

@@ -20,6 +20,7 @@ import nats
 from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from opentelemetry.trace import SpanKind
 from pydantic import BaseModel, ValidationError
 
 from shared.contracts.base import Rejected
@@ -27,7 +28,7 @@ from shared.contracts.fleet import FleetGetReply, FleetGetRequest
 from shared.contracts.ledger import SnapshotReply, SnapshotRequest
 from shared.contracts.registry import RPCS
 from shared.contracts.subjects import TENANT_SCOPED, Rpc, Subjects
-from shared.infra import deadline
+from shared.infra import deadline, tracing
 from shared.infra.settings import nats_servers
 
 ReplyT = TypeVar("ReplyT", bound=BaseModel)
@@ -160,21 +161,26 @@ class RpcClient:
 
         The request carries its deadline (``Hetsched-Deadline``): now + the timeout, or, when this
         call is made on behalf of a request whose deadline is nearer, a little before that one, so an
-        inner call never outlives the outer one."""
+        inner call never outlives the outer one. It carries the current trace context too
+        (``traceparent``, ``shared.infra.tracing``), so the server's span joins the caller's trace."""
         timeout = self.inner_timeout_s(timeout_s or self.timeout_s)
         if timeout <= 0:
             raise RpcError(rpc, "the deadline of the request this call serves has passed")
         body = request.model_dump_json(exclude_none=True).encode()
-        headers = {deadline.HEADER: str(int(deadline.now_ms() + timeout * 1000))}
-        started = time.monotonic()
-        try:
-            msg = await self.nc.request(self._subject(rpc, request, scope), body, timeout=timeout, headers=headers)
-        except NoRespondersError as exc:
-            self.stats.record(rpc, seconds=time.monotonic() - started, ok=False)
-            raise RpcError(rpc, "no service answers this subject") from exc
-        except NatsTimeoutError as exc:
-            self.stats.record(rpc, seconds=time.monotonic() - started, ok=False)
-            raise RpcError(rpc, f"no reply within {timeout:g} s") from exc
+        subject = self._subject(rpc, request, scope)
+        with tracing.span(
+            rpc.value, kind=SpanKind.CLIENT, attributes={"messaging.system": "nats", "rpc.method": rpc.value}
+        ):
+            headers = tracing.inject({deadline.HEADER: str(int(deadline.now_ms() + timeout * 1000))})
+            started = time.monotonic()
+            try:
+                msg = await self.nc.request(subject, body, timeout=timeout, headers=headers)
+            except NoRespondersError as exc:
+                self.stats.record(rpc, seconds=time.monotonic() - started, ok=False)
+                raise RpcError(rpc, "no service answers this subject") from exc
+            except NatsTimeoutError as exc:
+                self.stats.record(rpc, seconds=time.monotonic() - started, ok=False)
+                raise RpcError(rpc, f"no reply within {timeout:g} s") from exc
         self.stats.record(rpc, seconds=time.monotonic() - started, ok=True)
         return parse_reply(rpc, msg.data, rejection_as_reply=rejection_as_reply)
 

@@ -47,6 +47,7 @@ from shared.infra.clock import Clock, system_clock
 from shared.infra.db import application_name, database_tls, make_engine, make_sessions, service_database_url
 from shared.infra.deadletter import UnappliableEvent, dead_letter, redelivery_delay_s
 from shared.infra.identity import connect_options
+from shared.infra.metrics import ServiceMetrics
 from shared.infra.outbox import OutboxRelay
 from shared.infra.requests import Endpoint, RequestServer
 from shared.infra.rpc import RpcClient
@@ -86,6 +87,8 @@ class Runtime:
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     # The event consumers, for their counters (redelivered, dead_lettered).
     consumers: list[_EventLoop] = field(default_factory=list)
+    # Its Prometheus metrics (``shared.infra.metrics``), served over HTTP once it starts.
+    metrics: ServiceMetrics = field(default_factory=lambda: ServiceMetrics("unknown"))
 
     @property
     def nats(self) -> NatsClient:
@@ -269,7 +272,11 @@ def _health(
             checks.update(extra())
         healthy = all(v == "ok" for v in checks.values())
         return HealthReply(
-            status="ok" if healthy else "degraded", service=runtime.name, version=hetsched_version(), checks=checks
+            status="ok" if healthy else "degraded",
+            service=runtime.name,
+            version=hetsched_version(),
+            checks=checks,
+            metrics_url=getattr(getattr(runtime, "metrics", None), "url", None),
         )
 
     return handler
@@ -592,6 +599,7 @@ def build_app(
         rpc=rpc or RpcClient(lambda: holder[0].nats, subjects, timeout_s=settings.rpc_timeout_ms / 1000),
         clock=clock,
         uses_database=database,
+        metrics=ServiceMetrics(definition.name),
     )
     holder.append(runtime)
     ctx: Any = definition.wire(runtime)
@@ -626,6 +634,11 @@ def build_app(
 
     @app.on_startup
     async def _connect() -> None:
+        if settings.metrics_port >= 0:  # -1: no endpoint (e.g. several services in one test process)
+            try:
+                runtime.metrics.serve(settings.metrics_host, settings.metrics_port)
+            except OSError as exc:  # a port taken: the service runs, its metrics say why they are missing
+                log.warning("metrics endpoint not served", extra={"error": str(exc)[:200]})
         # Our own connection for JetStream management, the relay and calls to other services, so
         # publishing does not depend on FastStream internals.
         runtime.nc = await nats.connect(

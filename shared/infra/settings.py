@@ -95,6 +95,14 @@ class Settings(BaseSettings):
         default=120.0, gt=0, description="JetStream duplicate window: a re-sent event id inside it is dropped."
     )
     telemetry_max_age_s: float = Field(default=3600.0, gt=0, description="Max age of TELEMETRY messages.")
+    metrics_host: str = Field(default="127.0.0.1", description="Where a service serves its Prometheus metrics.")
+    metrics_port: int = Field(
+        default=0,
+        ge=-1,
+        le=65535,
+        description="Port of a service's Prometheus metrics endpoint (0: a free one, named in its health reply "
+        "and `hetsched status --json` as `metrics_url`; -1: none).",
+    )
     otel_exporter: str = Field(
         default="none", pattern=r"^(none|console|otlp)$", description="OpenTelemetry exporter for traces."
     )

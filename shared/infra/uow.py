@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.subjects import Context, Subjects
+from shared.infra import tracing
 from shared.infra.clock import Clock, system_clock
 from shared.infra.outbox import DEFAULT_EVENT_MAX_BYTES, check_event_size, enqueue_many
 from shared.infra.outbox import EventTooLarge as EventTooLarge  # handlers catch it from here
@@ -64,8 +65,13 @@ class UnitOfWork:
         tenant: str | None = None,
         correlation_id: str | None = None,
         causation_id: str | uuid.UUID | None = None,
+        traceparent: str | None = None,
     ) -> EventEnvelope:
         """Queue an event; it is written to the outbox in this transaction, after the work.
+
+        The event records the trace it belongs to (``traceparent``, else ``shared.infra.tracing``'s: the
+        trace of the request ``correlation_id`` names in a work serving several, else the current one),
+        so its consumers continue that trace.
 
         Raises ``EventTooLarge`` (code ``invalid_request``) when its published body would exceed the
         limit: the transaction fails here instead of leaving an event no relay can send.
@@ -78,6 +84,7 @@ class UnitOfWork:
             tenant=tenant,
             correlation_id=correlation_id,
             causation_id=str(causation_id) if causation_id is not None else None,
+            traceparent=traceparent or tracing.traceparent(correlation_id),
         )
         check_event_size(event, limit=self.max_event_bytes)
         self.events.append((self.subjects.event(context, str(name)), event))

@@ -10,10 +10,9 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import pytest
-from opentelemetry import metrics
 from pydantic import BaseModel
 
-from services.placement.handlers import Ownership, PlacementHandlers, PlacementMetrics, Queueing
+from services.placement.handlers import Ownership, PlacementHandlers, Queueing
 from services.placement.store import DecisionStore, QueuedRequest, SeenAllocation, StoredIntent
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
 from shared.contracts.envelope import EventEnvelope
@@ -397,7 +396,6 @@ class Rig:
             rpc=rpc,
             timer=timer or FakeTimer(),
             default_lease_s=3600,
-            metrics=PlacementMetrics.create(metrics.get_meter("test.placement")),
             ownership=Ownership(claim_s=5, grace_s=60),
             clock=lambda: self.now,
             after_commit=self.after_commit,

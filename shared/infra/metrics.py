@@ -1,0 +1,275 @@
+"""Prometheus metrics: every service serves its own over HTTP (``/metrics``, the text exposition format).
+
+Why prometheus-client rather than the OpenTelemetry SDK with its Prometheus exporter: the names the
+operators' alerts and dashboards use are fixed (``hetsched_hbm_utilization_ratio``, ...), and the OTel
+exporter derives the exposed name from the instrument name plus unit and type suffixes, which a version
+bump may change under every alert. prometheus-client exposes exactly the name registered, with explicit
+histogram buckets, and is the reference implementation of the format. (Traces stay OpenTelemetry.)
+
+``CATALOGUE`` names every metric the services export, with its type, labels and owner: alerts
+(``infra/prometheus/alerts.yml``) and dashboards (``infra/grafana/``) are checked against it. A service
+builds its ``ServiceMetrics`` once (``Runtime.metrics``) and asks it for the metrics it owns; nothing is a
+module global, so tests build as many as they like.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+TOPOLOGY = "topology-discovery"
+LEDGER = "capacity-ledger"
+PLACEMENT = "placement"
+RESERVATION = "reservation-filler"
+ROUTER = "cross-region-router"
+REBALANCER = "rebalancer"
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...]
+    owner: str
+    buckets: tuple[float, ...] | None = None
+
+
+def _spec(name: str, kind: Kind, help: str, labels: tuple[str, ...], owner: str, **kw: object) -> MetricSpec:
+    return MetricSpec(name, kind, help, labels, owner, **kw)  # type: ignore[arg-type]
+
+
+CATALOGUE: dict[str, MetricSpec] = {
+    s.name: s
+    for s in (
+        # The brief's SRE metrics (S1 §10, S2 §8).
+        _spec("hetsched_hbm_utilization_ratio", "gauge", "Reserved / usable HBM per SKU.", ("sku",), LEDGER),
+        _spec(
+            "hetsched_accelerator_hbm_utilization_ratio",
+            "gauge",
+            "Reserved / usable HBM per accelerator.",
+            ("accelerator", "node", "sku"),
+            LEDGER,
+        ),
+        _spec(
+            "hetsched_hbm_free_bytes", "gauge", "Usable HBM not reserved, per accelerator.", ("accelerator",), LEDGER
+        ),
+        _spec(
+            "hetsched_tp_groups",
+            "gauge",
+            "Live TP groups (replicas on more than one accelerator) by degree and whether all are NVLinked.",
+            ("degree", "nvlinked"),
+            LEDGER,
+        ),
+        _spec(
+            "hetsched_nvlink_cross_island_bytes_per_second",
+            "gauge",
+            "TP traffic of live allocations that crosses NVLink domains (islands), bytes/s.",
+            (),
+            LEDGER,
+        ),
+        _spec("hetsched_ledger_commits_total", "counter", "Allocations committed by the ledger.", (), LEDGER),
+        _spec(
+            "hetsched_hbm_drift_bytes",
+            "gauge",
+            "Observed HBM use minus the ledger's reserved bytes, per accelerator (telemetry).",
+            ("accelerator",),
+            LEDGER,
+        ),
+        _spec(
+            "hetsched_pcie_utilization_ratio",
+            "gauge",
+            "A node's PCIe utilisation (busiest GPU's link, one direction), from GPU telemetry.",
+            ("node",),
+            PLACEMENT,
+        ),
+        _spec(
+            "hetsched_tpu_fragmentation_ratio",
+            "gauge",
+            "1 - largest free legal block / free chips, per TPU pod.",
+            ("pod",),
+            PLACEMENT,
+        ),
+        _spec(
+            "hetsched_placement_decision_seconds",
+            "histogram",
+            "Time of one pure placement decision.",
+            (),
+            PLACEMENT,
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+        ),
+        _spec(
+            "hetsched_placement_rejections_total",
+            "counter",
+            "Placements refused, by error code.",
+            ("reason",),
+            PLACEMENT,
+        ),
+        _spec("hetsched_placements_total", "counter", "Replicas placed.", (), PLACEMENT),
+        _spec(
+            "hetsched_admit_queue_depth",
+            "gauge",
+            "Requests waiting in admission's fair queue, per tenant.",
+            ("tenant",),
+            PLACEMENT,
+        ),
+        _spec(
+            "hetsched_reservation_fill_rate",
+            "gauge",
+            "(owner use + lent use) / reserved, per tenant and cluster.",
+            ("tenant", "cluster"),
+            RESERVATION,
+        ),
+        _spec(
+            "hetsched_reservation_fill_rate_overall",
+            "gauge",
+            "(owner use + lent use) / reserved over every reservation.",
+            (),
+            RESERVATION,
+        ),
+        _spec(
+            "hetsched_reservation_idle_cost_usd_per_hour",
+            "gauge",
+            "What idle reserved accelerators cost per hour, per tenant.",
+            ("tenant",),
+            RESERVATION,
+        ),
+        _spec(
+            "hetsched_route_rtt_seconds",
+            "histogram",
+            "RTT from the request's origin to the region it was routed to.",
+            (),
+            ROUTER,
+            buckets=(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5),
+        ),
+        _spec("hetsched_route_switches_total", "counter", "Tenants or sessions moved to another region.", (), ROUTER),
+        _spec(
+            "hetsched_topology_drift_total",
+            "counter",
+            "Node profiles that changed (a re-profile with another fingerprint: e.g. an NVLink down).",
+            (),
+            TOPOLOGY,
+        ),
+        _spec(
+            "hetsched_topology_last_profile_timestamp_seconds",
+            "gauge",
+            "When the topology map was last refreshed by a node's profile (unix time).",
+            (),
+            TOPOLOGY,
+        ),
+        _spec(
+            "hetsched_migrations_total",
+            "counter",
+            "Replica copies the rebalancer placed, by plan kind.",
+            ("kind",),
+            REBALANCER,
+        ),
+        _spec(
+            "hetsched_rebalance_detectors_firing",
+            "gauge",
+            "Targets a rebalancer detector fires on, per detector.",
+            ("detector",),
+            REBALANCER,
+        ),
+    )
+}
+
+
+Labels = tuple[str, ...]
+
+
+class GaugeSeries:
+    """A labelled gauge set to a whole new set of values at once: label sets no longer present go (a
+    released accelerator's or an emptied queue's series does not linger)."""
+
+    def __init__(self, gauge: Gauge) -> None:
+        self.gauge = gauge
+        self._shown: set[Labels] = set()
+
+    def show(self, values: Mapping[Labels, float]) -> None:
+        for labels, value in values.items():
+            self.gauge.labels(*labels).set(value)
+        for gone in self._shown - values.keys():
+            self.gauge.remove(*gone)
+        self._shown = set(values)
+
+
+class ServiceMetrics:
+    """One service's registry (its catalogue metrics plus the process basics) and its HTTP endpoint."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self._made: dict[str, Counter | Gauge | Histogram] = {}
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        self.url: str | None = None
+
+    def _make(self, name: str) -> Counter | Gauge | Histogram:
+        made = self._made.get(name)
+        if made is not None:
+            return made
+        spec = CATALOGUE[name]
+        metric: Counter | Gauge | Histogram
+        if spec.kind == "counter":
+            metric = Counter(name.removesuffix("_total"), spec.help, spec.labels, registry=self.registry)
+        elif spec.kind == "gauge":
+            metric = Gauge(name, spec.help, spec.labels, registry=self.registry)
+        else:
+            metric = Histogram(
+                name,
+                spec.help,
+                spec.labels,
+                registry=self.registry,
+                buckets=spec.buckets or Histogram.DEFAULT_BUCKETS,
+            )
+        self._made[name] = metric
+        return metric
+
+    def counter(self, name: str) -> Counter:
+        metric = self._make(name)
+        assert isinstance(metric, Counter), name
+        return metric
+
+    def gauge(self, name: str) -> Gauge:
+        metric = self._make(name)
+        assert isinstance(metric, Gauge), name
+        return metric
+
+    def histogram(self, name: str) -> Histogram:
+        metric = self._make(name)
+        assert isinstance(metric, Histogram), name
+        return metric
+
+    def serve(self, host: str, port: int) -> str:
+        """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; the URL."""
+        if self.url is not None:
+            return self.url
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        bound = self._server.server_port
+        self.url = f"http://{host}:{bound}/metrics"
+        return self.url
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+            self.url = None
