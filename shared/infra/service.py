@@ -295,6 +295,14 @@ def _durable(runtime: Runtime, name: str) -> str:
     return durable_name(runtime.settings, runtime.schema, name)
 
 
+def _stop_if_cancelled() -> None:
+    """Re-raise a cancellation a library swallowed (its task is being cancelled: a stopping service), so a
+    loop that retries on timeouts does not keep the process alive after shutdown."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 @dataclass
 class _EventLoop:
     """One durable consumer: what it reads, how each event is applied, and when it gives up on one.
@@ -330,6 +338,7 @@ class _EventLoop:
                 try:
                     messages = await subscription.fetch(batch=EVENT_BATCH, timeout=EVENT_FETCH_TIMEOUT_S)
                 except TimeoutError:
+                    _stop_if_cancelled()  # nats-py may turn a cancellation inside fetch into a timeout
                     continue  # nothing new
                 except (ConnectionClosedError, ServiceUnavailableError, NoRespondersError):
                     await asyncio.sleep(EVENT_FETCH_TIMEOUT_S)  # NATS is restarting: unacked events come again
