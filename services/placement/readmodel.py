@@ -71,6 +71,7 @@ FREEING = frozenset(
     }
 )
 RETRY_S = 0.5
+FOLLOW_RETRY_MAX_S = 5.0
 DESCRIBE_AT_ONCE = 8
 
 
@@ -275,6 +276,7 @@ class ReadModel:
         )
 
     async def _follow(self, context: Context, cb: Callable[[Msg], Awaitable[None]]) -> None:
+        wait_s = RETRY_S
         while context not in self._followers:
             try:
                 self._followers[context] = await self._jetstream().subscribe(
@@ -284,9 +286,10 @@ class ReadModel:
                     ordered_consumer=True,
                     deliver_policy=DeliverPolicy.ALL,
                 )
-            except Exception as exc:
+            except Exception as exc:  # its owner has not created it yet (or NATS is electing a leader)
                 self._log.debug("no %s stream yet; retrying", context.value, extra={"error": str(exc)[:200]})
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(wait_s)
+                wait_s = min(FOLLOW_RETRY_MAX_S, wait_s * 2)  # a service not deployed costs few API calls
 
     def _envelope(self, msg: Msg, context: Context, progress: Progress) -> EventEnvelope | None:
         meta = msg.metadata

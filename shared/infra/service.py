@@ -341,6 +341,7 @@ class _EventLoop:
                     _stop_if_cancelled()  # nats-py may turn a cancellation inside fetch into a timeout
                     continue  # nothing new
                 except (ConnectionClosedError, ServiceUnavailableError, NoRespondersError):
+                    _stop_if_cancelled()
                     await asyncio.sleep(EVENT_FETCH_TIMEOUT_S)  # NATS is restarting: unacked events come again
                     continue
                 await self.apply_in_order(runtime, messages)
@@ -363,6 +364,7 @@ class _EventLoop:
                     config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL),
                 )
             except (NotFoundError, NatsTimeoutError, ServiceUnavailableError, NoRespondersError) as exc:
+                _stop_if_cancelled()
                 if not said:
                     runtime.log.warning(
                         "waiting for a stream to consume",
@@ -736,4 +738,27 @@ def run_service(bootstrap: Callable[[Settings], tuple[FastStream, Runtime]], *, 
     settings = load_settings()
     configure_logging(service=name, level=settings.log_level, fmt=settings.log_format)
     app, _runtime = bootstrap(settings)
-    asyncio.run(app.run())
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(app.run())
+    finally:
+        _close_loop(loop)
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """``asyncio.run``'s ending, bounded: a task that ignores its cancellation (a library that turns it into
+    a timeout and retries) cannot keep a stopped service's process alive."""
+    try:
+        pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=DRAIN_TIMEOUT_S))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(asyncio.wait_for(loop.shutdown_default_executor(), DRAIN_TIMEOUT_S))
+    except Exception:  # nothing left worth waiting for: the process ends
+        logging.getLogger("hetsched").debug("closing the event loop", exc_info=True)
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()

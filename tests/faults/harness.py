@@ -211,12 +211,21 @@ class FaultStack:
         return await asyncpg.connect(plain_url(self.database_url))
 
     async def ledger_events(self) -> list[dict[str, Any]]:
+        """The LEDGER stream read back. After a NATS node is killed the cluster may still be electing
+        leaders: a JetStream API call that times out is asked again (for up to a minute)."""
         assert self.nc is not None
-        return await read_all(
-            self.nc.jetstream(),
-            stream=stream_name(Context.LEDGER, stream_prefix=self.servers.stream_prefix),
-            subject=f"{self.servers.subject_prefix}.events.ledger.>",
-        )
+        for attempt in range(12):
+            try:
+                return await read_all(
+                    self.nc.jetstream(),
+                    stream=stream_name(Context.LEDGER, stream_prefix=self.servers.stream_prefix),
+                    subject=f"{self.servers.subject_prefix}.events.ledger.>",
+                )
+            except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+                if attempt == 11:
+                    raise
+                await asyncio.sleep(5)
+        raise AssertionError("unreachable")
 
 
 def place_body(request_id: str) -> dict[str, Any]:
