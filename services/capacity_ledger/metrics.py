@@ -14,12 +14,10 @@ from collections.abc import Awaitable, Callable
 
 from services.capacity_ledger.store import MetricsFigures
 from shared.domain.fleet import AcceleratorId
-from shared.infra.metrics import GaugeSeries, ServiceMetrics
+from shared.infra.metrics import GaugeSeries, Labels, ServiceMetrics
 
 REFRESH_S = 5.0
 """How often the HBM and TP-group gauges are read again from the ledger's tables."""
-
-Labels = tuple[str, ...]
 
 
 def _is_gpu(accelerator_id: str) -> bool:

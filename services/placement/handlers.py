@@ -88,7 +88,8 @@ from shared.domain.placement.ownership import (
 )
 from shared.domain.placement.types import Decision, FleetSnapshot
 from shared.domain.placement.view import AssumeKey, Crossing, LedgerAccelerator, overlay
-from shared.domain.reservations import ReservationBook, plan_reclaim, vacate, withhold
+from shared.domain.placement.withhold import withhold
+from shared.domain.reservations import ReservationBook, plan_reclaim, vacate
 from shared.infra import deadline
 from shared.infra.clock import Clock, MonotonicMs
 from shared.infra.fleet_view import balance_to_domain, to_domain

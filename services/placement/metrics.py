@@ -23,8 +23,6 @@ from shared.infra.metrics import GaugeSeries, ServiceMetrics
 REFRESH_S = 5.0
 """How often the view's gauges are read again."""
 
-Labels = tuple[str, ...]
-
 
 @dataclass(frozen=True)
 class PlacementMetrics:

@@ -67,12 +67,13 @@ from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects, token
 from shared.contracts.topology import GpuTelemetryEvent, NodeProfileEvent, NodeStateEvent, TpuPodEvent
 from shared.domain.errors import ErrorCode
-from shared.domain.fleet import NodeProfile, tpu_chip_id
+from shared.domain.fleet import AcceleratorId, NodeProfile, tpu_chip_id
 from shared.domain.hardware import Sku
 from shared.domain.models import ModelSpec
 from shared.domain.placement import decide
 from shared.domain.placement.types import Decision, FleetSnapshot
 from shared.domain.placement.view import PcieSample, pcie_utilisation
+from shared.domain.placement.withhold import withhold
 from shared.domain.rebalance.detect import Rule, SustainedDetector, Transition
 from shared.domain.rebalance.plans import (
     Move,
@@ -89,8 +90,7 @@ from shared.domain.rebalance.plans import (
 from shared.domain.rebalance.plans import plan_of as make_plan
 from shared.domain.rebalance.plans import replace as replace_moves
 from shared.domain.rebalance.tpu_defrag import defragment
-from shared.domain.reservations import withhold
-from shared.domain.topology.tpu import TpuGrid, TpuSlice, TpuType, fragmentation, is_legal_shape
+from shared.domain.topology.tpu import TpuGrid, TpuSlice, TpuType, allocate, fragmentation, is_legal_shape
 from shared.infra.clock import Clock
 from shared.infra.fleet_view import SnapshotError, fetch_view
 from shared.infra.profiles import profile_from_payload
@@ -178,6 +178,7 @@ class RebalanceHandlers:
         self._requests: dict[str, PlaceRequest] = {}
         self._allocations: dict[str, store.Allocation] = {}
         self._holds: dict[str, set[str]] = {}  # replica -> its live KV holds
+        self._by_node: dict[str, set[str]] = {}  # node (or TPU pod) -> replica allocations on it
         self._profiles: dict[str, NodeProfile] = {}
         self._cliques: dict[str, list[frozenset[str]]] = {}
         self._pods: dict[str, TpuPodEvent] = {}
@@ -324,6 +325,9 @@ class RebalanceHandlers:
         gone = self._allocations.pop(payload.allocation_id, None)
         if gone is not None and gone.parent_id is not None:
             self._holds.get(gone.parent_id, set()).discard(gone.allocation_id)
+        if gone is not None:
+            for node in {AcceleratorId.parse(a).host for a in gone.bytes}:
+                self._by_node.get(node, set()).discard(gone.allocation_id)
 
     async def on_node_profiled(self, *, uow: UnitOfWork, event: EventEnvelope, payload: NodeProfileEvent) -> None:
         await store.put_node(session=uow.session, name=payload.node, body=payload.model_dump(mode="json"))
@@ -368,6 +372,9 @@ class RebalanceHandlers:
         self._allocations[allocation.allocation_id] = allocation
         if allocation.parent_id is not None:
             self._holds.setdefault(allocation.parent_id, set()).add(allocation.allocation_id)
+        if allocation.kind == "replica":  # the drift check reads a node's replicas on each of its samples
+            for node in {AcceleratorId.parse(a).host for a in allocation.bytes}:
+                self._by_node.setdefault(node, set()).add(allocation.allocation_id)
 
     def _profile(self, payload: NodeProfileEvent) -> None:
         try:
@@ -447,16 +454,13 @@ class RebalanceHandlers:
     def _drift(self, node: str, used: Mapping[str, int], at: datetime) -> list[Transition]:
         """Per replica allocation alone on its GPUs: |observed - reserved| / reserved (the brief's sidecar
         rule). GPUs shared by several allocations cannot say whose bytes they hold: left out."""
+        here = [self._allocations[a] for a in self._by_node.get(node, ()) if a in self._allocations]
         holders: dict[str, int] = {}
-        for allocation in self._allocations.values():
-            if allocation.kind != "replica":
-                continue
+        for allocation in here:
             for acc in allocation.bytes:
                 holders[acc] = holders.get(acc, 0) + 1
         out: list[Transition] = []
-        for allocation in self._allocations.values():
-            if allocation.kind != "replica" or not allocation.bytes:
-                continue
+        for allocation in here:
             mine = [a for a in allocation.bytes if a.startswith(f"{node}/")]
             if not mine or any(holders.get(a, 0) != 1 or a not in used for a in mine):
                 continue
@@ -536,7 +540,7 @@ class RebalanceHandlers:
         for replica in self._replicas.values():
             if replica.tpu_pod == name and replica.tpu_slice is not None:
                 try:
-                    grid = grid._with(replica.tpu_slice, 1)
+                    grid = allocate(grid, replica.tpu_slice)
                 except ValueError:
                     continue
                 slices[replica.allocation_id] = replica.tpu_slice
@@ -640,14 +644,10 @@ class RebalanceHandlers:
         cluster = f"{profile.region}/{profile.cluster}" if profile is not None else ""
         plan = Plan(plan_id, "throttle", cluster, node, what, uow.now, state="running" if on else "done")
         body = plan_view(plan).model_dump(mode="json")
+        await store.put_plan(session=uow.session, plan_id=plan_id, state=plan.state, body=body, now=uow.now)
         if on:
-            await store.save_plan(session=uow.session, plan_id=plan_id, state="running", body=body, now=uow.now)
-            existing = await store.plans(session=uow.session, states=("running",), limit=10_000)
-            if not any(PlanView.model_validate(b).plan_id == plan_id for b in existing):
-                await store.add_plan(session=uow.session, plan_id=plan_id, state="running", body=body, now=uow.now)
             self._throttled.add(node)
         else:
-            await store.save_plan(session=uow.session, plan_id=plan_id, state="done", body=body, now=uow.now)
             self._throttled.discard(node)
 
     def _consolidation(self, snapshot: FleetSnapshot, fired: list[Transition], now: datetime) -> list[Plan]:

@@ -96,6 +96,16 @@ async def add_plan(*, session: AsyncSession, plan_id: str, state: str, body: dic
     await session.execute(insert(PLANS).values(plan_id=plan_id, state=state, body=body, created_at=now, updated_at=now))
 
 
+async def put_plan(*, session: AsyncSession, plan_id: str, state: str, body: dict[str, Any], now: datetime) -> None:
+    """A plan whose id is fixed (a node's throttle): created the first time, its state replaced after."""
+    stmt = insert(PLANS).values(plan_id=plan_id, state=state, body=body, created_at=now, updated_at=now)
+    await session.execute(
+        stmt.on_conflict_do_update(
+            index_elements=[PLANS.c.plan_id], set_={"state": state, "body": body, "updated_at": now}
+        )
+    )
+
+
 async def save_plan(*, session: AsyncSession, plan_id: str, state: str, body: dict[str, Any], now: datetime) -> None:
     await session.execute(
         update(PLANS).where(PLANS.c.plan_id == plan_id).values(state=state, body=body, updated_at=now)

@@ -452,7 +452,7 @@ class ReservationHandlers:
         async def work(uow: UnitOfWork) -> list[Preemption]:
             pending: list[Preemption] = []
             due: list[str] = []
-            for reservation in await store.load_many(session=uow.session):
+            for reservation in await store.load_ticking(session=uow.session):
                 pending += [p for p in reservation.preemptions if not p.done]
                 if reservation.lends and any(b.until <= uow.now for b in reservation.backoff.values()):
                     due.append(reservation.id)

@@ -17,8 +17,6 @@ from shared.infra.metrics import GaugeSeries, ServiceMetrics
 METRICS_EVERY_S = 10.0
 """How often the figures are worked out again."""
 
-Labels = tuple[str, ...]
-
 
 @dataclass(frozen=True, slots=True)
 class FillFigures:

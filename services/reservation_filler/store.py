@@ -67,6 +67,19 @@ async def load_many(
     return [_reservation(body) for body in (await session.execute(stmt)).scalars()]
 
 
+async def load_ticking(*, session: AsyncSession) -> list[Reservation]:
+    """The active reservations the tick has something to do for: preemptions or backoff in their state
+    (most have neither, and are not read every second)."""
+    body = RESERVATIONS.c.body
+    stmt = (
+        select(body)
+        .where(RESERVATIONS.c.state == "active")
+        .where((func.jsonb_array_length(body["preemptions"]) > 0) | (func.jsonb_array_length(body["backoff"]) > 0))
+        .order_by(RESERVATIONS.c.reservation_id)
+    )
+    return [_reservation(b) for b in (await session.execute(stmt)).scalars()]
+
+
 async def reservations_on(
     *, session: AsyncSession, accelerators: Iterable[str], lock: bool = True
 ) -> list[Reservation]:

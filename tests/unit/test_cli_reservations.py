@@ -3,18 +3,14 @@ the right subject with the right body, and what is printed (no servers: the clie
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
-from typer.testing import CliRunner, Result
+from typer.testing import Result
 
-import hetsched.cli as cli
 from shared.contracts.base import ErrorBody, Rejected
 from shared.contracts.reservation import (
     PreemptionView,
@@ -29,31 +25,13 @@ from shared.contracts.reservation import (
     ReservationStatusView,
 )
 from shared.contracts.subjects import Rpc
+from tests.unit.cli_fake import FakeClient, run_cli
 
 T0 = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 
 
-class FakeClient:
-    """Stands in for ``RpcClient``: records every ``ask`` and answers ``reply``."""
-
-    def __init__(self, reply: BaseModel) -> None:
-        self.reply = reply
-        self.calls: list[tuple[Rpc, BaseModel, dict[str, Any]]] = []
-
-    async def ask(self, rpc: Rpc, request: BaseModel, reply: type[BaseModel], **options: Any) -> BaseModel:
-        self.calls.append((rpc, request, options))
-        return self.reply
-
-
 def _cli(monkeypatch: pytest.MonkeyPatch, reply: BaseModel, *args: str) -> tuple[Result, FakeClient]:
-    """Run `hetsched ARGS` with ``_with_rpc`` handing ``work`` a fake client."""
-    client = FakeClient(reply)
-
-    def with_rpc(_data_dir: Path | None, _what: str, work: Callable[[Any], Coroutine[Any, Any, Any]]) -> Any:
-        return asyncio.run(work(client))
-
-    monkeypatch.setattr(cli, "_with_rpc", with_rpc)
-    return CliRunner().invoke(cli.app, list(args)), client
+    return run_cli(monkeypatch, reply, *args)
 
 
 CREATED = ReservationCreateReply(

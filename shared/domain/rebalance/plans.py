@@ -23,7 +23,7 @@ from typing import Literal
 
 from shared.domain.fleet import cluster_key
 from shared.domain.placement.types import Decision, FleetSnapshot, PlacementRequest, apply
-from shared.domain.reservations.book import withhold
+from shared.domain.placement.withhold import withhold
 from shared.domain.topology.tpu import TpuSlice
 
 Decide = Callable[[FleetSnapshot, PlacementRequest], Decision]

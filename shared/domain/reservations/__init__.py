@@ -1,6 +1,6 @@
 """Reservations: hard, soft and spot; lending idle reserved accelerators; LIFO reclaim with backoff."""
 
-from shared.domain.reservations.book import ReclaimPlan, ReservationBook, Right, plan_reclaim, vacate, withhold
+from shared.domain.reservations.book import ReclaimPlan, ReservationBook, Right, plan_reclaim, vacate
 from shared.domain.reservations.model import (
     DEFAULT_BACKOFF_MAX_S,
     DEFAULT_BACKOFF_S,
@@ -60,5 +60,4 @@ __all__ = [
     "refresh",
     "usage",
     "vacate",
-    "withhold",
 ]

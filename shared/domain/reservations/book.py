@@ -13,11 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from shared.domain.fleet import AcceleratorId
 from shared.domain.placement.types import Decision, FleetSnapshot
 from shared.domain.reservations.model import Borrow, Preemption, Reservation
 from shared.domain.reservations.rules import lifo
-from shared.domain.topology.tpu import occupy
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,46 +108,6 @@ class ReservationBook:
             for b in (r.borrow(p.allocation_id),)
             if b is not None
         ]
-
-
-def withhold(snapshot: FleetSnapshot, accelerators: Iterable[str]) -> FleetSnapshot:
-    """``snapshot`` with these accelerators unusable by the decision at hand: GPUs unavailable, TPU chips
-    taken (what a tenant may not use, or what a replica being moved must leave). Ids the snapshot does
-    not know are ignored."""
-    capacity = dict(snapshot.capacity)
-    changed: set[str] = set()
-    chips: dict[str, list[tuple[int, ...]]] = {}
-    for acc in accelerators:
-        cap = capacity.get(acc)
-        if cap is not None:
-            if cap.available:
-                capacity[acc] = replace(cap, available=False)
-                changed.add(acc)
-            continue
-        try:
-            parsed = AcceleratorId.parse(acc)
-        except ValueError:
-            continue
-        if parsed.chip is not None and parsed.host in snapshot.tpu_pods:
-            chips.setdefault(parsed.host, []).append(parsed.chip)
-    pods = dict(snapshot.tpu_pods)
-    touched: set[str] = set()
-    for pod, coords in chips.items():
-        state = pods[pod]
-        try:
-            grid = occupy(state.grid, coords)
-        except ValueError:
-            continue
-        if grid is not state.grid:
-            pods[pod] = replace(state, grid=grid)
-            touched.add(pod)
-    if not changed and not touched:
-        return snapshot
-    return snapshot.evolve(
-        capacity=capacity if changed else None,
-        tpu_pods=pods if touched else None,
-        changed=(frozenset(changed), frozenset(), frozenset(touched)),
-    )
 
 
 def vacate(snapshot: FleetSnapshot, borrows: Iterable[Borrow]) -> FleetSnapshot:

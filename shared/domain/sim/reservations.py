@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from shared.domain.placement import Decision, FleetSnapshot, PlacementRequest
+from shared.domain.placement.withhold import withhold
 from shared.domain.reservations import (
     POLICIES,
     LendingPolicy,
@@ -54,7 +55,6 @@ from shared.domain.reservations import (
     reclaim,
     refresh,
     usage,
-    withhold,
 )
 
 EPOCH = datetime(2024, 1, 1, tzinfo=UTC)

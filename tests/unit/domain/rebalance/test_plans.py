@@ -12,6 +12,7 @@ import pytest
 
 from shared.domain.placement.decide import decide
 from shared.domain.placement.types import Decision, FleetSnapshot, PlacementRequest, apply
+from shared.domain.placement.withhold import withhold
 from shared.domain.rebalance.plans import (
     Move,
     Plan,
@@ -28,7 +29,6 @@ from shared.domain.rebalance.plans import (
     step_done,
     step_failed,
 )
-from shared.domain.reservations.book import withhold
 from shared.domain.sim.engine import release
 from shared.domain.topology import LinkMatrix, maximal_nvlink_cliques
 from tests.unit.placement.builders import NodeBuilder, node, request, snapshot

@@ -11,6 +11,7 @@ import pytest
 
 from shared.domain.placement import Decision, FleetSnapshot
 from shared.domain.placement.decide import decide
+from shared.domain.placement.withhold import withhold
 from shared.domain.reservations import (
     Borrow,
     LendingPolicy,
@@ -21,7 +22,6 @@ from shared.domain.reservations import (
     plan_reclaim,
     refresh,
     vacate,
-    withhold,
 )
 from tests.unit.placement.builders import node, request, snapshot
 

@@ -1,0 +1,39 @@
+"""Running a CLI command with no servers: ``_with_rpc`` hands the command's work a fake client that
+records every ``ask`` and answers one reply (the CLI tests of reservations and the rebalancer)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from typer.testing import CliRunner, Result
+
+import hetsched.cli as cli
+from shared.contracts.subjects import Rpc
+
+
+class FakeClient:
+    """Stands in for ``RpcClient``: records every ``ask`` and answers ``reply``."""
+
+    def __init__(self, reply: BaseModel) -> None:
+        self.reply = reply
+        self.calls: list[tuple[Rpc, BaseModel, dict[str, Any]]] = []
+
+    async def ask(self, rpc: Rpc, request: BaseModel, reply: type[BaseModel], **options: Any) -> BaseModel:
+        self.calls.append((rpc, request, options))
+        return self.reply
+
+
+def run_cli(monkeypatch: pytest.MonkeyPatch, reply: BaseModel, *args: str) -> tuple[Result, FakeClient]:
+    """Run `hetsched ARGS` with ``_with_rpc`` handing ``work`` a fake client."""
+    client = FakeClient(reply)
+
+    def with_rpc(_data_dir: Path | None, _what: str, work: Callable[[Any], Coroutine[Any, Any, Any]]) -> Any:
+        return asyncio.run(work(client))
+
+    monkeypatch.setattr(cli, "_with_rpc", with_rpc)
+    return CliRunner().invoke(cli.app, list(args)), client
