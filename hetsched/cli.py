@@ -752,14 +752,31 @@ def console_page(
 ) -> None:
     """Operators: a live web page of the fleet (per-GPU HBM, NVLink domains, TPU pods with their slices),
     reservations and fill rate, recent placements with their explanations, and the rebalancer; it polls
-    every second. Read-only; connects to NATS as the other commands do. Ctrl-C stops it."""
+    every second. Read-only; connects to NATS as the other commands do. Ctrl-C stops it.
+
+    It answers only with its token (printed at start in a URL that logs the browser in, or
+    HETSCHED_CONSOLE_TOKEN) and only to the Host names of HETSCHED_CONSOLE_ALLOWED_HOSTS (loopback)."""
+    import secrets
+
     from hetsched.console.server import run_console
+    from shared.infra.httpserver import Limits
 
     settings = _settings(data_dir)
     nats_url, _db, prefix = _endpoints(settings)
+    # An empty HETSCHED_CONSOLE_TOKEN (a compose file's blank) counts as unset.
+    configured = (settings.console_token.get_secret_value() if settings.console_token is not None else "") or None
+    if configured is not None and len(configured) < 16:
+        err.print("[red]console: HETSCHED_CONSOLE_TOKEN must be at least 16 characters[/red]")
+        raise typer.Exit(2)
+    token = configured or secrets.token_urlsafe(32)
 
     def announce(url: str) -> None:
         print(f"hetsched console at {url}", flush=True)
+        if configured is None:  # printed once: the URL logs the browser in (an HttpOnly cookie)
+            hint = "a new token at each start; HETSCHED_CONSOLE_TOKEN sets one"
+            print(f"open {url}login?token={token}  ({hint})", flush=True)
+        else:
+            print(f"log in at {url}login with the token of HETSCHED_CONSOLE_TOKEN", flush=True)
 
     try:
         asyncio.run(
@@ -771,6 +788,11 @@ def console_page(
                 port=port,
                 timeout_s=settings.request_timeout_ms / 1000,
                 connect_options=operator_options(settings),
+                token=token,
+                allowed_hosts=settings.console_allowed_hosts,
+                limits=Limits(
+                    max_connections=settings.console_max_connections, read_timeout_s=settings.console_read_timeout_s
+                ),
                 announce=announce,
             )
         )

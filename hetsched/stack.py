@@ -29,7 +29,6 @@ from services.registry import SERVICES, module_of
 from shared.contracts.base import Rejected
 from shared.contracts.health import HealthReply, HealthRequest
 from shared.contracts.permissions import Permissions, inbox_prefix, service_identity, service_permissions
-from shared.contracts.streams import stream_specs
 from shared.contracts.subjects import Subjects
 from shared.infra.bus import ensure_streams
 from shared.infra.catalog import demo_fleet_path
@@ -43,6 +42,7 @@ from shared.infra.identity import (
     write_auth_conf,
 )
 from shared.infra.migrate import upgrade
+from shared.infra.retention import stream_specs_for
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.service import grant_of
 from shared.infra.settings import Settings, nats_servers
@@ -185,11 +185,11 @@ def write_identities(settings: Settings) -> Identities:
 def service_permission_map(settings: Settings) -> dict[str, Permissions]:
     """Each service's NATS permissions under ``settings``, by service name (what auth.conf grants)."""
     subjects = Subjects(settings.subject_prefix)
+    grants = [grant_of(definition, settings) for definition in SERVICES.values()]
+    # Each service's consumers are its own: the others' durables are denied to it by name.
     return {
-        definition.name: service_permissions(
-            grant_of(definition, settings), subjects, stream_prefix=settings.stream_prefix
-        )
-        for definition in SERVICES.values()
+        grant.name: service_permissions(grant, subjects, others=grants, stream_prefix=settings.stream_prefix)
+        for grant in grants
     }
 
 
@@ -300,16 +300,8 @@ class Stack:
         async def create() -> None:
             nc = await nats.connect(nats_servers(self.nats_url), name="hetsched-up", **self.nats_options())
             try:
-                await ensure_streams(
-                    nc.jetstream(),
-                    stream_specs(
-                        subjects=Subjects(self.settings.subject_prefix),
-                        stream_prefix=self.settings.stream_prefix,
-                        duplicate_window_s=self.settings.stream_duplicate_window_s,
-                        telemetry_max_age_s=self.settings.telemetry_max_age_s,
-                        replicas=self.settings.stream_replicas,
-                    ),
-                )
+                # As the operator: with the limits of the settings, DEADLETTER's included (no service may update it).
+                await ensure_streams(nc.jetstream(), stream_specs_for(self.settings))
             finally:
                 await nc.drain()
 

@@ -1,6 +1,7 @@
-"""`hetsched console`: a read-only web page for operators, served with the standard library (asyncio streams
-and a tiny HTTP/1.1 handler). ``GET /`` and the static files come from this package; ``GET /api/state`` asks
-the services (``state.collect``) and adds the recent placements the PLACEMENT feed keeps."""
+"""`hetsched console`: a read-only web page for operators, served by ``shared.infra.httpserver`` (asyncio
+streams, a read timeout and a cap on connections). ``GET /`` and the static files come from this package;
+``GET /api/state`` asks the services (``state.collect``) and adds the recent placements the PLACEMENT feed
+keeps. Every route but the login page needs the console's token and an allowed Host (``access``)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ import json
 import logging
 import signal
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
+from urllib.parse import parse_qs
 
+from hetsched.console import access
 from hetsched.console.feed import PlacementFeed
 from hetsched.console.state import collect
+from shared.infra.httpserver import HttpServer, Limits, Request, Response
 
 log = logging.getLogger("hetsched.console")
 
@@ -25,9 +30,20 @@ STATIC = {
     "/console.js": ("console.js", "text/javascript; charset=utf-8"),
     "/console.css": ("console.css", "text/css; charset=utf-8"),
 }
-REQUEST_MAX_BYTES = 16 * 1024  # a GET with its headers; anything longer is refused
-READ_TIMEOUT_S = 10.0
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
+PAGES = {"/", "/index.html"}  # a browser asking for these without a session gets the login page
+LOGIN = "/login"
+HTML = "text/html; charset=utf-8"
+COMMON_HEADERS = (
+    ("Cache-Control", "no-store"),
+    ("X-Content-Type-Options", "nosniff"),
+    # Everything the page loads comes from this server: no CDN, no inline script; no framing.
+    (
+        "Content-Security-Policy",
+        "default-src 'self'; img-src 'self' data:; style-src 'self'; frame-ancestors 'none'; form-action 'self'",
+    ),
+    ("Referrer-Policy", "no-referrer"),  # the login URL carries the token
+)
+LOGIN_BODY_MAX_BYTES = 4096  # the login form's body; no other route reads one
 
 
 def static_file(name: str) -> bytes:
@@ -49,81 +65,76 @@ class StateSource:
         return await asyncio.shield(self._running)
 
 
-def _response(status: int, body: bytes, content_type: str, *, head: bool = False) -> bytes:
-    headers = [
-        f"HTTP/1.1 {status} {REASONS.get(status, '')}",
-        f"Content-Type: {content_type}",
-        f"Content-Length: {len(body)}",
-        "Cache-Control: no-store",
-        "X-Content-Type-Options: nosniff",
-        # Everything the page loads comes from this server: no CDN, no inline script.
-        "Content-Security-Policy: default-src 'self'; img-src 'self' data:; style-src 'self'",
-        "Connection: close",
-    ]
-    return ("\r\n".join(headers) + "\r\n\r\n").encode() + (b"" if head else body)
-
-
-async def _route(method: str, path: str, state: StateSource) -> bytes:
-    head = method == "HEAD"
-    if method not in ("GET", "HEAD"):
-        return _response(405, b"GET only\n", "text/plain; charset=utf-8")
-    path = path.split("?", 1)[0]
-    if path == "/api/state":
+async def _route(request: Request, state: StateSource) -> Response:
+    if request.method not in ("GET", "HEAD"):
+        return Response(405, b"GET only\n")
+    if request.path == "/api/state":
         try:
             document = await state.get()
         except Exception as exc:  # the page shows it and polls again
             log.warning("console: state failed", exc_info=True)
-            body = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
-            return _response(500, body, "application/json", head=head)
-        return _response(200, json.dumps(document).encode(), "application/json", head=head)
-    if path in STATIC:
-        name, content_type = STATIC[path]
-        return _response(200, static_file(name), content_type, head=head)
-    return _response(404, b"not found\n", "text/plain; charset=utf-8", head=head)
+            return Response(500, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode(), "application/json")
+        return Response(200, json.dumps(document).encode(), "application/json")
+    if request.path in STATIC:
+        name, content_type = STATIC[request.path]
+        return Response(200, static_file(name), content_type)
+    return Response(404, b"not found\n")
 
 
 class ConsoleServer:
-    """The HTTP server: the page's files and its state."""
+    """The HTTP server: the page's files and its state, to requests that name an allowed Host and carry the
+    token (``hetsched.console.access``); a request failing either check gets no data. The static login page
+    (``/login``) is the one route served without the token: it sets the session cookie."""
 
-    def __init__(self, state: StateSource) -> None:
+    def __init__(self, state: StateSource, *, token: str, allowed_hosts: str, limits: Limits) -> None:
         self.state = state
-        self._server: asyncio.Server | None = None
+        self._token = token
+        self._names = allowed_hosts
+        self._limits = replace(limits, max_body_bytes=LOGIN_BODY_MAX_BYTES)
+        self._http: HttpServer | None = None
+        self._allowed: frozenset[str] = frozenset()
+        self._cookie = ""
 
     async def start(self, host: str, port: int) -> str:
         """Listen; the URL it serves (the port the system chose when ``port`` is 0)."""
-
-        async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await _serve_one(reader, writer, self.state)
-
-        self._server = await asyncio.start_server(on_connection, host, port, limit=REQUEST_MAX_BYTES)
-        bound = self._server.sockets[0].getsockname()
-        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-        return f"http://{shown}:{bound[1]}/"
+        self._http = HttpServer(self._answer, self._limits, common=COMMON_HEADERS)
+        bound_host, bound_port = await self._http.start(host, port)
+        self._allowed = access.allowed_hosts(self._names, port=bound_port, bound=host)
+        self._cookie = access.cookie_name(bound_port)
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        return f"http://{shown}:{bound_port}/"
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        if self._http is not None:
+            await self._http.close()
 
+    async def _answer(self, request: Request) -> Response:
+        # The Host first: a rebound DNS name learns nothing, not even whether it holds a token.
+        if not access.host_allowed(request.headers.get("host"), self._allowed):
+            return Response(421, b"misdirected request: this Host is not served here\n")
+        if request.path == LOGIN:
+            return self._login(request)
+        if not access.authorised(request.headers, token=self._token, cookie=self._cookie):
+            challenge = (("WWW-Authenticate", "Bearer"),)
+            if request.path in PAGES:
+                return Response(401, static_file("login.html"), HTML, challenge)
+            return Response(401, b'{"error": "unauthorized: log in at /login"}', "application/json", challenge)
+        return await _route(request, self.state)
 
-async def _serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: StateSource) -> None:
-    try:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-            return
-        parts = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            writer.write(_response(400, b"bad request\n", "text/plain; charset=utf-8"))
+    def _login(self, request: Request) -> Response:
+        if request.method == "POST":
+            given = parse_qs(request.body.decode("utf-8", "replace")).get("token", [""])[0]
+        elif request.method in ("GET", "HEAD"):
+            asked = request.query.get("token")
+            if not asked:
+                return Response(200, static_file("login.html"), HTML)
+            given = asked[0]
         else:
-            writer.write(await _route(parts[0], parts[1], state))
-        await writer.drain()
-    except ConnectionError:
-        pass
-    finally:
-        writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
+            return Response(405, b"GET or POST only\n")
+        if not access.token_matches(given, self._token):
+            return Response(401, static_file("login.html"), HTML, (("WWW-Authenticate", "Bearer"),))
+        session = f"{self._cookie}={access.session_value(self._token)}; HttpOnly; SameSite=Strict; Path=/"
+        return Response(303, b"", headers=(("Location", "/"), ("Set-Cookie", session)))
 
 
 async def run_console(
@@ -135,6 +146,9 @@ async def run_console(
     port: int,
     timeout_s: float,
     connect_options: dict[str, Any],
+    token: str,
+    allowed_hosts: str,
+    limits: Limits,
     announce: Callable[[str], None],
 ) -> None:
     """Connect to NATS as the operator, follow the PLACEMENT stream, serve until SIGINT or SIGTERM."""
@@ -166,7 +180,7 @@ async def run_console(
         document["nats_url"] = nats_url
         return document
 
-    server = ConsoleServer(StateSource(produce))
+    server = ConsoleServer(StateSource(produce), token=token, allowed_hosts=allowed_hosts, limits=limits)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -34,6 +34,7 @@ from shared.contracts.ledger import (
     LedgerRenewRequest,
     SnapshotReply,
     SnapshotRequest,
+    no_allocation,
 )
 from shared.contracts.subjects import Context
 from shared.contracts.topology import GpuTelemetryEvent, NodeProfileEvent, NodeStateEvent, TpuPodEvent
@@ -114,6 +115,7 @@ class Store(Protocol):
     async def upsert_capacity(
         self, *, session: AsyncSession, node: str, accelerators: Sequence[store.AcceleratorSpec]
     ) -> dict[str, AcceleratorCapacity]: ...
+    async def held_above_reported(self, *, session: AsyncSession, ids: Sequence[str]) -> dict[str, tuple[int, int]]: ...
     async def set_node_available(
         self, *, session: AsyncSession, node: str, available: bool
     ) -> store.NodeAvailability: ...
@@ -278,10 +280,8 @@ class LedgerHandlers:
 
     async def release(self, request: LedgerReleaseRequest) -> BaseModel:
         access = await self._end(request.allocation_id, tenant=request.tenant, state=AllocationState.RELEASED)
-        if access is Access.NOT_FOUND:
-            return rejected(ErrorCode.NOT_FOUND, f"no allocation {request.allocation_id!r}")
-        if access is Access.FORBIDDEN:
-            return rejected(ErrorCode.FORBIDDEN, "the allocation belongs to another tenant")
+        if access in (Access.NOT_FOUND, Access.FORBIDDEN):  # alike: an id must not tell whether it exists
+            return no_allocation(request.allocation_id)
         return LedgerReleaseReply(status="released", already=access is Access.ENDED)
 
     async def renew(self, request: LedgerRenewRequest) -> BaseModel:
@@ -300,10 +300,8 @@ class LedgerHandlers:
             return access
 
         access = await self._uow.run(work)
-        if access is Access.NOT_FOUND:
-            return rejected(ErrorCode.NOT_FOUND, f"no allocation {request.allocation_id!r}")
-        if access is Access.FORBIDDEN:
-            return rejected(ErrorCode.FORBIDDEN, "the allocation belongs to another tenant")
+        if access in (Access.NOT_FOUND, Access.FORBIDDEN):  # alike: an id must not tell whether it exists
+            return no_allocation(request.allocation_id)
         if access is Access.ENDED:
             return rejected(ErrorCode.CONFLICT, "the allocation was released or has expired")
         return LedgerRenewReply(status="renewed", lease_expires_at=end)
@@ -437,7 +435,25 @@ class LedgerHandlers:
             for a in payload.profile.accelerators
         ]
         view = await self._store.upsert_capacity(session=uow.session, node=payload.node, accelerators=accelerators)
+        await self._held_above_reported(uow, node=payload.node, ids=[a.id for a in accelerators])
         self._capacity_changed(uow, event, node=payload.node, reason="profiled", view=view.values())
+
+    async def _held_above_reported(self, uow: UnitOfWork, *, node: str, ids: list[str]) -> None:
+        """A device reported smaller than what is reserved on it keeps its reservations: the database holds
+        its usable HBM at what is reserved (nothing new fits) and lets it shrink with each release, down to
+        the new figure (migration 0015, docs/LEDGER.md). Said once per report, with the figures."""
+        held = await self._store.held_above_reported(session=uow.session, ids=ids)
+        for accelerator_id, (usable, reported) in held.items():
+            self._log.warning(
+                "an accelerator reports less HBM than is reserved on it; it takes nothing new until releases "
+                "bring it down to the new figure",
+                extra={
+                    "node": node,
+                    "accelerator_id": accelerator_id,
+                    "usable_bytes": usable,
+                    "reported_bytes": reported,
+                },
+            )
 
     async def on_node_changed(self, *, uow: UnitOfWork, event: EventEnvelope, payload: NodeProfileEvent) -> None:
         """A re-profiled node resizes its accelerators; what is reserved on them stays."""
@@ -448,6 +464,7 @@ class LedgerHandlers:
         pod = TpuPod(name=payload.pod, region=payload.region, type=TpuType(payload.type), shape=tuple(payload.shape))
         accelerators = [self._spec(chip, payload.sku, payload.hbm_per_chip) for chip in tpu_chip_ids(pod)]
         view = await self._store.upsert_capacity(session=uow.session, node=pod.name, accelerators=accelerators)
+        await self._held_above_reported(uow, node=pod.name, ids=[a.id for a in accelerators])
         self._capacity_changed(uow, event, node=pod.name, reason="profiled", view=view.values())
 
     async def on_node_lost(self, *, uow: UnitOfWork, event: EventEnvelope, payload: NodeStateEvent) -> None:

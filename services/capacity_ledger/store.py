@@ -48,7 +48,8 @@ class NewAllocation:
 
 @dataclass(frozen=True, slots=True)
 class AcceleratorSpec:
-    """An accelerator as topology reports it, with the usable bytes the ledger allows on it."""
+    """An accelerator as topology reports it, with the usable bytes the ledger allows on it (``usable``: what
+    the code expects; the database sets the column itself from total x ceiling, migration 0015)."""
 
     id: str
     sku: str
@@ -509,12 +510,13 @@ async def upsert_capacity(
     if accelerators:
         await session.execute(
             text(
-                # No `reserved`: only the shares trigger writes it (migration 0009), a new row starts at 0.
+                # No `reserved`: only the shares trigger writes it (migration 0009), a new row starts at 0. No
+                # `hbm_usable`: the capacity trigger sets it from total x ceiling, never below `reserved` (0015).
                 # A cluster the event does not carry (a TPU pod's) keeps the one known.
-                "INSERT INTO ledger.accelerators (id, node, sku, hbm_total, ceiling, hbm_usable, available, cluster) "
-                "VALUES (:id, :node, :sku, :total, :ceiling, :usable, true, :cluster) "
+                "INSERT INTO ledger.accelerators (id, node, sku, hbm_total, ceiling, available, cluster) "
+                "VALUES (:id, :node, :sku, :total, :ceiling, true, :cluster) "
                 "ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node, sku = EXCLUDED.sku, "
-                "hbm_total = EXCLUDED.hbm_total, ceiling = EXCLUDED.ceiling, hbm_usable = EXCLUDED.hbm_usable, "
+                "hbm_total = EXCLUDED.hbm_total, ceiling = EXCLUDED.ceiling, "
                 "cluster = COALESCE(EXCLUDED.cluster, ledger.accelerators.cluster), updated_at = now()"
             ),
             [
@@ -524,13 +526,27 @@ async def upsert_capacity(
                     "sku": a.sku,
                     "total": a.hbm_total,
                     "ceiling": a.ceiling,
-                    "usable": a.usable,
                     "cluster": a.cluster,
                 }
                 for a in sorted(accelerators, key=lambda a: a.id)
             ],
         )
     return await lock_accelerators(session=session, ids=ids)
+
+
+async def held_above_reported(*, session: AsyncSession, ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """Accelerators whose usable HBM the capacity trigger holds above total x ceiling because more than that
+    is reserved on them (a device reported smaller under live allocations): id -> (usable, what the report
+    gives)."""
+    rows = await session.execute(
+        text(
+            "SELECT id, hbm_usable, reported FROM (SELECT id, hbm_usable, "
+            "CAST(floor(hbm_total * round(CAST(ceiling AS numeric), 6)) AS bigint) AS reported "
+            "FROM ledger.accelerators WHERE id = ANY(:ids)) AS a WHERE hbm_usable > reported ORDER BY id"
+        ),
+        {"ids": list(ids)},
+    )
+    return {r.id: (r.hbm_usable, r.reported) for r in rows}
 
 
 async def set_node_available(*, session: AsyncSession, node: str, available: bool) -> NodeAvailability:

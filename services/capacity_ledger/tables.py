@@ -5,6 +5,8 @@ The invariant lives in the database (migration 0003): a trigger on `shares` keep
 push it over `hbm_usable` (or onto an unavailable accelerator); `journal` refuses UPDATE and DELETE.
 Migration 0010 adds exclusivity: another trigger on `shares` refuses a replica's share on an
 accelerator that a replica it may not sit with holds (an exclusive one, or any when it is exclusive).
+Migration 0015 makes `hbm_usable` the database's: a trigger on `accelerators` sets it from `hbm_total` and
+`ceiling` (never below `reserved`), whatever a statement wrote.
 """
 
 from __future__ import annotations
@@ -35,13 +37,20 @@ SCHEMA = "ledger"
 
 class LedgerAccelerator(SQLModel, table=True):
     __tablename__ = "accelerators"
-    __table_args__ = (CheckConstraint("reserved >= 0", name="reserved_not_negative"), {"schema": SCHEMA})
+    __table_args__ = (
+        CheckConstraint("reserved >= 0", name="reserved_not_negative"),
+        CheckConstraint("ceiling > 0 AND ceiling <= 1", name="accelerators_ceiling"),
+        CheckConstraint("hbm_total >= 0", name="accelerators_hbm_total"),
+        {"schema": SCHEMA},
+    )
 
     id: str = Field(sa_column=Column(Text, primary_key=True))
     node: str = Field(sa_column=Column(Text, nullable=False, index=True))
     sku: str = Field(sa_column=Column(Text, nullable=False))
     hbm_total: int = Field(sa_column=Column(BigInteger, nullable=False))
     ceiling: float = Field(sa_column=Column(Float, nullable=False))
+    # Written by the `capacity_apply` trigger alone (migration 0015): floor(hbm_total x ceiling), never below
+    # `reserved`; the ledger role may not write it.
     hbm_usable: int = Field(sa_column=Column(BigInteger, nullable=False))
     reserved: int = Field(sa_column=Column(BigInteger, nullable=False, server_default=text("0")))
     available: bool = Field(sa_column=Column(Boolean, nullable=False, server_default=text("true")))

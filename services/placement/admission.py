@@ -12,7 +12,8 @@ selection's order. Nothing fits now: ``queued`` with a position; the request wai
 (``HETSCHED_ADMIT_QUEUE_TTL_S``) and is admitted as capacity frees; asking again with the same request id
 answers its state. No replica can serve it at all (none healthy, none fresh, the context too long):
 ``no_capacity``. ``failed_replica_id`` takes a replica that just failed the request out of rotation
-until its engine reports again, and the request fails over past it.
+until its engine reports again, and the request fails over past it; only a tenant holding an admission on
+that replica is heard (the reply says when it was ignored: ``failed_replica_ignored``).
 
 Holds are committed under the replica owner's tenant (the ledger keeps a replica's pool to its owner);
 the requesting tenant is in the hold's ledger request id (``admit/<tenant>/<request id>``), and only it
@@ -41,6 +42,7 @@ from shared.contracts.ledger import (
     LedgerReleaseReply,
     LedgerReleaseRequest,
     ShareIn,
+    no_allocation,
 )
 from shared.contracts.placement import AdmitReply, AdmitRequest, PlaceReply, ReleaseReply
 from shared.contracts.subjects import Rpc
@@ -65,6 +67,7 @@ DRAIN_PERIOD_S = 0.1
 """How often the fair queue is retried while it holds requests (besides on every release and report)."""
 DONE_KEPT = 50_000
 """Answers kept for requests admitted from the queue (or already answered) for a repeat of the request id."""
+_IGNORED = "; failed_replica_id ignored: this tenant holds no admission on that replica"
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ def parse_weights(text: str) -> dict[str, float]:
 class _Waiting:
     request: AdmitRequest
     models: tuple[str, ...]  # the model, or its group's members
+    failure_ignored: bool | None = None  # its failed_replica_id was not heard (None: it named none)
 
 
 def parse_kv_shares(text: str) -> dict[Engine, float] | None:
@@ -177,24 +181,28 @@ class AdmissionHandlers:
         if done is not None:
             return done
         now_ms = self._timer()
-        if request.failed_replica_id is not None:
-            self._book.failed(request.failed_replica_id, now_ms=now_ms)
+        ignored: bool | None = None
+        if request.failed_replica_id is not None:  # heard only from a tenant with an admission on it
+            ignored = not self._book.failed(request.failed_replica_id, tenant=request.tenant, now_ms=now_ms)
         if key in self._queue:
-            return self._queued(key, "still waiting for capacity")
+            return self._queued(key, "still waiting for capacity", ignored)
         selection = self._select(request, names, now_ms)
+        waiting = _Waiting(request, names, ignored)
         if not selection.order:
             if not self._could_fit(selection):
-                return self._no_capacity(request, selection)
-            return self._enqueue(key, request, names, now_ms, "every replica is full")
-        self._queue.offer(key, _Waiting(request, names), tenant=request.tenant, now_ms=now_ms)
+                return self._no_capacity(request, selection, ignored)
+            return self._enqueue(key, waiting, now_ms, "every replica is full")
+        self._queue.offer(key, waiting, tenant=request.tenant, now_ms=now_ms)
         if len(self._queue) > 1:  # others wait: it takes its turn in the fair order (in-profile tenants first)
             await self.drain()
             done = self._done.get(key)
-            return done if done is not None else self._queued(key, "waiting its turn (fair queueing between tenants)")
+            if done is not None:
+                return done
+            return self._queued(key, "waiting its turn (fair queueing between tenants)", ignored)
         self._queue.pop(now_ms)  # alone: served at once, charged to its tenant's share and bucket
-        reply = await self._hold(request, selection)
+        reply = await self._hold(waiting, selection)
         if reply is None:  # every replica refused the hold: wait for one to free
-            return self._enqueue(key, request, names, now_ms, "every replica's KV pool is full")
+            return self._enqueue(key, waiting, now_ms, "every replica's KV pool is full")
         return reply
 
     def _select(self, request: AdmitRequest, names: tuple[str, ...], now_ms: float) -> Selection:
@@ -216,23 +224,31 @@ class AdmissionHandlers:
         """Whether waiting can help: some replica is healthy and fresh but busy (queue or KV full)."""
         return any(why in ("queue_full", "kv_full") for why in selection.excluded.values())
 
-    def _no_capacity(self, request: AdmitRequest, selection: Selection) -> Rejected:
+    def _no_capacity(self, request: AdmitRequest, selection: Selection, ignored: bool | None) -> Rejected:
+        details = {} if ignored is None else {"failed_replica_ignored": ignored}
+        note = _IGNORED if ignored else ""
         if not selection.excluded:
             where = f" in {request.region}" if request.region else ""
-            return rejected(ErrorCode.NO_CAPACITY, f"no replica serves {request.model}{where}")
+            return rejected(ErrorCode.NO_CAPACITY, f"no replica serves {request.model}{where}{note}", **details)
         why = ", ".join(f"{replica}: {reason}" for replica, reason in sorted(selection.excluded.items())[:8])
-        return rejected(ErrorCode.NO_CAPACITY, f"no replica can take it ({why})")
+        return rejected(ErrorCode.NO_CAPACITY, f"no replica can take it ({why}){note}", **details)
 
-    def _enqueue(self, key: str, request: AdmitRequest, names: tuple[str, ...], now_ms: float, why: str) -> AdmitReply:
-        self._queue.offer(key, _Waiting(request, names), tenant=request.tenant, now_ms=now_ms)
+    def _enqueue(self, key: str, waiting: _Waiting, now_ms: float, why: str) -> AdmitReply:
+        self._queue.offer(key, waiting, tenant=waiting.request.tenant, now_ms=now_ms)
         self._wake.set()
-        return self._queued(key, why)
+        return self._queued(key, why, waiting.failure_ignored)
 
-    def _queued(self, key: str, why: str) -> AdmitReply:
-        return AdmitReply(status="queued", queue_position=self._queue.position(key), explanation=why)
+    def _queued(self, key: str, why: str, ignored: bool | None) -> AdmitReply:
+        return AdmitReply(
+            status="queued",
+            queue_position=self._queue.position(key),
+            explanation=why + (_IGNORED if ignored else ""),
+            failed_replica_ignored=ignored,
+        )
 
-    async def _hold(self, request: AdmitRequest, selection: Selection) -> AdmitReply | None:
+    async def _hold(self, waiting: _Waiting, selection: Selection) -> AdmitReply | None:
         """Hold the request's KV in the first replica of the order that takes it; None when none does."""
+        request = waiting.request
         for index, candidate in enumerate(selection.order):
             replica = self._book.replicas.get(candidate.replica.replica_id)
             if replica is None:
@@ -255,7 +271,7 @@ class AdmissionHandlers:
                 grant=granted if isinstance(granted, Grant) else None,
             )
             self._book.held(hold, counted=True)
-            return self._admitted(request, replica, candidate, selection, committed, index)
+            return self._admitted(waiting, replica, candidate, selection, committed, index)
         return None
 
     async def _commit(
@@ -277,16 +293,19 @@ class AdmissionHandlers:
 
     def _admitted(
         self,
-        request: AdmitRequest,
+        waiting: _Waiting,
         replica: Replica,
         candidate: Candidate,
         selection: Selection,
         committed: CommitReply,
         index: int,
     ) -> AdmitReply:
+        request = waiting.request
         explanation = selection.explanation
         if index:
             explanation += f"; {index} replica(s) before it refused the hold (KV pool full)"
+        if waiting.failure_ignored:
+            explanation += _IGNORED
         reply = AdmitReply(
             status="admitted",
             allocation_id=committed.allocation_id,
@@ -299,6 +318,7 @@ class AdmissionHandlers:
             lease_expires_at=committed.lease_expires_at,
             explanation=explanation,
             failover=[c.replica.replica_id for c in selection.order[index + 1 :]][:8],
+            failed_replica_ignored=waiting.failure_ignored,
         )
         self._remember(_key(request.tenant, request.request_id), reply)
         return reply
@@ -338,7 +358,7 @@ class AdmissionHandlers:
                     break
                 key, waiting = popped
                 selection = selections.pop(id(waiting), None) or self._select(waiting.request, waiting.models, now_ms)
-                reply = await self._hold(waiting.request, selection)
+                reply = await self._hold(waiting, selection)
                 if reply is None:
                     # Refused everywhere meanwhile: back in the queue (behind its tenant's others).
                     self._queue.offer(key, waiting, tenant=waiting.request.tenant, now_ms=now_ms)
@@ -430,12 +450,13 @@ class AdmissionHandlers:
 
     def owner_of_hold(self, allocation_id: str, tenant: str) -> str | Rejected | None:
         """The ledger tenant to release a hold under: None when it is not a hold this process knows;
-        ``forbidden`` when another tenant asks."""
+        when another tenant asks, the ledger's answer to an unknown allocation (``not_found``, the same
+        message: an id tells no one whether it exists)."""
         hold = self._book.holds.get(allocation_id)
         if hold is None:
             return None
         if hold.requester != tenant:
-            return rejected(ErrorCode.FORBIDDEN, "the admission belongs to another tenant")
+            return no_allocation(allocation_id)
         replica = self._book.replicas.get(hold.replica_id)
         return replica.owner if replica is not None else tenant
 

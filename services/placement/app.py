@@ -102,14 +102,22 @@ def wire(runtime: Runtime) -> Ctx:
         clock=runtime.clock,
         log=runtime.log,
         after_commit=_fault_after_commit(settings),
-        queueing=Queueing(timeout_s=settings.placement_queue_timeout_s, retry_s=settings.placement_queue_retry_s),
+        queueing=Queueing(
+            timeout_s=settings.placement_queue_timeout_s,
+            retry_s=settings.placement_queue_retry_s,
+            page=settings.placement_queue_page,
+        ),
+        quotas=settings.quotas(),
         admission=admission,
         reservations=readmodel.book,
         holds=readmodel.holds,
         throttled=lambda: readmodel.throttled,
+        # Read-your-writes: a placement waits until the reservations answered before it are in the book.
+        reservations_current=lambda timeout_s: readmodel.reservations_current(timeout_s=timeout_s),
     )
     readmodel.on_freed = handlers.wake_queue  # the view holds an event that may have freed capacity
     readmodel.on_reservation = handlers.wake_queue  # an offer or a reclaimed GPU may let a queued one fit
+    readmodel.on_allocation = handlers.on_view_allocation  # each tenant's placed GPUs (its quota)
     readmodel.on_engine_status = admission.on_engine_status
     readmodel.on_hold = admission.on_hold_event
     metrics = ViewMetrics(
@@ -130,7 +138,7 @@ SERVICE = ServiceDefinition(
         Route(Rpc.PLACEMENT_RENEW, RenewRequest, lambda ctx: ctx.handlers.renew),
         Route(Rpc.PLACEMENT_ADMIT, AdmitRequest, lambda ctx: ctx.admission.admit),
     ),
-    on_start=(lambda ctx: ctx.readmodel.start(), lambda ctx: ctx.admission.start()),
+    on_start=(lambda ctx: ctx.readmodel.start(), lambda ctx: ctx.admission.start(), lambda ctx: ctx.handlers.start()),
     on_stop=(lambda ctx: ctx.readmodel.stop(),),
     # What the ledger did to placement's allocations (committed / expired / released), durably: the
     # decisions learn that their allocation ended, and the reconciler finds those no decision owns.
@@ -166,6 +174,7 @@ SERVICE = ServiceDefinition(
         Rpc.FLEET_GET,
         Rpc.FLEET_DESCRIBE,
         Rpc.RESERVATION_RECLAIM,
+        Rpc.RESERVATION_HEALTH,  # health probes the filler after a reclaim it did not answer
     ),
     # Ordered readers of the view (readmodel.STREAMS): GPU telemetry for each node's PCIe utilisation.
     reads=(Context.TOPOLOGY, Context.LEDGER, Context.TELEMETRY, Context.RESERVATION, Context.REBALANCE),

@@ -16,12 +16,20 @@ the same allocation); a reused id with another body is ``conflict``.
 
 The queue: a request the domain refuses for capacity (``Decision.queueable``) that allows ``queue``
 is answered ``queued`` with its ``queue_position`` and kept in ``placement.queue`` (its intent
-``queued``); it reserves nothing. ``serve_queue`` retries the queue in arrival order (fleet-wide
-FIFO) whenever capacity frees (allocations released or expired, nodes back) and every
-``HETSCHED_PLACEMENT_QUEUE_RETRY_S``: each request that now fits is committed as any placement is,
-those that still do not fit keep their place (first fit in arrival order: a request that does not fit
-does not hold back a later one that does), and one past its ``queue_timeout_s`` is rejected
-``no_capacity`` ("queue timeout"). The same request id asked again answers its current state.
+``queued``); it reserves nothing. ``serve_queue`` retries the queue whenever capacity frees
+(allocations released or expired, nodes back) and every ``HETSCHED_PLACEMENT_QUEUE_RETRY_S``. A pass
+reads every queued request (keyset pages of ``HETSCHED_PLACEMENT_QUEUE_PAGE`` rows) and visits them
+round robin by tenant, each tenant's in arrival order (``shared.domain.placement.queue``): one past
+its ``queue_timeout_s`` is rejected ``no_capacity`` ("queue timeout"), each that now fits is
+committed as any placement is, those that still do not fit keep their place (a request that does not
+fit holds back neither a later one nor another tenant's), and a request of the same shape as one that
+did not fit earlier in the pass is not decided again. The same request id asked again answers its
+current state.
+
+Quotas (``shared.domain.quotas``): a tenant's placed accelerators (``gpus_placed``, counted in
+``Holdings`` from the placed decisions at start, the view's LEDGER feed and this process's commits
+in flight) and its queued requests (``queued_requests``, counted in the enqueue's transaction) are
+checked before anything is recorded; past one, ``quota_exceeded``.
 """
 
 from __future__ import annotations
@@ -30,12 +38,13 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Protocol
 
 from pydantic import BaseModel
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.placement.admission import AdmissionHandlers
 from services.placement.mapping import (
@@ -57,6 +66,7 @@ from shared.contracts.ledger import (
     AllocationEvent,
     CommitReply,
     CommitRequest,
+    LedgerEvent,
     LedgerReleaseReply,
     LedgerReleaseRequest,
     LedgerRenewReply,
@@ -86,9 +96,11 @@ from shared.domain.placement.ownership import (
     rule,
     stale_before,
 )
+from shared.domain.placement.queue import round_robin
 from shared.domain.placement.types import Decision, FleetSnapshot
 from shared.domain.placement.view import AssumeKey, Crossing, LedgerAccelerator, overlay
 from shared.domain.placement.withhold import withhold
+from shared.domain.quotas import Holdings, Quota, QuotaExceeded, Quotas, exceeded
 from shared.domain.reservations import ReservationBook, plan_reclaim, vacate
 from shared.infra import deadline
 from shared.infra.clock import Clock, MonotonicMs
@@ -103,12 +115,18 @@ RECLAIM_WAIT_S = 2.0
 RECLAIM_POLL_S = 0.005
 """How long, and how often, an owner's placement waits for its view to hear that the borrowers it had
 preempted (soft) are gone."""
+RECLAIM_TIMEOUT_S = 3.0
+"""How long an owner's placement waits for ``reservation.reclaim``: a live filler answers within its
+``ledger.preempt`` timeout (2 s); one that died mid-reclaim must not hold the owner's answer until the
+caller's deadline. Each wait of the reclaim path also takes at most half of what the deadline leaves."""
+RESERVATION_SYNC_S = 2.0
+"""How long a placement waits, at most, for its reservation view to reach the RESERVATION stream's end."""
 """Commits tried per placement: each conflict decides again on fresher figures."""
 WAIT_POLL_S = 0.05
 """How often a request waits for another process's attempt at the same request id to finish."""
 RECONCILE_BATCH = 500
-QUEUE_BATCH = 200
-"""Queued requests one pass of the queue looks at (the oldest first)."""
+QUEUE_YIELD_EVERY = 64
+"""A queue pass lets other work run after this many requests visited without an await."""
 
 
 class View(Protocol):
@@ -137,10 +155,12 @@ class Ownership:
 
 @dataclass(frozen=True, slots=True)
 class Queueing:
-    """How long a queued request waits by default, and how often the queue is retried without a wake."""
+    """How long a queued request waits by default, how often the queue is retried without a wake, and how
+    many queued rows one read of a pass takes (it reads them all, a page at a time)."""
 
     timeout_s: float = 600.0
     retry_s: float = 5.0
+    page: int = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +201,13 @@ def _too_late_to_commit(margin_s: float) -> Rejected:
     )
 
 
+def _share_of_deadline(seconds: float) -> float:
+    """``seconds``, or half of what the caller's deadline leaves if that is less: a wait on the way to an
+    answer leaves the rest for the answer."""
+    left = deadline.remaining_s()
+    return seconds if left is None else min(seconds, left / 2)
+
+
 def _caller_gone() -> Rejected:
     return rejected(ErrorCode.DEADLINE_EXCEEDED, "the caller's deadline passed before the commit; nothing was reserved")
 
@@ -214,12 +241,20 @@ class PlacementHandlers:
         holds: Callable[[str], bool] = lambda _allocation_id: False,
         throttled: Callable[[], set[str]] = set,
         metrics: PlacementMetrics | None = None,
+        reservations_current: Callable[[float], Awaitable[str | None]] | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
+        # Per-tenant quotas, and the accelerators each tenant's replicas hold (``gpus_placed``'s count).
+        self._quotas = quotas or Quotas()
+        self.holdings = Holdings()
         self._admission = admission
         # Reservations as the RESERVATION stream tells them (the read model's fold): what a tenant may not
         # use, and the borrowers an owner may reclaim from; ``holds``: does the view still count an allocation.
         self._reservations = reservations or ReservationBook()
         self._holds = holds
+        # Read-your-writes (docs/RESERVATIONS.md): waits, at most the seconds given, until the book holds
+        # every reservation event in the stream when it was called; None once it does, else why not.
+        self._reservations_current = reservations_current
         self._throttled_nodes = throttled  # nodes the rebalancer throttles (REBALANCE events)
         self._withheld: dict[tuple[str, bool], tuple[int, frozenset[str]]] = {}
         self._view = view
@@ -249,6 +284,9 @@ class PlacementHandlers:
     async def place(self, request: PlaceRequest) -> BaseModel:
         if deadline.expired():
             return _caller_gone()
+        unsure = await self._reservations_known()
+        if unsure is not None:
+            return unsure
         async with self.ids.hold((request.tenant, request.request_id)):
             body = body_hash(request)
             reclaiming = await self._reclaim(request)
@@ -279,6 +317,9 @@ class PlacementHandlers:
         explanation = ["dry run: nothing was reserved", *reply.explanation]
         if not decision.placed and decision.queueable and may_queue(request):
             explanation.append("placement.place would queue this request until capacity frees")
+        over = self._over_quota(request, held_bytes(snapshot, decision)) if decision.placed else None
+        if over is not None:
+            explanation.append(f"placement.place would refuse this request: {over.message}")
         return reply.model_copy(update={"explanation": explanation})
 
     async def release(self, request: ReleaseRequest) -> BaseModel:
@@ -309,6 +350,7 @@ class PlacementHandlers:
             )
 
         await self._uow.run_grouped(work)
+        self.holdings.end(request.allocation_id)
         if self._admission is not None:
             self._admission.on_allocation_ended(request.allocation_id)
         return ReleaseReply(status="released")
@@ -360,6 +402,7 @@ class PlacementHandlers:
                 PlacementReleasedEvent(allocation_id=payload.allocation_id, tenant=tenant, reason="expired"),
                 tenant=tenant,
             )
+        self.holdings.end(payload.allocation_id)
         if self._admission is not None:
             self._admission.on_allocation_ended(payload.allocation_id)
         self.wake_queue()
@@ -368,9 +411,61 @@ class PlacementHandlers:
         await self._store.mark_ended(
             session=uow.session, allocation_id=payload.allocation_id, status=DecisionStatus.RELEASED, now=uow.now
         )
+        self.holdings.end(payload.allocation_id)
         if self._admission is not None:
             self._admission.on_allocation_ended(payload.allocation_id)
         self.wake_queue()
+
+    # -- quotas ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Count what each tenant's replicas hold from the placed decisions (the view's LEDGER feed and
+        this process's commits keep the count from then on)."""
+        placed = await self._uow.read(lambda session: self._store.placed_allocations(session=session))
+        for allocation in placed:
+            self.holdings.add(allocation.allocation_id, allocation.tenant, allocation.accelerators)
+
+    def on_view_allocation(self, name: str, payload: AllocationEvent) -> None:
+        """A LEDGER allocation event the view applied (every placement process sees every one): a replica
+        placement committed counts for its tenant until it ends."""
+        if payload.kind != "replica" or placement_request_id(payload.request_id) is None:
+            return
+        if name == LedgerEvent.ALLOCATION_COMMITTED:
+            self.holdings.add(payload.allocation_id, payload.tenant, (s.accelerator_id for s in payload.shares))
+        elif name in (LedgerEvent.ALLOCATION_RELEASED, LedgerEvent.ALLOCATION_EXPIRED):
+            self.holdings.end(payload.allocation_id)
+
+    def _over_quota(self, request: PlaceRequest, held: Mapping[str, int]) -> QuotaExceeded | None:
+        """The tenant's ``gpus_placed`` quota, were it to hold ``held``'s accelerators as well."""
+        tenant = request.tenant
+        return exceeded(
+            self._quotas,
+            tenant,
+            Quota.GPUS_PLACED,
+            used=self.holdings.held(tenant),
+            asked=self.holdings.adds(tenant, held),
+        )
+
+    def _refuse(self, over: QuotaExceeded) -> Rejected:
+        """``quota_exceeded``, naming the quota, its limit and the use now."""
+        self._metrics.rejections.labels(ErrorCode.QUOTA_EXCEEDED).inc()
+        return rejected(ErrorCode.QUOTA_EXCEEDED, over.message, **over.details())
+
+    def _assume(
+        self, key: AssumeKey, held: Mapping[str, int], *, shared: bool = False, crossing: Crossing | None = None
+    ) -> int:
+        """The view assumes a commit in flight, and the tenant (``key[0]``) holds its accelerators meanwhile."""
+        token = self._view.assume(key, held, shared=shared, crossing=crossing)
+        self.holdings.hold(token, key[0], held)
+        return token
+
+    def _forget(self, token: int) -> None:
+        self._view.forget(token)
+        self.holdings.forget(token)
+
+    def _confirm(self, token: int, allocation_id: str) -> None:
+        self._view.confirm(token, allocation_id)
+        self.holdings.confirm(token, allocation_id)
 
     # -- the queue ---------------------------------------------------------------------------------
 
@@ -390,26 +485,55 @@ class PlacementHandlers:
                 self._log.exception("placement's queue pass failed; retrying")
 
     async def serve_queue_once(self) -> dict[str, str]:
-        """One pass, oldest first: time out what waited too long, place what fits now. The outcome per
-        request id (``placed``, ``queued``, ``timed_out``, ``rejected``, ``skipped``)."""
-        entries = await self._uow.read(lambda session: self._store.queued(session=session, limit=QUEUE_BATCH))
+        """One pass over every queued request, round robin by tenant (each tenant's oldest first): time
+        out what waited too long, place what fits now; a request shaped as one that did not fit earlier in
+        this pass is not decided again (capacity only shrinks within a pass: one freed meanwhile wakes the
+        next). The outcome per request id (``placed``, ``queued``, ``timed_out``, ``rejected``, ``skipped``)."""
+        entries = round_robin(await self._queued(), tenant=lambda entry: entry.tenant)
         outcomes: dict[str, str] = {}
-        for entry in entries:
+        unfit: set[str] = set()  # shapes that did not fit in this pass
+        for visited, entry in enumerate(entries, 1):
             async with self.ids.hold((entry.tenant, entry.request_id)):
                 if entry.deadline_at <= self._clock():
                     outcome = await self._time_out(entry)
+                elif (shape := entry.shape) in unfit:
+                    outcome = "queued"
                 else:
                     outcome = await self._serve(entry)
+                    if outcome == "queued":
+                        unfit.add(shape)
             outcomes[entry.request_id] = outcome
             if outcome == "timed_out":  # refused after all (one placed is counted where it is committed)
                 self._metrics.rejections.labels(ErrorCode.NO_CAPACITY).inc()
+            if visited % QUEUE_YIELD_EVERY == 0:
+                await asyncio.sleep(0)
         return outcomes
+
+    async def _queued(self) -> list[QueuedRequest]:
+        """Every queued request in arrival order, read a page at a time (keyset on ``seq``)."""
+        entries: list[QueuedRequest] = []
+        page = self._queueing.page
+        after: int | None = None
+        while True:
+
+            async def read(session: AsyncSession, after: int | None = after) -> list[QueuedRequest]:
+                return await self._store.queued(session=session, limit=page, after=after)
+
+            rows = await self._uow.read(read)
+            entries.extend(rows)
+            if len(rows) < page:
+                return entries
+            after = rows[-1].seq
 
     async def _serve(self, entry: QueuedRequest) -> str:
         request = entry.request
-        # A dry decision first: a request that still does not fit costs no writes.
-        decision, _elapsed_ms = self._decide(self._view.snapshot, request)
+        # A dry decision first: a request that still does not fit (or would take its tenant past its
+        # quota of placed GPUs: it waits for its own replicas to end, or its timeout) costs no writes.
+        snapshot = self._view.snapshot
+        decision, _elapsed_ms = self._decide(snapshot, request)
         if not decision.placed and decision.queueable:
+            return "queued"
+        if decision.placed and self._over_quota(request, held_bytes(snapshot, decision)) is not None:
             return "queued"
         body = body_hash(request)
         claim = await self._uow.run(lambda uow: self._claim(uow, request, body, dequeue=True))
@@ -493,7 +617,9 @@ class PlacementHandlers:
 
     async def _enqueue(self, request: PlaceRequest, claim: _Claimed, decision: Decision) -> BaseModel | _Lost:
         """Answer ``queued``: the intent waits in the queue (a new request joins its end, a request the
-        queue retried keeps its place). Nothing is reserved."""
+        queue retried keeps its place). Nothing is reserved. A new request past its tenant's
+        ``queued_requests`` quota is refused ``quota_exceeded`` instead (its intent left ``rejected``
+        with no answer, so the same id may come back; nothing queued, no event)."""
         timeout_s = request.queue_timeout_s or self._queueing.timeout_s
         reply = to_reply(decision).model_copy(
             update={
@@ -507,7 +633,26 @@ class PlacementHandlers:
             }
         )
 
-        async def work(uow: UnitOfWork) -> int | _Lost | None:
+        limit = self._quotas.limit(request.tenant, Quota.QUEUED_REQUESTS)
+
+        async def work(uow: UnitOfWork) -> int | _Lost | QuotaExceeded | None:
+            if limit is not None and not claim.queued:  # one the queue retried holds its place already
+                waiting = await self._store.queued_of(
+                    session=uow.session, tenant=request.tenant, request_id=request.request_id
+                )
+                over = exceeded(self._quotas, request.tenant, Quota.QUEUED_REQUESTS, used=waiting, asked=1)
+                if over is not None:
+                    finished = await self._store.finish(
+                        session=uow.session,
+                        tenant=request.tenant,
+                        request_id=request.request_id,
+                        attempt=claim.attempt,
+                        status=DecisionStatus.REJECTED,
+                        reply=None,
+                        allocation_id=None,
+                        now=uow.now,
+                    )
+                    return over if finished else LOST
             if not await self._store.finish(
                 session=uow.session,
                 tenant=request.tenant,
@@ -532,6 +677,8 @@ class PlacementHandlers:
         position = await self._uow.run(work)
         if isinstance(position, _Lost):
             return LOST
+        if isinstance(position, QuotaExceeded):
+            return self._refuse(position)
         return reply.model_copy(update={"queue_position": position})
 
     async def _queued_reply(self, uow: UnitOfWork, stored: StoredIntent) -> PlaceReply | None:
@@ -702,13 +849,17 @@ class PlacementHandlers:
             return _caller_gone()
         if self._too_late():
             return _too_late_to_commit(self._margin_s)
+        held = held_bytes(snapshot, decision)
+        over = self._over_quota(request, held)
+        if over is not None:  # refused with nothing recorded, unless the id has an answer of its own already
+            known = await self._uow.run(
+                lambda uow: self._store.lock(session=uow.session, tenant=request.tenant, request_id=request.request_id)
+            )
+            return None if known is not None else self._refuse(over)
         commit = to_commit(request, decision, snapshot, lease_s=request.lease_s or self._default_lease_s)
         pending = to_reply(decision, snapshot=snapshot, request=to_domain(request))
-        token = self._view.assume(
-            ledger_key(request),
-            held_bytes(snapshot, decision),
-            shared=decision.sharing == "shared",
-            crossing=crossing(decision),
+        token = self._assume(
+            ledger_key(request), held, shared=decision.sharing == "shared", crossing=crossing(decision)
         )
 
         async def intend(uow: UnitOfWork) -> bool:
@@ -727,10 +878,10 @@ class PlacementHandlers:
         try:
             intended = await self._uow.run_grouped(intend)
         except BaseException:
-            self._view.forget(token)
+            self._forget(token)
             raise
         if not intended:
-            self._view.forget(token)
+            self._forget(token)
             return None
         claim = _Claimed(attempt=1)
         outcome = await self._committed(request, claim, decision, commit, pending, token, decision_ms, 1)
@@ -775,22 +926,27 @@ class PlacementHandlers:
             if deadline.expired() or self._too_late():  # commit nothing the caller would not learn of
                 await self._finish_rejected(request, claim)
                 return _caller_gone() if deadline.expired() else _too_late_to_commit(self._margin_s)
+            held = held_bytes(snapshot, decision)
+            over = self._over_quota(request, held)
+            if over is not None:
+                if claim.queued:  # it keeps its place: the tenant's own replicas may end before its timeout
+                    return await self._enqueue(request, claim, decision)
+                await self._finish_rejected(request, claim)
+                return self._refuse(over)
             commit = to_commit(request, decision, snapshot, lease_s=request.lease_s or self._default_lease_s)
             pending = to_reply(decision, snapshot=snapshot, request=to_domain(request))
-            # Assumed before anything awaits, so decisions made meanwhile see these bytes as taken.
-            token = self._view.assume(
-                ledger_key(request),
-                held_bytes(snapshot, decision),
-                shared=decision.sharing == "shared",
-                crossing=crossing(decision),
+            # Assumed before anything awaits, so decisions made meanwhile see these bytes as taken (and
+            # the tenant's quota counts them).
+            token = self._assume(
+                ledger_key(request), held, shared=decision.sharing == "shared", crossing=crossing(decision)
             )
             try:
                 saved = await self._save(request, claim, commit, pending)
             except BaseException:
-                self._view.forget(token)
+                self._forget(token)
                 raise
             if not saved:
-                self._view.forget(token)
+                self._forget(token)
                 return LOST
             outcome = await self._committed(request, claim, decision, commit, pending, token, decision_ms, attempt)
             if not isinstance(outcome, dict):
@@ -861,7 +1017,7 @@ class PlacementHandlers:
     ) -> BaseModel | _Lost | None:
         """An earlier attempt sent ``commit`` and was interrupted: ask the ledger again (a repeat answers
         with the same allocation). None: it never landed, decide afresh."""
-        token = self._view.assume(ledger_key(request), commit_held(commit), shared=commit.sharing == "shared")
+        token = self._assume(ledger_key(request), commit_held(commit), shared=commit.sharing == "shared")
         committed = await self._reserve(commit, token)
         if isinstance(committed, RpcError):
             await self._unclaim(request, claim)
@@ -903,6 +1059,22 @@ class PlacementHandlers:
             self._withheld[key] = cached
         return withhold(snapshot, cached[1]) if cached[1] else snapshot
 
+    async def _reservations_known(self) -> Rejected | None:
+        """Read-your-writes: every reservation answered ``created`` before this request arrived is in the
+        book it is decided on. A view that cannot get there within its share of the deadline refuses,
+        retryable, having decided nothing."""
+        if self._reservations_current is None:
+            return None
+        why = await self._reservations_current(_share_of_deadline(RESERVATION_SYNC_S))
+        if why is None:
+            return None
+        self._log.warning("placement's reservation view is not known to be current: %s", why)
+        return rejected(
+            ErrorCode.NO_CAPACITY,
+            f"placement cannot confirm it knows every reservation yet ({why}); nothing was decided: retry",
+            retry_after_s=RESERVATION_SYNC_S,
+        )
+
     async def _reclaim(self, request: PlaceRequest) -> BaseModel | None:
         """An owner's replica that fits nowhere it may go, but would if borrowers of its own soft or spot
         reservations left (the fewest, most recently lent first): have the reservation filler preempt them.
@@ -937,10 +1109,15 @@ class PlacementHandlers:
             allocation_ids=[borrow.allocation_id for _, borrow in plan.evict],
         )
         try:
-            answer = await self._rpc.ask(Rpc.RESERVATION_RECLAIM, ask, ReservationReclaimReply)
+            answer = await self._rpc.ask(
+                Rpc.RESERVATION_RECLAIM,
+                ask,
+                ReservationReclaimReply,
+                timeout_s=_share_of_deadline(min(RECLAIM_TIMEOUT_S, self._rpc.timeout_s)),
+            )
         except RpcError as exc:
             self._log.warning("reservation.reclaim unanswered: %s", exc)
-            return None
+            return self._reclaim_unanswered(request, exc)
         if isinstance(answer, Rejected):
             self._log.warning("reservation.reclaim refused: %s", answer.error.message)
             return None
@@ -951,6 +1128,22 @@ class PlacementHandlers:
             [p.deadline_at for p in preemptions] + [p.deadline_at for _, p in leaving],
         )
 
+    @staticmethod
+    def _reclaim_unanswered(request: PlaceRequest, exc: RpcError) -> BaseModel | None:
+        """The filler did not answer (it died mid-reclaim, or is not running). A request that may queue
+        takes the ordinary path, which queues it: a filler that comes back re-issues the preemptions it
+        had written and the queue places the owner once they are gone. Any other is refused now,
+        retryable, with nothing recorded for its request id."""
+        if may_queue(request):
+            return None
+        return rejected(
+            ErrorCode.NO_CAPACITY,
+            "this replica fits only if borrowers of the tenant's reservations leave, and the reservation "
+            f"filler did not answer reservation.reclaim ({exc.reason}): retry (nothing was recorded for this "
+            "request id)",
+            retry_after_s=RECLAIM_TIMEOUT_S,
+        )
+
     async def _await_leaving(
         self, request: PlaceRequest, allocations: list[str], deadlines: list[datetime]
     ) -> BaseModel | None:
@@ -958,8 +1151,8 @@ class PlacementHandlers:
         them; leaving later (spot), queue (None: the ordinary path queues it) or refuse with the deadline."""
         now = self._clock()
         if all(d <= now for d in deadlines):
-            waited = 0.0
-            while any(self._holds(a) for a in allocations) and waited < RECLAIM_WAIT_S and not deadline.expired():
+            waited, limit_s = 0.0, _share_of_deadline(RECLAIM_WAIT_S)
+            while any(self._holds(a) for a in allocations) and waited < limit_s and not deadline.expired():
                 await asyncio.sleep(RECLAIM_POLL_S)
                 waited += RECLAIM_POLL_S
             return None
@@ -999,14 +1192,14 @@ class PlacementHandlers:
             # A duplicate holds what an earlier commit of this request id reserved: nothing new to count.
             allocation_id = _committed(reply)
             if allocation_id is not None and isinstance(reply, CommitReply) and not reply.duplicate:
-                self._view.confirm(token, allocation_id)
+                self._confirm(token, allocation_id)
                 kept = True
             return reply
         except RpcError as exc:
             return exc
         finally:
             if not kept:
-                self._view.forget(token)
+                self._forget(token)
 
     async def _save(self, request: PlaceRequest, claim: _Claimed, commit: CommitRequest, pending: PlaceReply) -> bool:
         """Keep the commit with the intent before it is sent: a retry asks the ledger again with it."""

@@ -31,6 +31,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ValidationError
 
 from shared.contracts.base import Rejected
@@ -47,13 +48,14 @@ from shared.contracts.rebalance import (
 from shared.contracts.registry import EVENTS
 from shared.contracts.reservation import ReservationEvent, reservation_of
 from shared.contracts.streams import stream_name
-from shared.contracts.subjects import Context, Rpc, Subjects, token
+from shared.contracts.subjects import Context, Rpc, Subjects, names_scope
 from shared.contracts.topology import EngineStatusEvent, NodeProfilePayload, TelemetryEvent, TopologyEvent
 from shared.domain.hardware import Sku
 from shared.domain.models import ModelSpec
 from shared.domain.placement.types import FleetSnapshot
 from shared.domain.placement.view import DEFAULT_PCIE_WINDOW_S, AssumeKey, Crossing, FleetView
 from shared.domain.reservations import ReservationBook
+from shared.infra.bus import follow
 from shared.infra.clock import Clock
 from shared.infra.fleet_view import apply_event, view_from
 from shared.infra.rpc import RpcClient
@@ -100,10 +102,12 @@ class _Feed:
         on_freed: Callable[[], None] = lambda: None,
         on_engine_status: Callable[[BaseModel], None] = lambda _: None,
         on_hold: Callable[[str, AllocationEvent], None] = lambda _name, _payload: None,
+        on_allocation: Callable[[str, AllocationEvent], None] = lambda _name, _payload: None,
     ) -> None:
         self.context = context
         self.log = log
         self.on_freed = on_freed
+        self.on_allocation = on_allocation
         self.on_engine_status = on_engine_status
         self.on_hold = on_hold
         self.progress = Progress()
@@ -159,7 +163,7 @@ class _Feed:
         """A node's own report (an agent's telemetry): from its publisher, on the subject of the node it
         names (as the durable consumers check, ``shared.infra.bus.consume``)."""
         node = getattr(payload, "node", None)
-        if envelope.source == self._publisher and isinstance(node, str) and subject.endswith("." + token(node)):
+        if envelope.source == self._publisher and isinstance(node, str) and names_scope(subject, node):
             return True
         self.log.warning(
             "dropping a node-scoped event from the wrong source or subject",
@@ -172,6 +176,8 @@ class _Feed:
             apply_event(view, name, payload, at=at)
         except ValueError as exc:  # e.g. a profile whose link matrix does not match its GPUs
             self.log.warning("ignoring an event the view cannot apply", extra={"type": name, "error": str(exc)})
+        if isinstance(payload, AllocationEvent):
+            self.on_allocation(name, payload)
 
     def attach(self, view: FleetView) -> None:
         """Apply what was buffered, then every later event, to ``view`` (no await in between)."""
@@ -191,6 +197,39 @@ class _Feed:
                 await self.subscription.unsubscribe()
             except Exception:  # the connection may be gone already; the server drops the consumer
                 self.log.debug("could not unsubscribe an ordered consumer", exc_info=True)
+
+
+def _retrieved(lookup: asyncio.Future[int]) -> None:
+    """A lookup whose callers all gave up: its error is theirs, not the loop's to log."""
+    if not lookup.cancelled():
+        lookup.exception()
+
+
+class StreamTail:
+    """A stream's last sequence as of a lookup that started after the caller asked (``after_now``), with
+    concurrent callers sharing one lookup: one ``$JS.API.STREAM.INFO`` round trip per batch of
+    placements, not one per placement. A lookup already in flight when a caller arrives may predate what
+    that caller must see, so the caller waits for it to end and joins the next one."""
+
+    def __init__(self, ask: Callable[[], Awaitable[int]]) -> None:
+        self._ask = ask
+        self._started = 0  # lookups started so far; each is numbered
+        self._number = 0
+        self._lookup: asyncio.Future[int] | None = None
+
+    async def after_now(self) -> int:
+        arrived = self._started
+        while True:
+            lookup = self._lookup
+            if lookup is not None and self._number > arrived:  # started after this caller came: its answer will do
+                return await asyncio.shield(lookup)
+            if lookup is not None and not lookup.done():
+                await asyncio.wait([lookup])  # an older lookup: wait for it, then join (or start) the next
+                continue
+            self._started += 1
+            self._number = self._started
+            self._lookup = asyncio.ensure_future(self._ask())
+            self._lookup.add_done_callback(_retrieved)
 
 
 class ReadModel:
@@ -229,6 +268,8 @@ class ReadModel:
         self.on_engine_status: Callable[[EngineStatusEvent], None] = lambda _: None
         # Called with each LEDGER event of a `request` allocation (an admission's KV hold committed or ended).
         self.on_hold: Callable[[str, AllocationEvent], None] = lambda _name, _payload: None
+        # Called with each other LEDGER allocation event once the view holds it (the quotas' tally).
+        self.on_allocation: Callable[[str, AllocationEvent], None] = lambda _name, _payload: None
         self.synced_at: datetime | None = None
         self._feeds: dict[Context, _Feed] = {}
         # Reservations: the RESERVATION stream folded from its first sequence (each event carries its
@@ -237,6 +278,10 @@ class ReadModel:
         self.on_reservation: Callable[[], None] = lambda: None
         self._followers: dict[Context, Subscription] = {}
         self._reservations_progress = Progress()
+        # Read-your-writes for reservations (docs/RESERVATIONS.md): the RESERVATION stream's end, and a
+        # signal each time the fold applies an event.
+        self._reservation_tail = StreamTail(self._reservation_last_sequence)
+        self._reservation_applied = asyncio.Event()
         # The rebalancer's: nodes whose PCIe it throttles, replicas it is moving (REBALANCE stream).
         self.throttled: set[str] = set()
         self.draining: set[str] = set()
@@ -279,12 +324,13 @@ class ReadModel:
         wait_s = RETRY_S
         while context not in self._followers:
             try:
-                self._followers[context] = await self._jetstream().subscribe(
+                self._followers[context] = await follow(
+                    self._jetstream(),
                     self._subjects.events_of(context),
                     stream=stream_name(context, stream_prefix=self._stream_prefix),
                     cb=cb,
-                    ordered_consumer=True,
                     deliver_policy=DeliverPolicy.ALL,
+                    log=self._log,
                 )
             except Exception as exc:  # its owner has not created it yet (or NATS is electing a leader)
                 self._log.debug("no %s stream yet; retrying", context.value, extra={"error": str(exc)[:200]})
@@ -307,6 +353,12 @@ class ReadModel:
         return envelope
 
     async def _on_reservation(self, msg: Msg) -> None:
+        try:
+            self._fold_reservation(msg)
+        finally:
+            self._applied_reservation()
+
+    def _fold_reservation(self, msg: Msg) -> None:
         envelope = self._envelope(msg, Context.RESERVATION, self._reservations_progress)
         if envelope is None:
             return
@@ -317,6 +369,40 @@ class ReadModel:
             return
         if self.book.apply(reservation_of(payload.reservation)):
             self.on_reservation()
+
+    def _applied_reservation(self) -> None:
+        """Wake those waiting for the fold to reach a sequence (a dropped event counts as applied)."""
+        applied, self._reservation_applied = self._reservation_applied, asyncio.Event()
+        applied.set()
+
+    async def _reservation_last_sequence(self) -> int:
+        try:
+            info = await self._jetstream().stream_info(
+                stream_name(Context.RESERVATION, stream_prefix=self._stream_prefix)
+            )
+        except NotFoundError:  # no reservation filler has created it: nothing is reserved
+            return 0
+        return int(info.state.last_seq)
+
+    async def reservations_current(self, *, timeout_s: float) -> str | None:
+        """Read-your-writes: wait (at most ``timeout_s``) until the reservation fold has applied every
+        event the RESERVATION stream held when this was called. The filler answers ``created`` only once
+        its event is in the stream, so a reservation answered before a placement arrived is in the book
+        the placement decides on. None once it is; otherwise why not (the caller refuses, retryable)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        try:
+            last = await asyncio.wait_for(self._reservation_tail.after_now(), timeout=timeout_s)
+        except Exception as exc:  # JetStream's API unreachable: see docs/RESERVATIONS.md
+            return f"the RESERVATION stream's end could not be read ({type(exc).__name__})"
+        progress = self._reservations_progress
+        while progress.sequence < last:
+            left = until - loop.time()
+            if left <= 0:
+                return f"applied RESERVATION events up to {progress.sequence} of {last}"
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reservation_applied.wait(), timeout=left)
+        return None
 
     async def _on_rebalance(self, msg: Msg) -> None:
         """The rebalancer's word to placement: nodes throttled (no new replica: a cold start would load its
@@ -369,17 +455,24 @@ class ReadModel:
         """Start new feeds, fetch the snapshots, seed a new view, apply what arrived meanwhile, swap."""
         async with self._lock:
             feeds = {
-                context: _Feed(context, log=self._log, on_freed=self._freed, on_engine_status=self._engine_status)
+                context: _Feed(
+                    context,
+                    log=self._log,
+                    on_freed=self._freed,
+                    on_engine_status=self._engine_status,
+                    on_allocation=self._allocation,
+                )
                 for context in STREAMS
             }
             try:
                 for feed in feeds.values():
-                    feed.subscription = await self._jetstream().subscribe(
+                    feed.subscription = await follow(
+                        self._jetstream(),
                         self._subjects.events_of(feed.context),
                         stream=stream_name(feed.context, stream_prefix=self._stream_prefix),
                         cb=feed.on_message,
-                        ordered_consumer=True,
                         deliver_policy=DeliverPolicy.NEW,
+                        log=self._log,
                     )
                 view = await self._seed()
             except BaseException:
@@ -426,6 +519,9 @@ class ReadModel:
 
     def _hold(self, name: str, payload: AllocationEvent) -> None:
         self.on_hold(name, payload)
+
+    def _allocation(self, name: str, payload: AllocationEvent) -> None:
+        self.on_allocation(name, payload)
 
     def _engine_status(self, payload: BaseModel) -> None:
         if isinstance(payload, EngineStatusEvent):

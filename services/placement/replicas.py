@@ -127,6 +127,7 @@ class ReplicaBook:
     _held: dict[str, int] = field(default_factory=dict)
     _since: dict[str, int] = field(default_factory=dict)  # replica -> admitted since its engine last reported
     _failed: dict[str, float] = field(default_factory=dict)  # replica -> when a caller said it failed (ms)
+    _holders: dict[tuple[str, str], int] = field(default_factory=dict)  # (replica, requester) -> holds there
     _pools: dict[str, KvPool] = field(default_factory=dict)
     _statuses: dict[str, ReplicaStatus] = field(default_factory=dict)  # until the replica's figures change
 
@@ -141,7 +142,7 @@ class ReplicaBook:
         if replica is None:
             return
         for allocation_id in [a for a, hold in self.holds.items() if hold.replica_id == replica_id]:
-            self.holds.pop(allocation_id)
+            self._unhold(self.holds.pop(allocation_id))
         self._held.pop(replica_id, None)
         self._since.pop(replica_id, None)
         self._reports.pop(replica_id, None)
@@ -164,20 +165,27 @@ class ReplicaBook:
         replica = self.replicas.get(status.replica_id)
         if replica is None:
             return False  # not one of ours (or not yet: its engine reports again within seconds)
-        if replica.node != status.node and not replica.node.startswith(status.node):
-            return False  # another node's agent speaking for this replica
+        if replica.node != status.node:
+            return False  # another node's agent speaking for this replica (names compare exactly)
         self._reports[status.replica_id] = _Report(status, now_ms)
         self._statuses.pop(status.replica_id, None)
         self._since.pop(status.replica_id, None)  # the engine's queue now counts what was admitted before
         self._failed.pop(status.replica_id, None)  # a report after a failure puts it back in rotation
         return True
 
-    def failed(self, replica_id: str, *, now_ms: float) -> None:
-        """A caller says this replica failed or timed out a request: out of rotation until it reports again
-        (a replica the book does not know is ignored: callers do not grow the book)."""
-        if replica_id in self.replicas:
-            self._failed[replica_id] = now_ms
-            self._statuses.pop(replica_id, None)
+    def failed(self, replica_id: str, *, tenant: str, now_ms: float) -> bool:
+        """``tenant`` says this replica failed or timed out its request: out of rotation until it reports
+        again. Only a tenant holding an admission on the replica is heard (another could take any replica
+        out of everyone's rotation; a replica the book does not know never grows it); False when ignored."""
+        if replica_id not in self.replicas or not self.holds_on(replica_id, tenant):
+            return False
+        self._failed[replica_id] = now_ms
+        self._statuses.pop(replica_id, None)
+        return True
+
+    def holds_on(self, replica_id: str, tenant: str) -> bool:
+        """Whether ``tenant`` holds an admission (a KV hold) on the replica now."""
+        return self._holders.get((replica_id, tenant), 0) > 0
 
     def status(self, replica: Replica) -> ReplicaStatus:
         """The replica as the selection rules see it (never reported: not healthy, not fresh); kept until
@@ -259,6 +267,8 @@ class ReplicaBook:
             granted = self.grant(replica, hold.kv_bytes)
             hold.grant = granted if isinstance(granted, Grant) else None
         self.holds[hold.allocation_id] = hold
+        key = (hold.replica_id, hold.requester)
+        self._holders[key] = self._holders.get(key, 0) + 1
         if not counted:
             self.tentative(hold.replica_id, hold.kv_bytes)
 
@@ -267,6 +277,7 @@ class ReplicaBook:
         hold = self.holds.pop(allocation_id, None)
         if hold is None:
             return None
+        self._unhold(hold)
         self._statuses.pop(hold.replica_id, None)
         left = self._held.get(hold.replica_id, 0) - hold.kv_bytes
         if left > 0:
@@ -277,6 +288,14 @@ class ReplicaBook:
         if replica is not None:
             self.ungrant(replica, hold.grant)
         return hold
+
+    def _unhold(self, hold: Hold) -> None:
+        key = (hold.replica_id, hold.requester)
+        left = self._holders.get(key, 0) - 1
+        if left > 0:
+            self._holders[key] = left
+        else:
+            self._holders.pop(key, None)
 
     def _rebuild_pool(self, node: str) -> None:
         """The node's KV pool over the replicas on it, with the grants of the holds in them again."""

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -44,14 +46,39 @@ class SeenAllocation:
 
 @dataclass(frozen=True, slots=True)
 class QueuedRequest:
-    """A request waiting in the queue: its place (``seq``, lower first) and when it gives up."""
+    """A request waiting in the queue: its place (``seq``, lower first) and when it gives up. ``body`` is
+    the request as stored; ``request`` parses it (a pass reads every queued row, and decides few)."""
 
     seq: int
     tenant: str
     request_id: str
-    request: PlaceRequest
+    body: Mapping[str, Any]
     enqueued_at: datetime
     deadline_at: datetime
+
+    @property
+    def request(self) -> PlaceRequest:
+        return PlaceRequest.model_validate(self.body)
+
+    @property
+    def shape(self) -> str:
+        """What it asks, but for its id and how long it waits: two requests of one shape fit alike."""
+        return json.dumps(
+            {k: v for k, v in self.body.items() if k not in _NOT_SHAPE}, sort_keys=True, separators=(",", ":")
+        )
+
+
+# Fields that do not change whether a request fits (the tenant stays: what it may use depends on it).
+_NOT_SHAPE = frozenset({"request_id", "queue_timeout_s", "lease_s", "version"})
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedAllocation:
+    """A placed decision's allocation and the accelerators its commit reserved (for the quotas' tally)."""
+
+    allocation_id: str
+    tenant: str
+    accelerators: tuple[str, ...]
 
 
 def _intent(row: Any) -> Intent:
@@ -84,6 +111,10 @@ _ALLOCATION_SEEN = text(
     f"INSERT INTO {ALLOCATIONS.fullname} (allocation_id, tenant, request_id, state, seen_at) "
     "VALUES (:allocation_id, :tenant, :request_id, 'active', :now) ON CONFLICT DO NOTHING"
 )
+
+
+# One lock per tenant's queue (its hash), held to the end of the transaction: the per-tenant cap.
+_LOCK_TENANT_QUEUE = text("SELECT pg_advisory_xact_lock(hashtextextended('placement.queue:' || :tenant, 0))")
 
 
 def _key(tenant: str, request_id: str) -> Any:
@@ -424,17 +455,48 @@ class DecisionStore:
     async def dequeue(self, *, session: AsyncSession, tenant: str, request_id: str) -> None:
         await session.execute(delete(QUEUE).where(QUEUE.c.tenant == tenant, QUEUE.c.request_id == request_id))
 
-    async def queued(self, *, session: AsyncSession, limit: int) -> list[QueuedRequest]:
-        """The first ``limit`` queued requests, in arrival order."""
-        rows = await session.execute(select(QUEUE).order_by(QUEUE.c.seq).limit(limit))
+    async def queued(self, *, session: AsyncSession, limit: int, after: int | None = None) -> list[QueuedRequest]:
+        """Up to ``limit`` queued requests in arrival order, those after ``seq`` ``after`` (keyset paging:
+        the next page starts after the last row of this one)."""
+        stmt = select(QUEUE).order_by(QUEUE.c.seq).limit(limit)
+        if after is not None:
+            stmt = stmt.where(QUEUE.c.seq > after)
+        rows = await session.execute(stmt)
         return [
             QueuedRequest(
                 seq=r.seq,
                 tenant=r.tenant,
                 request_id=r.request_id,
-                request=PlaceRequest.model_validate(r.request),
+                body=r.request,
                 enqueued_at=r.enqueued_at,
                 deadline_at=r.deadline_at,
             )
             for r in rows
         ]
+
+    async def queued_of(self, *, session: AsyncSession, tenant: str, request_id: str) -> int:
+        """How many other requests of ``tenant`` wait in the queue, counted under a lock per tenant held to
+        the end of the transaction (two concurrent enqueues of one tenant count one after the other)."""
+        await session.execute(_LOCK_TENANT_QUEUE, {"tenant": tenant})
+        counted = await session.execute(
+            select(func.count()).where(QUEUE.c.tenant == tenant, QUEUE.c.request_id != request_id)
+        )
+        return int(counted.scalar_one())
+
+    async def placed_allocations(self, *, session: AsyncSession) -> list[PlacedAllocation]:
+        """Every placed decision whose allocation has not ended, with the accelerators its commit named."""
+        rows = await session.execute(
+            select(DECISIONS.c.tenant, DECISIONS.c.allocation_id, DECISIONS.c.ledger_commit).where(
+                DECISIONS.c.status == DecisionStatus.PLACED.value, DECISIONS.c.allocation_id.is_not(None)
+            )
+        )
+        placed: list[PlacedAllocation] = []
+        for tenant, allocation_id, commit in rows:
+            shares = commit.get("shares") if isinstance(commit, dict) else None
+            if not isinstance(shares, list):
+                continue
+            accelerators = tuple(
+                str(s["accelerator_id"]) for s in shares if isinstance(s, dict) and "accelerator_id" in s
+            )
+            placed.append(PlacedAllocation(allocation_id=allocation_id, tenant=tenant, accelerators=accelerators))
+        return placed

@@ -14,6 +14,7 @@ from services.rebalancer.tables import SCHEMA
 from shared.contracts.ledger import LedgerEvent
 from shared.contracts.placement_events import PlacementEventName
 from shared.contracts.rebalance import RebalanceStatusRequest
+from shared.contracts.streams import restate_every_s
 from shared.contracts.subjects import Context, Rpc
 from shared.contracts.topology import TopologyEvent
 from shared.domain.rebalance.detect import Rule
@@ -79,6 +80,7 @@ def wire(runtime: Runtime) -> Ctx:
         stream_prefix=settings.stream_prefix,
         log=runtime.log,
         metrics=RebalanceMetrics(runtime.metrics),
+        restate_s=restate_every_s(settings.stream_rebalance_max_age_s),  # docs/RETENTION.md
     )
     return Ctx(handlers=handlers)
 

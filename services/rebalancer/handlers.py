@@ -64,7 +64,7 @@ from shared.contracts.rebalance import (
     TargetView,
 )
 from shared.contracts.streams import stream_name
-from shared.contracts.subjects import Context, Rpc, Subjects, token
+from shared.contracts.subjects import Context, Rpc, Subjects, names_scope
 from shared.contracts.topology import GpuTelemetryEvent, NodeProfileEvent, NodeStateEvent, TpuPodEvent
 from shared.domain.errors import ErrorCode
 from shared.domain.fleet import AcceleratorId, NodeProfile, tpu_chip_id
@@ -91,6 +91,7 @@ from shared.domain.rebalance.plans import plan_of as make_plan
 from shared.domain.rebalance.plans import replace as replace_moves
 from shared.domain.rebalance.tpu_defrag import defragment
 from shared.domain.topology.tpu import TpuGrid, TpuSlice, TpuType, allocate, fragmentation, is_legal_shape
+from shared.infra.bus import follow
 from shared.infra.clock import Clock
 from shared.infra.fleet_view import SnapshotError, fetch_view
 from shared.infra.profiles import profile_from_payload
@@ -155,7 +156,10 @@ class RebalanceHandlers:
         stream_prefix: str = "",
         log: logging.Logger | None = None,
         metrics: RebalanceMetrics | None = None,
+        restate_s: float | None = None,
     ) -> None:
+        self._restate_s = restate_s  # how often throttles and draining replicas are restated; None: never
+        self._restated_at: datetime | None = None
         self._uow = uow
         self._metrics = metrics
         self._rpc = rpc
@@ -236,12 +240,13 @@ class RebalanceHandlers:
         if self._jetstream is None or self._subjects is None:
             return
         try:
-            self._telemetry = await self._jetstream().subscribe(
+            self._telemetry = await follow(
+                self._jetstream(),
                 self._subjects.events_of(Context.TELEMETRY),
                 stream=stream_name(Context.TELEMETRY, stream_prefix=self._stream_prefix),
                 cb=self._on_telemetry,
-                ordered_consumer=True,
                 deliver_policy=DeliverPolicy.NEW,
+                log=self._log,
             )
         except Exception as exc:  # the stream may not exist yet: the tick retries
             self._log.debug("no TELEMETRY stream yet", extra={"error": str(exc)[:200]})
@@ -398,9 +403,7 @@ class RebalanceHandlers:
         except ValidationError:
             return
         # A node's own agent, on its own node's subject (as the durable consumers check).
-        if envelope.source != EVENT_PUBLISHERS[Context.TELEMETRY] or not msg.subject.endswith(
-            "." + token(payload.node)
-        ):
+        if envelope.source != EVENT_PUBLISHERS[Context.TELEMETRY] or not names_scope(msg.subject, payload.node):
             return
         self.observe(payload, envelope.occurred_at)
 
@@ -461,7 +464,7 @@ class RebalanceHandlers:
                 holders[acc] = holders.get(acc, 0) + 1
         out: list[Transition] = []
         for allocation in here:
-            mine = [a for a in allocation.bytes if a.startswith(f"{node}/")]
+            mine = [a for a in allocation.bytes if AcceleratorId.on_host(a, node)]  # exactly this node's
             if not mine or any(holders.get(a, 0) != 1 or a not in used for a in mine):
                 continue
             reserved = sum(allocation.bytes[a] for a in mine)
@@ -481,9 +484,52 @@ class RebalanceHandlers:
         while True:
             try:
                 await self.tick_once()
+                await self.restate(self._clock())  # in the tick's task: no throttle changes meanwhile
             except Exception:
                 self._log.exception("rebalance tick failed; retrying")
             await asyncio.sleep(self._config.tick_s)
+
+    async def restate(self, now: datetime) -> int:
+        """Every ``restate_s``: publish each throttle still on (``throttle_started``) and each replica still
+        draining under a running plan (``replica_draining``) again, marked ``restated``. Placement folds the
+        REBALANCE stream from its first sequence at each start, and the stream keeps events only
+        ``HETSCHED_STREAM_REBALANCE_MAX_AGE_S`` (four times ``restate_s``): without this a throttle or a drain
+        older than that would be missing from the fold (docs/RETENTION.md). How many it restated."""
+        if self._restate_s is None:
+            return 0
+        if self._restated_at is not None and (now - self._restated_at).total_seconds() < self._restate_s:
+            return 0
+        self._restated_at = now
+        throttled = sorted(self._throttled)
+        samples = {t.key: t.value for t in self._detectors[self._config.pcie.name].targets()}
+        running = await self._uow.run(
+            lambda uow: store.plans(session=uow.session, states=("open", "running"), limit=10_000)
+        )
+        draining = sorted(
+            (step.allocation_id, view.plan_id)
+            for view in (PlanView.model_validate(body) for body in running)
+            for step in view.steps
+            if step.allocation_id in self._draining
+        )
+        if not throttled and not draining:
+            return 0
+
+        async def work(uow: UnitOfWork) -> None:
+            for node in throttled:
+                uow.emit(
+                    Context.REBALANCE,
+                    RebalanceEventName.THROTTLE_STARTED,
+                    NodeThrottleEvent(node=node, value=samples.get(node, 0.0), restated=True),
+                )
+            for allocation_id, plan_id in draining:
+                uow.emit(
+                    Context.REBALANCE,
+                    RebalanceEventName.REPLICA_DRAINING,
+                    ReplicaDrainingEvent(allocation_id=allocation_id, plan_id=plan_id, restated=True),
+                )
+
+        await self._uow.run(work)
+        return len(throttled) + len(draining)
 
     async def tick_once(self) -> None:
         now = self._clock()

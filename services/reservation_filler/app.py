@@ -21,6 +21,7 @@ from shared.contracts.reservation import (
     ReservationReportRequest,
     ReservationStatusRequest,
 )
+from shared.contracts.streams import restate_every_s
 from shared.contracts.subjects import Context, Rpc
 from shared.contracts.topology import TopologyEvent
 from shared.domain.reservations import LendingPolicy
@@ -52,6 +53,8 @@ def wire(runtime: Runtime) -> Ctx:
         log=runtime.log,
         after_record=_fault_after_record(settings),
         metrics=ReservationMetrics(runtime.metrics),
+        quotas=settings.quotas(),
+        restate_s=restate_every_s(settings.stream_reservation_max_age_s),
     )
     return Ctx(handlers=handlers)
 
@@ -100,7 +103,11 @@ SERVICE = ServiceDefinition(
             skip=lambda payload: payload.kind == "request",
         ),
     ),
-    loops=(Loop("reservation-tick", lambda ctx: ctx.handlers.tick),),
+    loops=(
+        Loop("reservation-tick", lambda ctx: ctx.handlers.tick),
+        # RESERVATION outlives its max age for placement's fold from the first sequence (docs/RETENTION.md).
+        Loop("reservation-restate", lambda ctx: ctx.handlers.restate),
+    ),
     calls=(Rpc.LEDGER_PREEMPT,),
 )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -24,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.reservation_filler import store
 from services.reservation_filler.metrics import METRICS_EVERY_S, FillFigures, ReservationMetrics
-from shared.contracts.base import Rejected, rejected
+from shared.contracts.base import Rejected, echo, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import AllocationEvent, LedgerPreemptReply, LedgerPreemptRequest
 from shared.contracts.reservation import (
@@ -49,6 +50,7 @@ from shared.contracts.topology import NodeProfileEvent, NodeStateEvent
 from shared.domain.errors import ErrorCode
 from shared.domain.fleet import AcceleratorId, cluster_key
 from shared.domain.hardware import Sku
+from shared.domain.quotas import Quota, Quotas, exceeded
 from shared.domain.reservations import (
     LendingPolicy,
     Preemption,
@@ -66,11 +68,17 @@ from shared.domain.reservations import (
     usage,
 )
 from shared.domain.routing import Region
+from shared.infra import deadline
 from shared.infra.clock import Clock
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
 PREEMPT_TIMEOUT_S = 2.0
+ANNOUNCE_POLL_S = 0.005
+ANNOUNCE_WAIT_S = 10.0
+ANNOUNCE_MARGIN_S = 0.25
+"""How often, and how long at most (the caller's deadline less a margin for the answer), ``create`` waits
+for the relay to publish its event."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +147,11 @@ class ReservationHandlers:
         log: logging.Logger | None = None,
         after_record: Callable[[], None] = lambda: None,
         metrics: ReservationMetrics | None = None,
+        quotas: Quotas | None = None,
+        restate_s: float | None = None,
     ) -> None:
+        self._quotas = quotas or Quotas()  # per tenant: ``gpus_reserved`` is checked by ``create``
+        self._restate_s = restate_s  # how often every active reservation is restated (``restate``); None: never
         self._marking: set[asyncio.Task[None]] = set()
         # The brief's SRE metrics (fill rate per customer and cluster, overall; idle cost), worked out by the tick.
         self._metrics = metrics
@@ -182,6 +194,9 @@ class ReservationHandlers:
                         accelerators=list(earlier.accelerators),
                         duplicate=True,
                     )
+            over = await self._over_quota(uow, request)
+            if over is not None:
+                return over
             taken = await store.held(session=uow.session)
             others = await store.used_by_others(session=uow.session, tenant=request.tenant)
             if request.accelerators:
@@ -191,11 +206,7 @@ class ReservationHandlers:
                     return rejected(ErrorCode.NOT_FOUND, f"no such GPU in the fleet: {', '.join(unknown[:8])}")
                 clash = [acc for acc in request.accelerators if acc in taken or acc in others]
                 if clash:
-                    return rejected(
-                        ErrorCode.CONFLICT,
-                        f"reserved already or used by another tenant: {', '.join(clash[:8])}",
-                        accelerators=clash[:64],
-                    )
+                    return _in_use(len(clash), len(request.accelerators))
                 chosen = tuple(request.accelerators)
                 slots = [known[acc] for acc in chosen]
                 skus = {s.sku for s in slots}
@@ -247,17 +258,54 @@ class ReservationHandlers:
             return ReservationCreateReply(status="created", reservation_id=reservation.id, accelerators=list(chosen))
 
         try:
-            return await self._uow.run(work)
+            created = await self._uow.run(work)
         except store.HeldElsewhere as exc:  # a concurrent create took some of them first
-            return rejected(ErrorCode.CONFLICT, str(exc), accelerators=exc.accelerators[:64])
+            return _in_use(len(exc.accelerators), len(request.accelerators or ()) or request.count or 0)
+        return await self._announced(created)
+
+    async def _announced(self, reply: BaseModel) -> BaseModel:
+        """Read-your-writes (docs/RESERVATIONS.md): ``created`` is answered only once the relay has
+        published every event written until now, this reservation's ``created`` among them (JetStream
+        acknowledged it). Placement, before it decides, waits for its view to reach the stream's end as
+        it was when the request arrived, so it knows of every reservation answered before. A repeat of
+        the request id waits the same: its first answer may have been lost before the event left."""
+        if not isinstance(reply, ReservationCreateReply):
+            return reply
+        tail = await self._uow.read(lambda session: store.unsent_tail(session=session))
+        if tail is None:  # the relay has published everything already
+            return reply
+        through: int = tail
+        left_s = deadline.remaining_s(default_s=ANNOUNCE_WAIT_S) or 0.0
+        until = time.monotonic() + left_s - min(left_s / 10, ANNOUNCE_MARGIN_S)  # the rest is the answer's
+        while await self._uow.read(lambda session: store.unsent_through(session=session, seq=through)):
+            if time.monotonic() >= until:
+                return rejected(
+                    ErrorCode.INTERNAL,
+                    f"reservation {reply.reservation_id} is recorded, but NATS JetStream has not acknowledged its "
+                    "event yet, so placement may not know of it: ask again with the same request_id (or see "
+                    "reservation.status) before relying on it",
+                    reservation_id=reply.reservation_id,
+                )
+            self._uow.wake()
+            await asyncio.sleep(ANNOUNCE_POLL_S)
+        return reply
+
+    async def _over_quota(self, uow: UnitOfWork, request: ReservationCreateRequest) -> Rejected | None:
+        """``quota_exceeded`` when the reservation would take its tenant past ``gpus_reserved``: the GPUs of
+        its active reservations, counted under a lock per tenant to the end of the transaction (two
+        concurrent creates of one tenant count one after the other)."""
+        if self._quotas.limit(request.tenant, Quota.GPUS_RESERVED) is None:
+            return None
+        asked = len(request.accelerators) if request.accelerators else request.count or 0
+        used = await store.reserved_by(session=uow.session, tenant=request.tenant)
+        over = exceeded(self._quotas, request.tenant, Quota.GPUS_RESERVED, used=used, asked=asked)
+        return None if over is None else rejected(ErrorCode.QUOTA_EXCEEDED, over.message, **over.details())
 
     async def cancel(self, request: ReservationCancelRequest) -> BaseModel:
         async def work(uow: UnitOfWork) -> BaseModel:
             reservation = await store.load(session=uow.session, reservation_id=request.reservation_id, lock=True)
-            if reservation is None:
-                return rejected(ErrorCode.NOT_FOUND, f"no reservation {request.reservation_id!r}")
-            if reservation.tenant != request.tenant:
-                return rejected(ErrorCode.FORBIDDEN, "the reservation belongs to another tenant")
+            if reservation is None or reservation.tenant != request.tenant:  # alike: the id says nothing
+                return _no_reservation(request.reservation_id)
             if not reservation.active:
                 return ReservationCancelReply(status="cancelled", reservation_id=reservation.id, already=True)
             after = cancel(reservation)
@@ -273,10 +321,8 @@ class ReservationHandlers:
         async def read(uow: UnitOfWork) -> BaseModel:
             if request.reservation_id is not None:
                 one = await store.load(session=uow.session, reservation_id=request.reservation_id)
-                if one is None or not one.active:
-                    return rejected(ErrorCode.NOT_FOUND, f"no reservation {request.reservation_id!r}")
-                if one.tenant != request.tenant:
-                    return rejected(ErrorCode.FORBIDDEN, "the reservation belongs to another tenant")
+                if one is None or not one.active or one.tenant != request.tenant:  # alike: the id says nothing
+                    return _no_reservation(request.reservation_id)
                 reservations = [one]
             else:
                 reservations = await store.load_many(session=uow.session, tenant=request.tenant)
@@ -446,6 +492,38 @@ class ReservationHandlers:
             await asyncio.sleep(self._tick_s)
             elapsed += self._tick_s
 
+    async def restate(self) -> None:
+        """Forever, from the start and every ``restate_s``: publish every active reservation's whole state again
+        (``restated``). Placement folds the RESERVATION stream from its first sequence at each start; the stream
+        keeps events only ``HETSCHED_STREAM_RESERVATION_MAX_AGE_S`` (a quarter of which is ``restate_s``), so
+        without this a reservation older than that would be missing from the fold (docs/RETENTION.md)."""
+        if self._restate_s is None:
+            return
+        while True:
+            try:
+                await self.restate_once()
+            except Exception:
+                self._log.exception("restating the reservations failed; trying again at the next period")
+            await asyncio.sleep(self._restate_s)
+
+    async def restate_once(self) -> int:
+        """One restatement, in one transaction; how many reservations it restated. The state and its version
+        are unchanged: a reader holding them already ignores the event (a state no newer than its own)."""
+
+        async def work(uow: UnitOfWork) -> int:
+            reservations = await store.load_many(session=uow.session)
+            for reservation in reservations:
+                self._emit(
+                    uow,
+                    ReservationEventName.RESTATED,
+                    reservation,
+                    accelerators=list(reservation.accelerators),
+                    reason="restated",
+                )
+            return len(reservations)
+
+        return await self._uow.run(work)
+
     async def tick_once(self) -> int:
         """One pass; how many preemptions it (re-)issued."""
 
@@ -598,6 +676,22 @@ class ReservationHandlers:
             reason=reason,
         )
         uow.emit(Context.RESERVATION, name, payload, tenant=tenant or reservation.tenant, correlation_id=reservation.id)
+
+
+def _in_use(count: int, asked: int) -> Rejected:
+    """A create naming GPUs that are reserved or used already: how many, never which (which GPUs other
+    tenants use is theirs to know)."""
+    return rejected(
+        ErrorCode.CONFLICT,
+        f"{count} of the {asked} GPU(s) asked for are reserved already or used by another tenant",
+        in_use=count,
+    )
+
+
+def _no_reservation(reservation_id: str) -> Rejected:
+    """The answer to a reservation id the tenant does not hold: one code and one message whether it does not
+    exist, has ended or is another tenant's, so an id tells no one whether it exists."""
+    return rejected(ErrorCode.NOT_FOUND, f"no reservation {echo(reservation_id)} for this tenant")
 
 
 def _first_version(reservation: Reservation) -> Reservation:

@@ -6,18 +6,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import ColumnElement, delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import array, insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.reservation_filler.tables import HoldRow, InventoryRow, ReservationRow, UseRow
+from services.reservation_filler.tables import SCHEMA, HoldRow, InventoryRow, ReservationRow, UseRow
 from shared.contracts.reservation import ReservationState, reservation_of, state_of
 from shared.domain.reservations import Reservation, Slot, Use
+from shared.infra.tables import outbox_table
 
 RESERVATIONS = ReservationRow.__table__  # type: ignore[attr-defined]
 HOLDS = HoldRow.__table__  # type: ignore[attr-defined]
 INVENTORY = InventoryRow.__table__  # type: ignore[attr-defined]
 USES = UseRow.__table__  # type: ignore[attr-defined]
+OUTBOX = outbox_table(SCHEMA)
 
 
 class HeldElsewhere(Exception):
@@ -140,6 +142,22 @@ async def held(*, session: AsyncSession) -> set[str]:
     return set((await session.execute(select(HOLDS.c.accelerator))).scalars())
 
 
+# One lock per tenant (its hash), held to the end of the transaction: its quota of reserved GPUs.
+_LOCK_TENANT = text("SELECT pg_advisory_xact_lock(hashtextextended('reservation.quota:' || :tenant, 0))")
+
+
+async def reserved_by(*, session: AsyncSession, tenant: str) -> int:
+    """The accelerators ``tenant``'s active reservations hold, counted under a lock per tenant held to the
+    end of the transaction (an ended reservation has no holds)."""
+    await session.execute(_LOCK_TENANT, {"tenant": tenant})
+    counted = await session.execute(
+        select(func.count())
+        .select_from(HOLDS.join(RESERVATIONS, HOLDS.c.reservation_id == RESERVATIONS.c.reservation_id))
+        .where(RESERVATIONS.c.tenant == tenant)
+    )
+    return int(counted.scalar_one())
+
+
 # -- inventory (from TOPOLOGY events) -------------------------------------------------------------
 
 
@@ -214,3 +232,19 @@ async def used_by_others(*, session: AsyncSession, tenant: str) -> set[str]:
     """Accelerators on which another tenant holds an allocation."""
     stmt = select(func.jsonb_object_keys(USES.c.bytes)).where(USES.c.tenant != tenant)
     return set((await session.execute(stmt)).scalars())
+
+
+def _unsent() -> list[ColumnElement[bool]]:
+    return [OUTBOX.c.sent_at.is_(None), OUTBOX.c.quarantined_at.is_(None)]
+
+
+async def unsent_tail(*, session: AsyncSession) -> int | None:
+    """The newest outbox row the relay has not published yet (None: it has published every row)."""
+    tail = (await session.execute(select(func.max(OUTBOX.c.seq)).where(*_unsent()))).scalar_one_or_none()
+    return None if tail is None else int(tail)
+
+
+async def unsent_through(*, session: AsyncSession, seq: int) -> bool:
+    """Some outbox row up to ``seq`` is still waiting for the relay (for JetStream's ack)."""
+    stmt = select(OUTBOX.c.seq).where(*_unsent(), OUTBOX.c.seq <= seq).limit(1)
+    return (await session.execute(stmt)).first() is not None

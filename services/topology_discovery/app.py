@@ -16,7 +16,7 @@ from services.topology_discovery.providers import TopologyProvider
 from services.topology_discovery.tables import SCHEMA
 from shared.contracts.fleet import FleetDescribeRequest, FleetGetRequest
 from shared.contracts.ledger import LedgerEvent
-from shared.contracts.subjects import Context, Rpc, token
+from shared.contracts.subjects import Context, Rpc, names_scope
 from shared.contracts.topology import Heartbeat, TopologyReportRequest
 from shared.domain.liveness import LivenessTracker
 from shared.infra.catalog import load_skus
@@ -60,7 +60,7 @@ def subscribe_heartbeats(broker: NatsBroker, ctx: Ctx) -> None:
             beat = Heartbeat.model_validate_json(msg.body)
         except ValidationError:
             return
-        if not msg.raw_message.subject.endswith("." + token(beat.node)):
+        if not names_scope(msg.raw_message.subject, beat.node):
             return
         await ctx.handlers.heartbeat(beat)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints, field_validator
 
 from shared.domain.errors import ErrorCode
 
@@ -17,6 +17,14 @@ TEXT_MAX = 1000
 ECHO_MAX = 80  # how much of a caller's value an error message repeats
 MAX_LEASE_S = 30 * 86400  # the longest lease (the ledger's rule: shared.domain.ledger.MAX_LEASE_S)
 
+# Numbers on the wire. Pydantic's lax mode reads `true` as 1 (and "5" or 5.0 as 5): every integer and
+# number field of a contract is one of these instead, so a boolean (or a numeric string) is
+# `invalid_request`. A whole JSON number still reads as a `Float` (`"ttft_ms": 500`).
+Int = Annotated[int, Strict()]
+"""A JSON integer: not a boolean, a string or a float (not even a whole one)."""
+Float = Annotated[float, Strict()]
+"""A JSON number (an integer reads as a float): not a boolean or a string."""
+
 __all__ = [
     "CONTRACT_MAJOR_VERSION",
     "ECHO_MAX",
@@ -27,6 +35,8 @@ __all__ = [
     "Contract",
     "ErrorBody",
     "ErrorCode",
+    "Float",
+    "Int",
     "Rejected",
     "Request",
     "both_names",
@@ -44,7 +54,7 @@ class Contract(BaseModel):
 class Request(Contract):
     """Every request may carry ``version``; an unknown major version is rejected."""
 
-    version: int | Annotated[str, StringConstraints(max_length=20)] = Field(
+    version: Int | Annotated[str, StringConstraints(max_length=20)] = Field(
         default=CONTRACT_MAJOR_VERSION,
         description="Contract version the caller speaks; only the major part is checked.",
         examples=[1, "1.0"],

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field
 
-from shared.contracts.base import Contract
+from shared.contracts.base import Contract, Int
 
 
 class EventEnvelope(Contract):
@@ -19,7 +19,7 @@ class EventEnvelope(Contract):
         examples=["0b8e2c4e-3f57-4c8e-a1a3-6d2f1b4c9e10"],
     )
     type: str = Field(description="Event type, `<context>.<event>`.", examples=["ledger.allocation_committed"])
-    version: int = Field(default=1, description="Version of this event type's payload.", examples=[1])
+    version: Int = Field(default=1, description="Version of this event type's payload.", examples=[1])
     occurred_at: datetime = Field(description="When the state change happened (UTC).")
     source: str = Field(description="Service that produced it.", examples=["capacity-ledger"])
     correlation_id: str | None = Field(

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from shared.contracts.base import ID_MAX, NAME_MAX, Contract, Request, both_names
+from shared.contracts.base import ID_MAX, NAME_MAX, Contract, Float, Int, Request, both_names
 from shared.contracts.topology import NodeProfilePayload
 
 # Byte fields published without the `_bytes` suffix keep their name; the suffixed name travels next to it.
@@ -23,7 +23,7 @@ class FleetGetRequest(Request):
         description="`next_cursor` of the previous page; absent for the first page.",
         examples=[None],
     )
-    limit: int | None = Field(
+    limit: Int | None = Field(
         default=None, gt=0, le=10_000, description="Most nodes per page (the server may send fewer).", examples=[256]
     )
     profiles: bool = Field(
@@ -36,17 +36,17 @@ class FleetGetRequest(Request):
 
 class AcceleratorView(Contract):
     id: str = Field(description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
-    index: int = Field(description="GPU index on its node, as nvidia-smi numbers it.", examples=[0])
-    hbm_total: int = Field(description="HBM bytes (same as `hbm_total_bytes`).", examples=[85_899_345_920])
-    hbm_reserved: int = Field(
+    index: Int = Field(description="GPU index on its node, as nvidia-smi numbers it.", examples=[0])
+    hbm_total: Int = Field(description="HBM bytes (same as `hbm_total_bytes`).", examples=[85_899_345_920])
+    hbm_reserved: Int = Field(
         default=0,
         description="Reserved bytes per the ledger (same as `hbm_reserved_bytes`). Eventually consistent: as fresh "
         "as the last LEDGER event the topology service applied.",
         examples=[0],
     )
     domain: str | None = Field(default=None, description="NVLink domain id.", examples=["dgx-h100-01/nv0"])
-    hbm_total_bytes: int = Field(default=0, description="HBM bytes.", examples=[85_899_345_920])
-    hbm_reserved_bytes: int = Field(
+    hbm_total_bytes: Int = Field(default=0, description="HBM bytes.", examples=[85_899_345_920])
+    hbm_reserved_bytes: Int = Field(
         default=0,
         description="Reserved bytes per the ledger (eventually consistent, see `hbm_reserved`).",
         examples=[0],
@@ -86,16 +86,16 @@ class RackView(Contract):
     region: str = Field(description="Region.", examples=["us-west-1"])
     cluster: str = Field(description="Cluster.", examples=["c1"])
     name: str = Field(description="Rack.", examples=["r1"])
-    power_kw: float | None = Field(default=None, description="Power budget.", examples=[24.0])
+    power_kw: Float | None = Field(default=None, description="Power budget.", examples=[24.0])
 
 
 class TpuPodView(Contract):
     name: str = Field(description="Pod name.", examples=["v5e-pod-1"])
     region: str = Field(description="Region.", examples=["us-west-1"])
     type: str = Field(description="`v5e` or `v5p`.", examples=["v5e"])
-    shape: list[int] = Field(description="Chips per axis.", examples=[[16, 16]])
-    chips: int = Field(description="Chips in the pod.", examples=[256])
-    hbm_per_chip: int | None = Field(default=None, description="HBM bytes per chip.", examples=[17_179_869_184])
+    shape: list[Int] = Field(description="Chips per axis.", examples=[[16, 16]])
+    chips: Int = Field(description="Chips in the pod.", examples=[256])
+    hbm_per_chip: Int | None = Field(default=None, description="HBM bytes per chip.", examples=[17_179_869_184])
     cluster: str | None = Field(default=None, description="Cluster the pod sits in.", examples=["c1"])
 
 
@@ -105,7 +105,7 @@ class FleetGetReply(Contract):
     domains: list[DomainView] = Field(default_factory=list, description="NVLink domains.")
     tpu_pods: list[TpuPodView] = Field(default_factory=list, description="TPU pods.")
     racks: list[RackView] = Field(default_factory=list, description="Racks with power budgets.")
-    total_nodes: int = Field(default=0, description="Nodes in the fleet (or region), over all pages.", examples=[13])
+    total_nodes: Int = Field(default=0, description="Nodes in the fleet (or region), over all pages.", examples=[13])
     next_cursor: str | None = Field(
         default=None,
         description="Set when more nodes follow: send it as `cursor` for the next page. A large fleet does not fit "

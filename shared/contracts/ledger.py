@@ -9,7 +9,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from shared.contracts.base import ID_MAX, MAX_LEASE_S, NAME_MAX, Contract, ErrorBody, Request, both_names
+from shared.contracts.base import (
+    ID_MAX,
+    MAX_LEASE_S,
+    NAME_MAX,
+    Contract,
+    ErrorBody,
+    ErrorCode,
+    Int,
+    Rejected,
+    Request,
+    both_names,
+    echo,
+    rejected,
+)
 
 
 class LedgerEvent(StrEnum):
@@ -45,18 +58,18 @@ class SnapshotRequest(Request):
     cursor: str | None = Field(
         default=None, max_length=ID_MAX, description="`next_cursor` of the previous page.", examples=[None]
     )
-    limit: int | None = Field(default=None, gt=0, le=20_000, description="Most accelerators per page.", examples=[2048])
+    limit: Int | None = Field(default=None, gt=0, le=20_000, description="Most accelerators per page.", examples=[2048])
 
 
 class AcceleratorLedgerView(Contract):
     id: str = Field(description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
     node: str = Field(description="Node.", examples=["dgx-h100-01"])
-    hbm_usable: int = Field(description="Usable HBM bytes (total x ceiling).", examples=[79_027_398_246])
-    hbm_reserved: int = Field(description="Reserved bytes.", examples=[0])
-    hbm_usable_bytes: int = Field(
+    hbm_usable: Int = Field(description="Usable HBM bytes (total x ceiling).", examples=[79_027_398_246])
+    hbm_reserved: Int = Field(description="Reserved bytes.", examples=[0])
+    hbm_usable_bytes: Int = Field(
         default=0, description="Same as `hbm_usable` (named with its unit).", examples=[79_027_398_246]
     )
-    hbm_reserved_bytes: int = Field(
+    hbm_reserved_bytes: Int = Field(
         default=0, description="Same as `hbm_reserved` (named with its unit).", examples=[0]
     )
     available: bool = Field(default=True, description="False while its node is lost.", examples=[True])
@@ -81,14 +94,14 @@ class CrossDomainAllocation(Contract):
     cluster: str | None = Field(
         description="Cluster of its accelerators (null when the ledger does not know it).", examples=["c1"]
     )
-    bytes_per_s: int = Field(description="Its cross-domain traffic, bytes/s.", examples=[40_000_000_000])
+    bytes_per_s: Int = Field(description="Its cross-domain traffic, bytes/s.", examples=[40_000_000_000])
 
 
 class SnapshotReply(Contract):
     status: str = Field(default="ok", description="`ok`.", examples=["ok"])
     accelerators: list[AcceleratorLedgerView] = Field(default_factory=list, description="Per accelerator.")
     next_cursor: str | None = Field(default=None, description="Set when more accelerators follow.", examples=[None])
-    cross_domain_used: dict[str, int] = Field(
+    cross_domain_used: dict[str, Int] = Field(
         default_factory=dict,
         description="Per cluster: bytes/s of TP traffic across NVLink domains, summed over the active replica "
         "allocations (the whole fleet, whatever `node` or page; as when this page was read).",
@@ -115,10 +128,10 @@ class ShareIn(Contract):
     accelerator_id: str = Field(
         min_length=1, max_length=ID_MAX, description="Accelerator id.", examples=["dgx-h100-01/gpu0"]
     )
-    weights: int = Field(default=0, ge=0, description="Weight bytes.", examples=[17_641_000_000])
-    kv: int = Field(default=0, ge=0, description="KV cache bytes.", examples=[10_737_418_240])
-    activation: int = Field(default=0, ge=0, description="Activation peak bytes.", examples=[1_000_000_000])
-    workspace: int = Field(default=0, ge=0, description="Workspace reserve bytes.", examples=[1_073_741_824])
+    weights: Int = Field(default=0, ge=0, description="Weight bytes.", examples=[17_641_000_000])
+    kv: Int = Field(default=0, ge=0, description="KV cache bytes.", examples=[10_737_418_240])
+    activation: Int = Field(default=0, ge=0, description="Activation peak bytes.", examples=[1_000_000_000])
+    workspace: Int = Field(default=0, ge=0, description="Workspace reserve bytes.", examples=[1_073_741_824])
 
     @model_validator(mode="before")
     @classmethod
@@ -155,7 +168,7 @@ class CommitRequest(Request):
         "`expected`) otherwise.",
         examples=["exclusive"],
     )
-    cross_domain_bytes_per_s: int = Field(
+    cross_domain_bytes_per_s: Int = Field(
         default=0,
         ge=0,
         description="For `replica`: bytes/s of its TP traffic that crosses NVLink domains, charged to the cluster "
@@ -163,8 +176,8 @@ class CommitRequest(Request):
         examples=[0],
     )
     preemptible: bool = Field(default=False, description="May be preempted.", examples=[False])
-    priority: int = Field(default=0, ge=-1000, le=1000, description="Higher wins under contention.", examples=[0])
-    lease_s: int | None = Field(default=None, gt=0, le=MAX_LEASE_S, description="Lease from now.", examples=[300])
+    priority: Int = Field(default=0, ge=-1000, le=1000, description="Higher wins under contention.", examples=[0])
+    lease_s: Int | None = Field(default=None, gt=0, le=MAX_LEASE_S, description="Lease from now.", examples=[300])
     lease_expires_at: datetime | None = Field(
         default=None,
         description="Absolute lease end (UTC; a time without zone is read as UTC); in the future, at most 30 days "
@@ -172,7 +185,7 @@ class CommitRequest(Request):
         examples=[None],
     )
     shares: list[ShareIn] = Field(min_length=1, max_length=512, description="Bytes per accelerator.")
-    expected: dict[Annotated[str, StringConstraints(max_length=ID_MAX)], int] | None = Field(
+    expected: dict[Annotated[str, StringConstraints(max_length=ID_MAX)], Int] | None = Field(
         default=None,
         max_length=512,
         description="The reserved bytes per accelerator the caller decided on; a commit that no longer fits "
@@ -198,12 +211,12 @@ class CommitRequest(Request):
 
 class AcceleratorBalance(Contract):
     id: str = Field(description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
-    usable: int = Field(description="Usable bytes.", examples=[79_027_398_246])
-    reserved: int = Field(description="Reserved bytes.", examples=[30_000_000_000])
-    usable_bytes: int = Field(
+    usable: Int = Field(description="Usable bytes.", examples=[79_027_398_246])
+    reserved: Int = Field(description="Reserved bytes.", examples=[30_000_000_000])
+    usable_bytes: Int = Field(
         default=0, description="Same as `usable` (named with its unit).", examples=[79_027_398_246]
     )
-    reserved_bytes: int = Field(
+    reserved_bytes: Int = Field(
         default=0, description="Same as `reserved` (named with its unit).", examples=[30_000_000_000]
     )
     available: bool = Field(description="Node up.", examples=[True])
@@ -246,6 +259,12 @@ class LedgerReleaseReply(Contract):
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
 
 
+def no_allocation(allocation_id: str) -> Rejected:
+    """The answer to a release or renewal naming an allocation the tenant does not hold: one code and one
+    message whether it does not exist or is another tenant's, so an id tells no one whether it exists."""
+    return rejected(ErrorCode.NOT_FOUND, f"no allocation {echo(allocation_id)} for this tenant")
+
+
 class LedgerPreemptRequest(Request):
     """The reservation filler, for an owner taking its capacity back: end a preemptible allocation at
     ``deadline_at`` (at once when it has passed). Only a preemptible allocation may be preempted; a
@@ -275,7 +294,7 @@ class LedgerPreemptReply(Contract):
 class LedgerRenewRequest(Request):
     allocation_id: str = Field(min_length=1, max_length=ID_MAX, description="Allocation.", examples=["al-..."])
     tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Owner.", examples=["acme"])
-    lease_s: int | None = Field(default=None, gt=0, le=MAX_LEASE_S, description="New lease from now.", examples=[300])
+    lease_s: Int | None = Field(default=None, gt=0, le=MAX_LEASE_S, description="New lease from now.", examples=[300])
     lease_expires_at: datetime | None = Field(
         default=None, description="New absolute lease end (UTC): in the future, at most 30 days away."
     )
@@ -303,16 +322,16 @@ class LedgerRenewReply(Contract):
 
 class ShareOut(Contract):
     accelerator_id: str = Field(description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
-    weights: int = Field(description="Weight bytes.", examples=[0])
-    kv: int = Field(description="KV bytes.", examples=[0])
-    activation: int = Field(description="Activation bytes.", examples=[0])
-    workspace: int = Field(description="Workspace bytes.", examples=[0])
-    total: int = Field(description="Sum.", examples=[0])
-    weights_bytes: int = Field(default=0, description="Same as `weights` (named with its unit).", examples=[0])
-    kv_bytes: int = Field(default=0, description="Same as `kv`.", examples=[0])
-    activation_bytes: int = Field(default=0, description="Same as `activation`.", examples=[0])
-    workspace_bytes: int = Field(default=0, description="Same as `workspace`.", examples=[0])
-    total_bytes: int = Field(default=0, description="Same as `total`.", examples=[0])
+    weights: Int = Field(description="Weight bytes.", examples=[0])
+    kv: Int = Field(description="KV bytes.", examples=[0])
+    activation: Int = Field(description="Activation bytes.", examples=[0])
+    workspace: Int = Field(description="Workspace bytes.", examples=[0])
+    total: Int = Field(description="Sum.", examples=[0])
+    weights_bytes: Int = Field(default=0, description="Same as `weights` (named with its unit).", examples=[0])
+    kv_bytes: Int = Field(default=0, description="Same as `kv`.", examples=[0])
+    activation_bytes: Int = Field(default=0, description="Same as `activation`.", examples=[0])
+    workspace_bytes: Int = Field(default=0, description="Same as `workspace`.", examples=[0])
+    total_bytes: Int = Field(default=0, description="Same as `total`.", examples=[0])
 
     @model_validator(mode="before")
     @classmethod
@@ -329,14 +348,14 @@ class AllocationEvent(Contract):
     kind: str = Field(description="`replica` or `request`.", examples=["replica"])
     parent_id: str | None = Field(default=None, description="Replica of a request allocation.")
     preemptible: bool = Field(default=False, description="Preemptible.")
-    priority: int = Field(default=0, description="Priority.")
+    priority: Int = Field(default=0, description="Priority.")
     lease_expires_at: datetime | None = Field(default=None, description="Lease end.")
     counts_against_hbm: bool = Field(
         default=True, description="False for `request` allocations (they live in their replica's KV pool)."
     )
     shares: list[ShareOut] = Field(description="Bytes per accelerator.")
     sharing: str = Field(default="exclusive", description="`exclusive` or `shared` (see the commit).")
-    cross_domain_bytes_per_s: int = Field(
+    cross_domain_bytes_per_s: Int = Field(
         default=0,
         description="Its TP traffic across NVLink domains (bytes/s): added to `cluster`'s use by "
         "`allocation_committed`, taken back by `allocation_released` / `allocation_expired`.",
@@ -361,7 +380,7 @@ class AllocationsFlaggedEvent(Contract):
 
 class DriftEvent(Contract):
     accelerator_id: str = Field(description="Accelerator.", examples=["dgx-h100-01/gpu0"])
-    observed_bytes: int = Field(description="HBM in use per telemetry.", examples=[40_000_000_000])
-    reserved_bytes: int = Field(description="HBM reserved per the ledger.", examples=[20_000_000_000])
-    usable_bytes: int = Field(description="Usable HBM.", examples=[79_027_398_246])
-    difference_bytes: int = Field(description="observed - reserved.", examples=[20_000_000_000])
+    observed_bytes: Int = Field(description="HBM in use per telemetry.", examples=[40_000_000_000])
+    reserved_bytes: Int = Field(description="HBM reserved per the ledger.", examples=[20_000_000_000])
+    usable_bytes: Int = Field(description="Usable HBM.", examples=[79_027_398_246])
+    difference_bytes: Int = Field(description="observed - reserved.", examples=[20_000_000_000])

@@ -9,7 +9,10 @@ from its definition (routes, consumers, calls) and from who owns which context:
 - only a context's owner publishes its events (``EVENT_PUBLISHERS``) and creates or updates its stream;
 - only the services that call the ledger reach ``ledger.*``; only a route's service subscribes to it;
 - only the operator reaches the JetStream API beyond what a service's own consumers need (no purge,
-  no delete, no other service's consumer).
+  no delete, no other service's consumer): a service reads (``CONSUMER.INFO``, ``MSG.NEXT``, acks) only
+  its own durables, each by its exact name; creates only those and, on the streams it follows, ordered
+  consumers under names of its own choosing in the subject that names them, never another service's
+  durable (denied by name); and deletes none (``consumer_grants``).
 
 The server enforces these (``shared.infra.identity`` renders them into its ``authorization`` block);
 services check what the bus cannot: that a scoped subject's body names the same tenant or node, and
@@ -73,6 +76,8 @@ class Permissions:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
     allow_responses: bool = False
+    # Subjects refused even where ``publish`` allows them (nats-server: deny wins over allow).
+    deny_publish: tuple[str, ...] = ()
 
     @property
     def everything(self) -> bool:
@@ -101,8 +106,11 @@ def _js(verb: str) -> str:
     return f"$JS.API.{verb}"
 
 
-def service_permissions(grant: ServiceGrant, subjects: Subjects, *, stream_prefix: str = "") -> Permissions:
-    """The permissions of one service identity."""
+def service_permissions(
+    grant: ServiceGrant, subjects: Subjects, *, others: Iterable[ServiceGrant], stream_prefix: str = ""
+) -> Permissions:
+    """The permissions of one service identity; ``others`` are the other services' grants (their durables
+    are denied to it by name)."""
     publish: list[str] = [_js("INFO")]
     subscribe: list[str] = [f"{inbox_prefix(grant.identity)}.>"]
     for context in owned_streams(grant.name):
@@ -114,29 +122,10 @@ def service_permissions(grant: ServiceGrant, subjects: Subjects, *, stream_prefi
     deadletters = deadletter_stream_name(stream_prefix=stream_prefix)
     if grant.consumes:
         publish += [_js(f"STREAM.INFO.{deadletters}"), _js(f"STREAM.CREATE.{deadletters}")]
+    consumers, deny = consumer_grants(grant, subjects, others=others, stream_prefix=stream_prefix)
+    publish += consumers
     for context, durable in grant.consumes:
-        stream = stream_name(context, stream_prefix=stream_prefix)
-        publish += [
-            _js(f"STREAM.INFO.{stream}"),
-            _js(f"CONSUMER.INFO.{stream}.{durable}"),
-            _js(f"CONSUMER.CREATE.{stream}.{durable}"),
-            _js(f"CONSUMER.CREATE.{stream}.{durable}.>"),
-            _js(f"CONSUMER.DURABLE.CREATE.{stream}.{durable}"),
-            _js(f"CONSUMER.MSG.NEXT.{stream}.{durable}"),
-            f"$JS.ACK.{stream}.{durable}.>",
-            subjects.deadletter(context, durable),
-        ]
-    for context in grant.reads:
-        stream = stream_name(context, stream_prefix=stream_prefix)
-        # An ordered consumer is ephemeral: created under a server-chosen name, deleted when done.
-        publish += [
-            _js(f"STREAM.INFO.{stream}"),
-            _js(f"CONSUMER.CREATE.{stream}"),
-            _js(f"CONSUMER.CREATE.{stream}.>"),
-            _js(f"CONSUMER.INFO.{stream}.>"),
-            _js(f"CONSUMER.DELETE.{stream}.>"),
-            f"$JS.FC.{stream}.>",
-        ]
+        publish.append(subjects.deadletter(context, durable))
     publish += [subjects.rpc(rpc) for rpc in grant.calls]
     publish += grant.extra_publish
     for rpc in grant.serves:
@@ -144,7 +133,53 @@ def service_permissions(grant: ServiceGrant, subjects: Subjects, *, stream_prefi
         if rpc in TENANT_SCOPED or rpc in NODE_SCOPED:
             subscribe.append(f"{subjects.rpc(rpc)}.*")
     subscribe += grant.listens
-    return Permissions(publish=_unique(publish), subscribe=_unique(subscribe), allow_responses=True)
+    return Permissions(
+        publish=_unique(publish), subscribe=_unique(subscribe), allow_responses=True, deny_publish=_unique(deny)
+    )
+
+
+def consumer_grants(
+    grant: ServiceGrant, subjects: Subjects, *, others: Iterable[ServiceGrant], stream_prefix: str = ""
+) -> tuple[list[str], list[str]]:
+    """The JetStream consumer API of one service: (allowed, denied) publish subjects.
+
+    Its durables by their exact names (they carry its schema, ``<prefix>-<schema>-<name>``): info, create
+    (every form nats-py uses), next and ack. Its ordered consumers (``reads``): created only through
+    ``CONSUMER.CREATE.<stream>.<name>.<filter>`` with the filter it follows, under a random name
+    (``shared.infra.bus.follow``): the server takes the consumer's name from that subject, so the other
+    services' durables on the stream can be denied by name. The legacy ``CONSUMER.CREATE.<stream>`` takes
+    the name from the body (it would update anyone's consumer: pause it, make it expire) and is not
+    granted. No INFO, NEXT or DELETE on any other name, so no service reads, drains or deletes another's
+    consumer, durable or ephemeral (the server drops an ephemeral consumer once nobody listens), nor lists
+    them (``CONSUMER.LIST``/``NAMES``) to learn an ephemeral one's name."""
+    allow: list[str] = []
+    for context, durable in grant.consumes:
+        stream = stream_name(context, stream_prefix=stream_prefix)
+        allow += [
+            _js(f"STREAM.INFO.{stream}"),
+            _js(f"CONSUMER.INFO.{stream}.{durable}"),
+            _js(f"CONSUMER.CREATE.{stream}.{durable}"),
+            _js(f"CONSUMER.CREATE.{stream}.{durable}.>"),
+            _js(f"CONSUMER.DURABLE.CREATE.{stream}.{durable}"),
+            _js(f"CONSUMER.MSG.NEXT.{stream}.{durable}"),
+            f"$JS.ACK.{stream}.{durable}.>",
+        ]
+    own = set(grant.consumes)
+    foreign = [consumed for other in others if other.name != grant.name for consumed in other.consumes]
+    deny: list[str] = []
+    for context in grant.reads:
+        stream = stream_name(context, stream_prefix=stream_prefix)
+        allow += [
+            _js(f"STREAM.INFO.{stream}"),
+            _js(f"CONSUMER.CREATE.{stream}.*.{subjects.events_of(context)}"),
+            f"$JS.FC.{stream}.>",  # flow-control replies of its ordered consumers
+        ]
+        deny += [
+            _js(f"CONSUMER.CREATE.{stream}.{durable}.>")
+            for consumed, durable in foreign
+            if consumed is context and (consumed, durable) not in own
+        ]
+    return allow, deny
 
 
 def agent_permissions(node: str, subjects: Subjects, *, health: Rpc = Rpc.TOPOLOGY_AGENT_HEALTH) -> Permissions:

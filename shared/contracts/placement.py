@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from shared.contracts.base import ID_MAX, MAX_LEASE_S, NAME_MAX, Contract, ErrorBody, Request, both_names
+from shared.contracts.base import ID_MAX, MAX_LEASE_S, NAME_MAX, Contract, ErrorBody, Float, Int, Request, both_names
 
 Dtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4", "fp4"]
 Backend = Literal["gpu", "tpu", "any"]
@@ -18,9 +18,9 @@ MAX_QUEUE_TIMEOUT_S = 24 * 3600
 
 
 class Slo(Contract):
-    ttft_ms: float | None = Field(default=None, gt=0, description="Time to first token.", examples=[500])
-    tpot_ms: float | None = Field(default=None, gt=0, description="Time per output token.", examples=[50])
-    p99_ms: float | None = Field(default=None, gt=0, description="End-to-end p99.", examples=[20000])
+    ttft_ms: Float | None = Field(default=None, gt=0, description="Time to first token.", examples=[500])
+    tpot_ms: Float | None = Field(default=None, gt=0, description="Time per output token.", examples=[50])
+    p99_ms: Float | None = Field(default=None, gt=0, description="End-to-end p99.", examples=[20000])
 
 
 class PlaceRequest(Request):
@@ -29,11 +29,11 @@ class PlaceRequest(Request):
     model: str = Field(min_length=1, max_length=NAME_MAX, description="Catalog model name.", examples=["llama3-70b"])
     dtype: Dtype | None = Field(default=None, description="Weights dtype; catalog default.", examples=["fp8"])
     kv_dtype: Dtype | None = Field(default=None, description="KV cache dtype.", examples=["fp16"])
-    context_tokens: int = Field(gt=0, description="Longest sequence the replica holds.", examples=[8192])
-    concurrency: int = Field(default=1, gt=0, description="Sequences in the KV pool at once.", examples=[32])
-    input_tokens: int | None = Field(default=None, gt=0, description="Typical input length.", examples=[1000])
-    output_tokens: int | None = Field(default=None, gt=0, description="Typical output length.", examples=[200])
-    tp: int | None = Field(default=None, gt=0, description="Fixed tensor-parallel degree.", examples=[4])
+    context_tokens: Int = Field(gt=0, description="Longest sequence the replica holds.", examples=[8192])
+    concurrency: Int = Field(default=1, gt=0, description="Sequences in the KV pool at once.", examples=[32])
+    input_tokens: Int | None = Field(default=None, gt=0, description="Typical input length.", examples=[1000])
+    output_tokens: Int | None = Field(default=None, gt=0, description="Typical output length.", examples=[200])
+    tp: Int | None = Field(default=None, gt=0, description="Fixed tensor-parallel degree.", examples=[4])
     backend: Backend = Field(default="any", description="`gpu`, `tpu` or `any`.", examples=["gpu"])
     skus: list[Annotated[str, StringConstraints(max_length=NAME_MAX)]] | None = Field(
         default=None, max_length=256, description="SKU allow-list.", examples=[["H100-SXM-80GB"]]
@@ -43,7 +43,7 @@ class PlaceRequest(Request):
     )
     preemptible: bool = Field(default=False, description="May use lent reserved capacity.", examples=[False])
     slo: Slo | None = Field(default=None, description="Latency objectives.")
-    lease_s: int | None = Field(
+    lease_s: Int | None = Field(
         default=None, gt=0, le=MAX_LEASE_S, description="Lease length in seconds (at most 30 days).", examples=[300]
     )
 
@@ -61,14 +61,14 @@ class PlaceRequest(Request):
         "rejection.",
         examples=[["kv_quantize", "pipeline"]],
     )
-    pp: int | None = Field(
+    pp: Int | None = Field(
         default=None,
         gt=0,
         le=8,
         description="Fixed pipeline depth (GPU only); absent: 1 unless a fallback.",
         examples=[2],
     )
-    queue_timeout_s: int | None = Field(
+    queue_timeout_s: Int | None = Field(
         default=None,
         gt=0,
         le=MAX_QUEUE_TIMEOUT_S,
@@ -121,20 +121,20 @@ class AcceleratorShare(Contract):
     """HBM one accelerator of the replica holds; each figure is sent under two names, the published
     one and the one with its unit (`weights` and `weights_bytes`, ...), and either is accepted."""
 
-    weights: int = Field(
+    weights: Int = Field(
         description="Weight bytes per accelerator (same as `weights_bytes`).", examples=[17_500_000_000]
     )
-    kv: int = Field(description="KV cache bytes per accelerator (same as `kv_bytes`).", examples=[2_684_354_560])
-    activation: int = Field(description="Activation peak bytes (same as `activation_bytes`).", examples=[1_000_000_000])
-    workspace: int = Field(
+    kv: Int = Field(description="KV cache bytes per accelerator (same as `kv_bytes`).", examples=[2_684_354_560])
+    activation: Int = Field(description="Activation peak bytes (same as `activation_bytes`).", examples=[1_000_000_000])
+    workspace: Int = Field(
         description="CUDA/XLA workspace reserve (same as `workspace_bytes`).", examples=[1_073_741_824]
     )
-    total: int = Field(description="Sum of the above (same as `total_bytes`).", examples=[22_257_853_376])
-    weights_bytes: int = Field(default=0, description="Weight bytes per accelerator.", examples=[17_500_000_000])
-    kv_bytes: int = Field(default=0, description="KV cache bytes per accelerator.", examples=[2_684_354_560])
-    activation_bytes: int = Field(default=0, description="Activation peak bytes.", examples=[1_000_000_000])
-    workspace_bytes: int = Field(default=0, description="CUDA/XLA workspace reserve.", examples=[1_073_741_824])
-    total_bytes: int = Field(default=0, description="Sum of the above.", examples=[22_257_853_376])
+    total: Int = Field(description="Sum of the above (same as `total_bytes`).", examples=[22_257_853_376])
+    weights_bytes: Int = Field(default=0, description="Weight bytes per accelerator.", examples=[17_500_000_000])
+    kv_bytes: Int = Field(default=0, description="KV cache bytes per accelerator.", examples=[2_684_354_560])
+    activation_bytes: Int = Field(default=0, description="Activation peak bytes.", examples=[1_000_000_000])
+    workspace_bytes: Int = Field(default=0, description="CUDA/XLA workspace reserve.", examples=[1_073_741_824])
+    total_bytes: Int = Field(default=0, description="Sum of the above.", examples=[22_257_853_376])
 
     @model_validator(mode="before")
     @classmethod
@@ -150,8 +150,8 @@ class NodePlacement(Contract):
 
 class TpuSlice(Contract):
     pod: str = Field(description="TPU pod name.", examples=["v5e-pod-1"])
-    origin: list[int] = Field(description="Origin chip coordinates.", examples=[[0, 0]])
-    shape: list[int] = Field(description="Chips per axis.", examples=[[4, 4]])
+    origin: list[Int] = Field(description="Origin chip coordinates.", examples=[[0, 0]])
+    shape: list[Int] = Field(description="Chips per axis.", examples=[[4, 4]])
 
 
 class NodeBinding(Contract):
@@ -159,10 +159,10 @@ class NodeBinding(Contract):
 
     node: str = Field(description="Node name.", examples=["dgx-h100-01"])
     cuda_visible_devices: str = Field(description="GPU indices for CUDA_VISIBLE_DEVICES.", examples=["0,1,2,3"])
-    tp_rank_order: list[int] = Field(
+    tp_rank_order: list[Int] = Field(
         description="GPU indices in TP rank order, along the best NVLink ring.", examples=[[0, 1, 3, 2]]
     )
-    numa_node: int | None = Field(default=None, description="NUMA node of the GPUs, when one holds all.", examples=[0])
+    numa_node: Int | None = Field(default=None, description="NUMA node of the GPUs, when one holds all.", examples=[0])
     cpu_set: str | None = Field(
         default=None, description="CPUs of that NUMA node (taskset -c).", examples=["0-23,48-71"]
     )
@@ -179,10 +179,10 @@ class EngineLaunch(Contract):
 
 
 class Estimate(Contract):
-    ttft_ms: float | None = Field(default=None, description="Time to first token (latency model).", examples=[120.0])
-    tpot_ms: float | None = Field(default=None, description="Time per output token.", examples=[18.5])
-    tokens_per_s: float | None = Field(default=None, description="Output tokens per second at full concurrency.")
-    load_time_s: float | None = Field(default=None, description="Cold load of the weights over PCIe.", examples=[9.1])
+    ttft_ms: Float | None = Field(default=None, description="Time to first token (latency model).", examples=[120.0])
+    tpot_ms: Float | None = Field(default=None, description="Time per output token.", examples=[18.5])
+    tokens_per_s: Float | None = Field(default=None, description="Output tokens per second at full concurrency.")
+    load_time_s: Float | None = Field(default=None, description="Cold load of the weights over PCIe.", examples=[9.1])
 
 
 class PlaceReply(Contract):
@@ -193,15 +193,15 @@ class PlaceReply(Contract):
     cluster: str | None = Field(default=None, description="Cluster.", examples=["c1"])
     backend: Literal["gpu", "tpu"] | None = Field(default=None, description="Backend.", examples=["gpu"])
     sku: str | None = Field(default=None, description="SKU.", examples=["H100-SXM-80GB"])
-    tp: int | None = Field(default=None, description="Tensor-parallel degree.", examples=[4])
+    tp: Int | None = Field(default=None, description="Tensor-parallel degree.", examples=[4])
     placements: list[NodePlacement] = Field(default_factory=list, description="Where.")
     tpu_slice: TpuSlice | None = Field(default=None, description="TPU slice, when on TPU.")
     hbm_per_accelerator: AcceleratorShare | None = Field(default=None, description="HBM per accelerator.")
-    score: dict[str, float] = Field(default_factory=dict, description="Per-plugin score breakdown.")
+    score: dict[str, Float] = Field(default_factory=dict, description="Per-plugin score breakdown.")
     explanation: list[str] = Field(default_factory=list, description="Why this choice; rejected classes.")
     error: ErrorBody | None = Field(default=None, description="Null, or why rejected.")
     sharing: Sharing | None = Field(default=None, description="How the accelerators are held.", examples=["exclusive"])
-    pp: int = Field(default=1, description="Pipeline stages.", examples=[1])
+    pp: Int = Field(default=1, description="Pipeline stages.", examples=[1])
     model: str | None = Field(
         default=None, description="The model placed (admission serves it).", examples=["llama3-70b"]
     )
@@ -211,7 +211,7 @@ class PlaceReply(Contract):
     fallback: str | None = Field(
         default=None, description="Which fallback made it fit (its cost is in the explanation).", examples=[None]
     )
-    queue_position: int | None = Field(default=None, description="When queued: 1 is next.", examples=[None])
+    queue_position: Int | None = Field(default=None, description="When queued: 1 is next.", examples=[None])
     binding: list[NodeBinding] | None = Field(default=None, description="Per node: how to start the engine.")
     launch: EngineLaunch | None = Field(default=None, description="Engine arguments that realise the placement.")
     estimate: Estimate | None = Field(default=None, description="Latency model estimates for the placement.")
@@ -234,7 +234,7 @@ class RenewRequest(Request):
         min_length=1, max_length=ID_MAX, description="Allocation to renew.", examples=["alloc-1"]
     )
     tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Owner.", examples=["acme"])
-    lease_s: int = Field(
+    lease_s: Int = Field(
         gt=0, le=MAX_LEASE_S, description="New lease length from now (at most 30 days).", examples=[300]
     )
 
@@ -258,19 +258,21 @@ class AdmitRequest(Request):
     model: str = Field(
         min_length=1, max_length=NAME_MAX, description="A catalog model or a model group.", examples=["chat-8b"]
     )
-    input_tokens: int = Field(gt=0, le=MAX_ADMIT_TOKENS, description="Input tokens.", examples=[1000])
-    output_tokens: int = Field(gt=0, le=MAX_ADMIT_TOKENS, description="Expected maximum output.", examples=[200])
+    input_tokens: Int = Field(gt=0, le=MAX_ADMIT_TOKENS, description="Input tokens.", examples=[1000])
+    output_tokens: Int = Field(gt=0, le=MAX_ADMIT_TOKENS, description="Expected maximum output.", examples=[200])
     slo: Slo | None = Field(default=None, description="Latency objectives.")
     region: str | None = Field(default=None, max_length=NAME_MAX, description="Region.", examples=["us-west-1"])
     hint: EngineHint = Field(default="auto", description="Engine preference.", examples=["auto"])
     session_id: str | None = Field(default=None, max_length=NAME_MAX, description="Session.", examples=["s-9"])
-    lease_s: int = Field(
+    lease_s: Int = Field(
         default=300, gt=0, le=86400, description="Longest the KV is held without a release.", examples=[300]
     )
     failed_replica_id: str | None = Field(
         default=None,
         max_length=ID_MAX,
-        description="A replica that just failed or timed out this request: fail over past it.",
+        description="A replica that just failed or timed out this request: it leaves rotation and the request "
+        "fails over past it. Heard only from a tenant holding an admission on that replica; otherwise ignored "
+        "(`failed_replica_ignored` in the reply).",
         examples=[None],
     )
 
@@ -289,12 +291,18 @@ class AdmitReply(Contract):
     engine: EngineName | None = Field(default=None, description="Engine kind of the replica.", examples=["ssm"])
     model: str | None = Field(default=None, description="The model that serves it.", examples=["mamba2-2.7b"])
     region: str | None = Field(default=None, description="Region of the replica.", examples=["us-west-1"])
-    kv_bytes: int | None = Field(default=None, description="KV (or SSM state) bytes held.", examples=[1_048_576])
+    kv_bytes: Int | None = Field(default=None, description="KV (or SSM state) bytes held.", examples=[1_048_576])
     lease_expires_at: datetime | None = Field(default=None, description="When the hold ends without a release.")
-    queue_position: int | None = Field(default=None, description="When queued: 1 is next.", examples=[None])
+    queue_position: Int | None = Field(default=None, description="When queued: 1 is next.", examples=[None])
     explanation: str | None = Field(default=None, description="Why this replica (or why none).")
     failover: list[str] | None = Field(
         default=None, description="Replicas to try next, in order, if this one fails.", examples=[["al-8"]]
+    )
+    failed_replica_ignored: bool | None = Field(
+        default=None,
+        description="Whether the request's `failed_replica_id` was ignored (the tenant held no admission on that "
+        "replica, so it stayed in rotation); null when the request named none.",
+        examples=[None],
     )
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
     details: dict[str, Any] | None = Field(default=None, description="Extra.")

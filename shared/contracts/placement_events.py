@@ -6,7 +6,7 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from shared.contracts.base import Contract
+from shared.contracts.base import Contract, Float, Int
 from shared.contracts.placement import PlaceReply, PlaceRequest
 
 
@@ -30,8 +30,8 @@ class PlacementEvent(Contract):
     tenant: str = Field(description="Tenant.", examples=["acme"])
     model: str = Field(description="Model.", examples=["llama3-70b"])
     reply: PlaceReply = Field(description="The `placement.place` reply, explanation included.")
-    decision_ms: float = Field(description="Time the decision took.", examples=[0.4])
-    attempts: int = Field(default=1, description="Ledger commits tried (conflicts retry).", examples=[1])
+    decision_ms: Float = Field(description="Time the decision took.", examples=[0.4])
+    attempts: Int = Field(default=1, description="Ledger commits tried (conflicts retry).", examples=[1])
     request: PlaceRequest | None = Field(
         default=None, description="What was asked (the rebalancer asks it again, with a new id, to move it)."
     )

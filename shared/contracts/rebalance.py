@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from shared.contracts.base import Contract, Request
+from shared.contracts.base import Contract, Float, Int, Request
 
 PlanKind = Literal["replicate", "consolidate", "defragment", "throttle", "replace"]
 PlanState = Literal["open", "running", "done", "failed", "rolled_back"]
@@ -37,13 +37,13 @@ class TargetView(Contract):
     key: str = Field(description="What the detector watches: a replica, node, pod or allocation.", examples=["n1"])
     phase: Literal["ok", "pending", "firing"] = Field(description="Its state.", examples=["pending"])
     since: datetime = Field(description="Pending: when the condition started; firing: when it fired.")
-    value: float = Field(description="The last sample.", examples=[0.91])
+    value: Float = Field(description="The last sample.", examples=[0.91])
 
 
 class DetectorView(Contract):
     name: str = Field(description="`hbm_hot`, `hbm_cold`, `tpu_fragmentation`, `pcie_hot`, ...", examples=["hbm_hot"])
-    threshold: float = Field(description="Its threshold.", examples=[0.85])
-    window_s: float = Field(description="How long the condition must hold.", examples=[60])
+    threshold: Float = Field(description="Its threshold.", examples=[0.85])
+    window_s: Float = Field(description="How long the condition must hold.", examples=[60])
     above: bool = Field(default=True, description="Fires above the threshold (False: below).")
     state: Literal["ok", "pending", "firing"] = Field(description="Firing if any target fires.", examples=["ok"])
     targets: list[TargetView] = Field(default_factory=list, description="Targets not ok.")
@@ -86,16 +86,16 @@ class DetectorEvent(Contract):
 
     detector: str = Field(description="Detector.", examples=["hbm_hot"])
     key: str = Field(description="Target.", examples=["al-..."])
-    value: float = Field(description="The sample that made it change.", examples=[0.91])
-    threshold: float = Field(description="Threshold.", examples=[0.85])
-    window_s: float = Field(description="Window.", examples=[60])
+    value: Float = Field(description="The sample that made it change.", examples=[0.91])
+    threshold: Float = Field(description="Threshold.", examples=[0.85])
+    window_s: Float = Field(description="Window.", examples=[60])
 
 
 class PlanEvent(Contract):
     """Payload of `plan_created` / `plan_step` / `plan_finished`: the plan as it is now."""
 
     plan: PlanView = Field(description="The plan.")
-    step: int | None = Field(default=None, description="plan_step: the step's index.")
+    step: Int | None = Field(default=None, description="plan_step: the step's index.")
     note: str | None = Field(default=None, description="What happened (e.g. the placement's refusal).")
 
 
@@ -103,7 +103,13 @@ class NodeThrottleEvent(Contract):
     """Payload of `throttle_started` / `throttle_ended`."""
 
     node: str = Field(description="Node.", examples=["dgx-h100-01"])
-    value: float = Field(description="PCIe utilisation that started or ended it.", examples=[0.82])
+    value: Float = Field(description="PCIe utilisation that started or ended it.", examples=[0.82])
+    restated: bool = Field(
+        default=False,
+        description="`throttle_started` only: a throttle that started before, published again so a reader folding "
+        "the stream from a later first sequence knows it (`value`: its latest sample). See docs/RETENTION.md.",
+        examples=[False],
+    )
 
 
 class ReplicaDrainingEvent(Contract):
@@ -112,6 +118,11 @@ class ReplicaDrainingEvent(Contract):
 
     allocation_id: str = Field(description="The replica's allocation.", examples=["al-..."])
     plan_id: str = Field(description="The plan moving it.", examples=["rb-1"])
+    restated: bool = Field(
+        default=False,
+        description="A replica told draining before, told again while its plan runs (docs/RETENTION.md).",
+        examples=[False],
+    )
 
 
 class DriftAlarmEvent(Contract):
@@ -119,6 +130,6 @@ class DriftAlarmEvent(Contract):
     than the threshold (10% of the allocation)."""
 
     allocation_id: str = Field(description="Allocation.", examples=["al-..."])
-    observed_bytes: int = Field(description="HBM in use on its GPUs per telemetry.", examples=[30_000_000_000])
-    reserved_bytes: int = Field(description="What it reserved there.", examples=[20_000_000_000])
-    ratio: float = Field(description="|observed - reserved| / reserved.", examples=[0.5])
+    observed_bytes: Int = Field(description="HBM in use on its GPUs per telemetry.", examples=[30_000_000_000])
+    reserved_bytes: Int = Field(description="What it reserved there.", examples=[20_000_000_000])
+    ratio: Float = Field(description="|observed - reserved| / reserved.", examples=[0.5])

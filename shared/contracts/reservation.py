@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, model_validator
 
-from shared.contracts.base import ID_MAX, NAME_MAX, Contract, ErrorBody, Request
+from shared.contracts.base import ID_MAX, NAME_MAX, Contract, ErrorBody, Float, Int, Request
 from shared.domain.reservations import Backoff, Borrow, Preemption, Reservation
 
 PolicyName = Literal["hard", "soft", "spot"]
@@ -31,6 +31,9 @@ class ReservationEventName(StrEnum):
     LENT = "lent"  # a borrower's allocation landed on the reservation's accelerators
     RECLAIMED = "reclaimed"  # a borrower's allocation left them (preempted, released or expired)
     PREEMPTED = "preempted"  # a borrower is told to leave by `deadline_at`
+    # the whole state again, unchanged (its version too), so a fold from the stream's first sequence finds every
+    # live reservation inside the stream's max age (docs/RETENTION.md)
+    RESTATED = "restated"
 
 
 AccId = Annotated[str, StringConstraints(min_length=1, max_length=ID_MAX)]
@@ -48,14 +51,14 @@ class ReservationCreateRequest(Request):
     accelerators: list[AccId] | None = Field(
         default=None, max_length=4096, description="Explicit accelerators.", examples=[None]
     )
-    count: int | None = Field(default=None, gt=0, le=100_000, description="How many accelerators.", examples=[8])
+    count: Int | None = Field(default=None, gt=0, le=100_000, description="How many accelerators.", examples=[8])
     sku: str | None = Field(
         default=None, max_length=NAME_MAX, description="SKU, with count.", examples=["H100-SXM-80GB"]
     )
     region: str | None = Field(
         default=None, max_length=NAME_MAX, description="Region, with count.", examples=["us-west-1"]
     )
-    spot_eviction_s: int = Field(
+    spot_eviction_s: Int = Field(
         default=MAX_SPOT_EVICTION_S,
         ge=MIN_SPOT_EVICTION_S,
         le=MAX_SPOT_EVICTION_S,
@@ -105,14 +108,14 @@ class BorrowView(Contract):
     allocation_id: str = Field(description="The borrower's allocation.", examples=["al-..."])
     tenant: str = Field(description="The borrower.", examples=["globex"])
     accelerators: list[str] = Field(description="Of the reservation's, those it holds.")
-    bytes: dict[str, int] = Field(default_factory=dict, description="HBM bytes it holds per accelerator.")
+    bytes: dict[str, Int] = Field(default_factory=dict, description="HBM bytes it holds per accelerator.")
     lent_at: datetime = Field(description="When it landed (reclaim takes the latest first).")
 
 
 class BackoffView(Contract):
     accelerator: str = Field(description="Accelerator.", examples=["dgx-h100-01/gpu0"])
     until: datetime = Field(description="Not lent again before this.")
-    strikes: int = Field(description="Reclaims in a row (each doubles the wait).", examples=[1])
+    strikes: Int = Field(description="Reclaims in a row (each doubles the wait).", examples=[1])
     last: datetime = Field(description="The last reclaim.")
 
 
@@ -135,14 +138,14 @@ class ReservationState(Contract):
     sku: str | None = Field(default=None, description="SKU (when all its accelerators share one).")
     region: str | None = Field(default=None, description="Region (when all share one).")
     accelerators: list[str] = Field(description="Reserved accelerators.")
-    spot_eviction_s: int = Field(default=MAX_SPOT_EVICTION_S, description="Spot: borrower's notice.")
+    spot_eviction_s: Int = Field(default=MAX_SPOT_EVICTION_S, description="Spot: borrower's notice.")
     created_at: datetime = Field(description="Created.")
     state: Literal["active", "cancelled"] = Field(default="active", description="State.")
     offered: list[str] = Field(default_factory=list, description="Accelerators open to borrowers now.")
     borrowers: list[BorrowView] = Field(default_factory=list, description="Borrowers on it, oldest first.")
     backoff: list[BackoffView] = Field(default_factory=list, description="Accelerators not lent again yet.")
     preemptions: list[PreemptionView] = Field(default_factory=list, description="Preemptions not yet done.")
-    version: int = Field(default=1, description="Bumped by every change.")
+    version: Int = Field(default=1, description="Bumped by every change.")
 
 
 class ReservationEvent(Contract):
@@ -164,12 +167,12 @@ class ReservationStatusView(Contract):
     sku: str | None = Field(default=None, description="SKU.")
     region: str | None = Field(default=None, description="Region.")
     accelerators: list[str] = Field(description="Reserved accelerators.")
-    owner_used: int = Field(description="Accelerators the owner uses.", examples=[60])
-    lent: int = Field(description="Accelerators borrowers use.", examples=[30])
-    idle: int = Field(description="Accelerators nobody uses.", examples=[10])
-    offered: int = Field(default=0, description="Accelerators open to borrowers now.", examples=[10])
-    fill_rate: float = Field(description="(owner_used + lent) / reserved.", examples=[0.9])
-    idle_cost_usd_per_hour: float = Field(description="What the idle ones cost per hour.", examples=[32.0])
+    owner_used: Int = Field(description="Accelerators the owner uses.", examples=[60])
+    lent: Int = Field(description="Accelerators borrowers use.", examples=[30])
+    idle: Int = Field(description="Accelerators nobody uses.", examples=[10])
+    offered: Int = Field(default=0, description="Accelerators open to borrowers now.", examples=[10])
+    fill_rate: Float = Field(description="(owner_used + lent) / reserved.", examples=[0.9])
+    idle_cost_usd_per_hour: Float = Field(description="What the idle ones cost per hour.", examples=[32.0])
     borrowers: list[BorrowView] = Field(default_factory=list, description="Who borrows, oldest first.")
     preemptions: list[PreemptionView] = Field(default_factory=list, description="Preemptions in progress.")
 
@@ -177,8 +180,8 @@ class ReservationStatusView(Contract):
 class ReservationStatusReply(Contract):
     status: Literal["ok"] = Field(default="ok", description="`ok`.", examples=["ok"])
     reservations: list[ReservationStatusView] = Field(default_factory=list, description="With fill rate and lent.")
-    fill_rate: float | None = Field(default=None, description="The tenant's, over all its reservations.")
-    idle_cost_usd_per_hour: float = Field(default=0.0, description="The tenant's idle reserved capacity, per hour.")
+    fill_rate: Float | None = Field(default=None, description="The tenant's, over all its reservations.")
+    idle_cost_usd_per_hour: Float = Field(default=0.0, description="The tenant's idle reserved capacity, per hour.")
 
 
 class ReservationReportRequest(Request):
@@ -187,13 +190,13 @@ class ReservationReportRequest(Request):
 
 class ReservationReportReply(Contract):
     status: Literal["ok"] = Field(default="ok", description="`ok`.", examples=["ok"])
-    fill_rate: float | None = Field(default=None, description="Overall (None: nothing reserved).", examples=[0.9])
-    by_tenant: dict[str, float] = Field(default_factory=dict, description="Fill rate per tenant.")
-    by_cluster: dict[str, float] = Field(default_factory=dict, description="Fill rate per `<region>/<cluster>`.")
-    reserved: int = Field(default=0, description="Accelerators reserved.", examples=[100])
-    owner_used: int = Field(default=0, description="Used by their owners.", examples=[60])
-    lent: int = Field(default=0, description="Used by borrowers.", examples=[30])
-    idle_cost_usd_per_hour: float = Field(default=0.0, description="Idle reserved capacity, per hour.")
+    fill_rate: Float | None = Field(default=None, description="Overall (None: nothing reserved).", examples=[0.9])
+    by_tenant: dict[str, Float] = Field(default_factory=dict, description="Fill rate per tenant.")
+    by_cluster: dict[str, Float] = Field(default_factory=dict, description="Fill rate per `<region>/<cluster>`.")
+    reserved: Int = Field(default=0, description="Accelerators reserved.", examples=[100])
+    owner_used: Int = Field(default=0, description="Used by their owners.", examples=[60])
+    lent: Int = Field(default=0, description="Used by borrowers.", examples=[30])
+    idle_cost_usd_per_hour: Float = Field(default=0.0, description="Idle reserved capacity, per hour.")
 
 
 class ReservationReclaimRequest(Request):

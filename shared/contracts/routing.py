@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from shared.contracts.base import NAME_MAX, Contract, ErrorBody, Request
+from shared.contracts.base import NAME_MAX, Contract, ErrorBody, Float, Int, Request
 from shared.contracts.placement import MAX_ADMIT_TOKENS, AdmitReply, EngineHint, Slo
 
 
@@ -36,8 +36,8 @@ class RouteSelectRequest(Request):
     model: str = Field(
         min_length=1, max_length=NAME_MAX, description="A catalog model or model group.", examples=["llama3-70b"]
     )
-    input_tokens: int = Field(gt=0, le=MAX_ADMIT_TOKENS, description="Input tokens.", examples=[1000])
-    output_tokens: int = Field(gt=0, le=MAX_ADMIT_TOKENS, description="Output tokens.", examples=[200])
+    input_tokens: Int = Field(gt=0, le=MAX_ADMIT_TOKENS, description="Input tokens.", examples=[1000])
+    output_tokens: Int = Field(gt=0, le=MAX_ADMIT_TOKENS, description="Output tokens.", examples=[200])
     slo: Slo | None = Field(default=None, description="Latency objectives.")
     in_flight: bool = Field(
         default=False,
@@ -52,28 +52,28 @@ class RouteCost(Contract):
     """The cost of the chosen region: normalised terms (0..1 over the candidate regions), their weights and
     the total alpha*rtt + beta*price + gamma*power - delta*affinity (lower is better)."""
 
-    rtt: float = Field(description="Normalised RTT from the origin.", examples=[0.4])
-    price: float = Field(description="Normalised price per accelerator-hour.", examples=[0.8])
-    power: float = Field(description="Normalised power cost (power x PUE x $/kWh).", examples=[0.7])
-    affinity: float = Field(description="The tenant's affinity to the region (0.1..1, 0: no history).", examples=[1.0])
-    total: float = Field(description="Weighted total.", examples=[0.3])
-    weights: dict[str, float] = Field(
+    rtt: Float = Field(description="Normalised RTT from the origin.", examples=[0.4])
+    price: Float = Field(description="Normalised price per accelerator-hour.", examples=[0.8])
+    power: Float = Field(description="Normalised power cost (power x PUE x $/kWh).", examples=[0.7])
+    affinity: Float = Field(description="The tenant's affinity to the region (0.1..1, 0: no history).", examples=[1.0])
+    total: Float = Field(description="Weighted total.", examples=[0.3])
+    weights: dict[str, Float] = Field(
         description="alpha, beta, gamma, delta as `rtt`, `price`, `power`, `affinity`.",
         examples=[{"rtt": 0.4, "price": 0.3, "power": 0.1, "affinity": 0.2}],
     )
-    rtt_ms: float = Field(description="RTT origin -> region.", examples=[62.0])
-    price_usd_per_hour: float = Field(description="Accelerator-hour price there.", examples=[2.9])
-    power_usd_per_hour: float = Field(description="Power cost of one accelerator-hour there.", examples=[0.06])
+    rtt_ms: Float = Field(description="RTT origin -> region.", examples=[62.0])
+    price_usd_per_hour: Float = Field(description="Accelerator-hour price there.", examples=[2.9])
+    power_usd_per_hour: Float = Field(description="Power cost of one accelerator-hour there.", examples=[0.06])
 
 
 class RouteSelectReply(Contract):
     status: Literal["routed", "rejected"] = Field(description="`routed` or `rejected`.", examples=["routed"])
     region: str | None = Field(default=None, description="Chosen region.", examples=["us-east-1"])
     tier: Literal["affinity", "cost", "fallback"] | None = Field(default=None, description="Why that region.")
-    rtt_ms: float | None = Field(default=None, description="RTT origin->region.", examples=[62.0])
+    rtt_ms: Float | None = Field(default=None, description="RTT origin->region.", examples=[62.0])
     cost: RouteCost | None = Field(default=None, description="The cost terms of the chosen region.")
     switched: bool = Field(default=False, description="The tenant's region changed with this request.")
-    relaxed_ttft_ms: float | None = Field(
+    relaxed_ttft_ms: Float | None = Field(
         default=None, description="Fallback tier: the TTFT SLO admission was asked with.", examples=[None]
     )
     explanation: str | None = Field(default=None, description="Why this region, for a human.")

@@ -94,6 +94,13 @@ def untoken(value: str) -> str:
     return base64.b32decode(body + "=" * (-len(body) % 8)).decode()
 
 
+def names_scope(subject: str, name: str) -> bool:
+    """Whether ``subject``'s last token is exactly ``name``'s ``token``: how a node-scoped message (an agent's
+    heartbeat, GPU telemetry, engine status) is held to the node its body names. Whole tokens compare
+    exactly, so node ``dgx-0`` never speaks for ``dgx-02``."""
+    return subject.rpartition(".")[2] == token(name)
+
+
 class Context(StrEnum):
     """Bounded contexts; each has one event stream named after it in upper case."""
 

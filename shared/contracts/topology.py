@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from shared.contracts.base import NAME_MAX, TEXT_MAX, Contract, ErrorBody, Request
+from shared.contracts.base import NAME_MAX, TEXT_MAX, Contract, ErrorBody, Float, Int, Request
 
 
 class TopologyEvent(StrEnum):
@@ -49,7 +49,7 @@ class FabricInfoPayload(Contract):
     cluster_uuid: str = Field(
         max_length=NAME_MAX, description="Fabric cluster UUID.", examples=["c0ffee00-0000-0000-0000-000000000001"]
     )
-    clique_id: int = Field(description="Clique within the cluster: GPUs of one clique share NVLink.", examples=[1])
+    clique_id: Int = Field(description="Clique within the cluster: GPUs of one clique share NVLink.", examples=[1])
     state: str = Field(
         default="completed", max_length=NAME_MAX, description="Fabric registration state.", examples=["completed"]
     )
@@ -59,20 +59,20 @@ class FabricInfoPayload(Contract):
 class AcceleratorProfile(Contract):
     """One GPU as a provider profiled it."""
 
-    index: int = Field(ge=0, description="GPU index on the node, as nvidia-smi numbers it.", examples=[0])
+    index: Int = Field(ge=0, description="GPU index on the node, as nvidia-smi numbers it.", examples=[0])
     sku: str = Field(max_length=NAME_MAX, description="Catalog SKU.", examples=["H100-SXM-80GB"])
-    hbm_bytes: int = Field(ge=0, description="HBM bytes.", examples=[85_899_345_920])
+    hbm_bytes: Int = Field(ge=0, description="HBM bytes.", examples=[85_899_345_920])
     uuid: str | None = Field(default=None, max_length=NAME_MAX, description="GPU UUID.", examples=["GPU-5f1c..."])
     pci_bus_id: str | None = Field(
         default=None, max_length=NAME_MAX, description="PCI bus id.", examples=["00000000:18:00.0"]
     )
-    numa_node: int | None = Field(default=None, description="NUMA node.", examples=[0])
+    numa_node: Int | None = Field(default=None, description="NUMA node.", examples=[0])
     cpu_affinity: str | None = Field(
         default=None, max_length=TEXT_MAX, description="CPU set close to the GPU.", examples=["0-47"]
     )
-    power_limit_w: float | None = Field(default=None, description="Power limit.", examples=[700.0])
-    pcie_gen_max: int | None = Field(default=None, description="Max PCIe generation.", examples=[5])
-    pcie_width_max: int | None = Field(default=None, description="Max PCIe lanes.", examples=[16])
+    power_limit_w: Float | None = Field(default=None, description="Power limit.", examples=[700.0])
+    pcie_gen_max: Int | None = Field(default=None, description="Max PCIe generation.", examples=[5])
+    pcie_width_max: Int | None = Field(default=None, description="Max PCIe lanes.", examples=[16])
     fabric: FabricInfoPayload | None = Field(default=None, description="Multi-node NVLink fabric, if any.")
 
 
@@ -91,7 +91,7 @@ class NodeProfilePayload(Contract):
     links: list[list[Annotated[str, StringConstraints(max_length=LINK_MAX)]]] = Field(
         description="GPU x GPU link codes (`X`, `NV18`, `PIX`, `SYS`, ...).", examples=[[["X", "NV18"], ["NV18", "X"]]]
     )
-    numa: list[int | None] = Field(default_factory=list, description="NUMA node per GPU.", examples=[[0, 0]])
+    numa: list[Int | None] = Field(default_factory=list, description="NUMA node per GPU.", examples=[[0, 0]])
     accelerators: list[AcceleratorProfile] = Field(description="GPUs, in index order.")
 
 
@@ -102,7 +102,7 @@ class ProfileError(Contract):
         description="What went wrong (cut to 1,000 characters).",
         examples=["line 5: expected 8 link cells for GPU3, found 6"],
     )
-    line: int | None = Field(default=None, description="Line of the tool output, when a parse failed.", examples=[5])
+    line: Int | None = Field(default=None, description="Line of the tool output, when a parse failed.", examples=[5])
     provider: str = Field(max_length=NAME_MAX, description="Provider that failed.", examples=["nvidia-smi"])
 
     @field_validator("message", mode="before")
@@ -169,7 +169,7 @@ class NodeStateEvent(Contract):
     node: str = Field(description="Node name.", examples=["dgx-h100-01"])
     region: str = Field(description="Region.", examples=["us-west-1"])
     accelerators: list[str] = Field(description="Its accelerator ids.", examples=[["dgx-h100-01/gpu0"]])
-    last_seen_ms_ago: float | None = Field(default=None, description="Silence before it was declared lost.")
+    last_seen_ms_ago: Float | None = Field(default=None, description="Silence before it was declared lost.")
 
 
 class NodeProfileFailedEvent(Contract):
@@ -178,13 +178,13 @@ class NodeProfileFailedEvent(Contract):
 
 
 class GpuSample(Contract):
-    index: int = Field(description="GPU index on the node.", examples=[0])
-    memory_used_bytes: int | None = Field(default=None, description="HBM used.", examples=[1_073_741_824])
-    memory_free_bytes: int | None = Field(default=None, description="HBM free.", examples=[84_825_604_096])
-    utilization_pct: float | None = Field(default=None, description="GPU utilisation.", examples=[37.0])
-    power_w: float | None = Field(default=None, description="Power draw.", examples=[312.5])
-    pcie_tx_bytes_per_s: float | None = Field(default=None, description="PCIe TX.", examples=[1.2e9])
-    pcie_rx_bytes_per_s: float | None = Field(default=None, description="PCIe RX.", examples=[0.8e9])
+    index: Int = Field(description="GPU index on the node.", examples=[0])
+    memory_used_bytes: Int | None = Field(default=None, description="HBM used.", examples=[1_073_741_824])
+    memory_free_bytes: Int | None = Field(default=None, description="HBM free.", examples=[84_825_604_096])
+    utilization_pct: Float | None = Field(default=None, description="GPU utilisation.", examples=[37.0])
+    power_w: Float | None = Field(default=None, description="Power draw.", examples=[312.5])
+    pcie_tx_bytes_per_s: Float | None = Field(default=None, description="PCIe TX.", examples=[1.2e9])
+    pcie_rx_bytes_per_s: Float | None = Field(default=None, description="PCIe RX.", examples=[0.8e9])
 
 
 class GpuTelemetryEvent(Contract):
@@ -201,12 +201,12 @@ class EngineStatusEvent(Contract):
         min_length=1, max_length=NAME_MAX, description="The replica's allocation id.", examples=["al-7"]
     )
     node: str = Field(min_length=1, max_length=NAME_MAX, description="Node the engine runs on.", examples=["dgx-1"])
-    queue_depth: int = Field(ge=0, le=1_000_000, description="Requests waiting in the engine.", examples=[3])
-    kv_used_bytes: int = Field(ge=0, description="KV cache (or SSM state) in use.", examples=[12_000_000_000])
-    kv_total_bytes: int = Field(ge=0, description="KV cache (or SSM state) capacity.", examples=[40_000_000_000])
-    latency_p50_ms: float = Field(ge=0, le=3_600_000, description="Recent TTFT p50.", examples=[85.0])
-    latency_p99_ms: float = Field(ge=0, le=3_600_000, description="Recent TTFT p99.", examples=[240.0])
-    slo_violations: int = Field(default=0, ge=0, description="Recent requests past their SLO.", examples=[0])
+    queue_depth: Int = Field(ge=0, le=1_000_000, description="Requests waiting in the engine.", examples=[3])
+    kv_used_bytes: Int = Field(ge=0, description="KV cache (or SSM state) in use.", examples=[12_000_000_000])
+    kv_total_bytes: Int = Field(ge=0, description="KV cache (or SSM state) capacity.", examples=[40_000_000_000])
+    latency_p50_ms: Float = Field(ge=0, le=3_600_000, description="Recent TTFT p50.", examples=[85.0])
+    latency_p99_ms: Float = Field(ge=0, le=3_600_000, description="Recent TTFT p99.", examples=[240.0])
+    slo_violations: Int = Field(default=0, ge=0, description="Recent requests past their SLO.", examples=[0])
     healthy: bool = Field(default=True, description="The engine's own health check.", examples=[True])
 
 
@@ -216,6 +216,6 @@ class TpuPodEvent(Contract):
     pod: str = Field(description="Pod name.", examples=["v5e-pod-1"])
     region: str = Field(description="Region.", examples=["us-west-1"])
     type: str = Field(description="`v5e` or `v5p`.", examples=["v5e"])
-    shape: list[int] = Field(description="Chips per axis.", examples=[[16, 16]])
+    shape: list[Int] = Field(description="Chips per axis.", examples=[[16, 16]])
     sku: str = Field(description="Catalog SKU of its chips.", examples=["TPU-V5E"])
-    hbm_per_chip: int = Field(description="HBM bytes per chip.", examples=[17_179_869_184])
+    hbm_per_chip: Int = Field(description="HBM bytes per chip.", examples=[17_179_869_184])

@@ -11,7 +11,9 @@ from enum import StrEnum
 
 class ErrorCode(StrEnum):
     """The closed list of error codes. ``not_implemented`` marks a subject not built yet;
-    ``deadline_exceeded``: the caller's deadline passed before the work was done (nothing was done)."""
+    ``deadline_exceeded``: the caller's deadline passed before the work was done (nothing was done);
+    ``quota_exceeded``: the request would take its tenant past a quota (``shared.domain.quotas``; nothing
+    was recorded)."""
 
     INVALID_REQUEST = "invalid_request"
     UNKNOWN_MODEL = "unknown_model"
@@ -23,4 +25,5 @@ class ErrorCode(StrEnum):
     UNSUPPORTED_VERSION = "unsupported_version"
     NOT_IMPLEMENTED = "not_implemented"
     DEADLINE_EXCEEDED = "deadline_exceeded"
+    QUOTA_EXCEEDED = "quota_exceeded"
     INTERNAL = "internal"

@@ -57,6 +57,15 @@ class AcceleratorId:
             return AcceleratorId(host=host, chip=tuple(int(p) for p in parts))
         raise ValueError(f"not an accelerator id: {value!r}")
 
+    @staticmethod
+    def on_host(value: str, host: str) -> bool:
+        """Whether the accelerator ``value`` is on node (or pod) ``host``: its host compared exactly (a
+        prefix test would put ``a/b/gpu0`` on node ``a``); an id that does not parse is on none."""
+        try:
+            return AcceleratorId.parse(value).host == host
+        except ValueError:
+            return False
+
     def __str__(self) -> str:
         if self.gpu_index is not None:
             return AcceleratorId.gpu(self.host, self.gpu_index)

@@ -7,9 +7,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import ConsumerConfig, DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
+from nats.nuid import NUID
 from opentelemetry.trace import SpanKind
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -29,7 +31,7 @@ from shared.contracts.envelope import EventEnvelope
 from shared.contracts.permissions import EVENT_PUBLISHERS, NODE_SCOPED_EVENTS
 from shared.contracts.registry import EVENTS
 from shared.contracts.streams import StreamSpec
-from shared.contracts.subjects import Context, token
+from shared.contracts.subjects import Context, names_scope
 from shared.infra import tracing
 from shared.infra.deadletter import UnappliableEvent
 from shared.infra.inbox import claim
@@ -52,17 +54,25 @@ def _stream_config(spec: StreamSpec) -> StreamConfig:
         discard=DiscardPolicy.OLD,
         duplicate_window=spec.duplicate_window_s,
         max_age=spec.max_age_s,
+        max_bytes=spec.max_bytes,
         num_replicas=spec.replicas,
     )
 
 
+def _limits(max_age_s: float | None, max_bytes: int | None) -> tuple[float, int]:
+    """A stream's limits as JetStream states them (0 s and -1 bytes: none), to compare a spec with a stream."""
+    return (round(max_age_s or 0.0, 3), max_bytes if max_bytes and max_bytes > 0 else -1)
+
+
 async def ensure_streams(js: JetStreamContext, specs: tuple[StreamSpec, ...], *, update: bool = True) -> None:
-    """Create or (``update``) update every stream; safe to run from several services at once."""
+    """Create or (``update``) update every stream, limits included (a stream made with other limits gets
+    these in place); safe to run from several services at once. A stream this caller may not update
+    (``update=False``) whose limits differ from the spec is left as it is, with one WARNING line."""
     for spec in specs:
         config = _stream_config(spec)
         for _attempt in range(3):
             try:
-                await js.stream_info(spec.name)
+                info = await js.stream_info(spec.name)
             except NotFoundError:
                 try:
                     await js.add_stream(config)
@@ -72,7 +82,70 @@ async def ensure_streams(js: JetStreamContext, specs: tuple[StreamSpec, ...], *,
             else:
                 if update:
                     await js.update_stream(config)
+                elif _limits(info.config.max_age, info.config.max_bytes) != _limits(spec.max_age_s, spec.max_bytes):
+                    log.warning(
+                        "a stream's limits differ from the settings; its owner or the operator updates it",
+                        extra={
+                            "stream": spec.name,
+                            "max_age_s": info.config.max_age,
+                            "max_bytes": info.config.max_bytes,
+                            "wanted_max_age_s": spec.max_age_s,
+                            "wanted_max_bytes": spec.max_bytes,
+                        },
+                    )
                 break
+
+
+ORDERED_HEARTBEAT_S = 5.0
+"""Idle heartbeat of an ordered consumer: two missed (its consumer deleted, say) and it is re-created."""
+
+
+def ordered_name() -> str:
+    """A fresh, unguessable name for an ordered consumer (no other identity may list consumers)."""
+    return NUID().next().decode()
+
+
+async def follow(
+    js: JetStreamContext,
+    subject: str,
+    *,
+    stream: str,
+    cb: Callable[[Msg], Awaitable[None]],
+    deliver_policy: DeliverPolicy,
+    log: logging.Logger = log,
+    idle_heartbeat_s: float = ORDERED_HEARTBEAT_S,
+) -> JetStreamContext.PushSubscription:
+    """An ordered (ephemeral, push) consumer of ``subject`` on ``stream`` that calls ``cb`` with each event.
+
+    It is created under a name of our own in the subject that names it and its filter
+    (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<subject>``), the only form a service's permissions allow
+    for ordered consumers (``shared.contracts.permissions.consumer_grants``). nats-py re-creates an ordered
+    consumer from the next sequence after a gap or two missed heartbeats (one deleted under it): each
+    re-creation gets a new name, as the old consumer may still exist (reusing its name would be an update
+    the server refuses), and is logged.
+    """
+    subscription = await js.subscribe(
+        subject,
+        stream=stream,
+        cb=cb,
+        ordered_consumer=True,
+        deliver_policy=deliver_policy,
+        idle_heartbeat=idle_heartbeat_s,
+        config=ConsumerConfig(name=ordered_name()),
+    )
+    state: Any = subscription._sub._jsi  # nats-py's ordered-consumer state: what its reset re-creates
+    recreate = state.recreate_consumer
+
+    async def renamed() -> None:
+        state._ccreq.name = ordered_name()
+        log.warning(
+            "ordered consumer re-created",
+            extra={"stream": stream, "subject": subject, "from_sequence": state._ccreq.opt_start_seq},
+        )
+        await recreate()
+
+    state.recreate_consumer = renamed
+    return subscription
 
 
 # Request bodies (API.md "Limits"): the size cap comes from settings (`HETSCHED_REQUEST_MAX_BYTES`).
@@ -258,7 +331,7 @@ def consume(
             raise UnappliableEvent(f"{event.type} payload does not match its contract: {_summarise(exc)}") from None
         if name in scoped and subject is not None:
             node = getattr(payload, "node", None)
-            if not isinstance(node, str) or not subject.endswith("." + token(node)):
+            if not isinstance(node, str) or not names_scope(subject, node):
                 raise UnappliableEvent(f"{event.type} names node {echo(node)} but came on {echo(subject)}")
         if skip is not None and skip(payload):
             return

@@ -184,7 +184,8 @@ def render_authorization(users: Iterable[tuple[Identity, Permissions]]) -> str:
         lines.append(f"      nkey: {json.dumps(identity.public_key)}")
         if not perms.everything:
             lines.append("      permissions: {")
-            lines.append(f"        publish: {{ allow: {_quoted(perms.publish) if perms.publish else '[]'} }}")
+            deny = f", deny: {_quoted(perms.deny_publish)}" if perms.deny_publish else ""
+            lines.append(f"        publish: {{ allow: {_quoted(perms.publish) if perms.publish else '[]'}{deny} }}")
             lines.append(f"        subscribe: {{ allow: {_quoted(perms.subscribe) if perms.subscribe else '[]'} }}")
             if perms.allow_responses:
                 lines.append("        allow_responses: true")

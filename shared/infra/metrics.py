@@ -10,15 +10,21 @@ histogram buckets, and is the reference implementation of the format. (Traces st
 (``infra/prometheus/alerts.yml``) and dashboards (``infra/grafana/``) are checked against it. A service
 builds its ``ServiceMetrics`` once (``Runtime.metrics``) and asks it for the metrics it owns; nothing is a
 module global, so tests build as many as they like.
+
+The endpoint is ``shared.infra.httpserver`` on an event loop in one thread of its own (not the service's
+loop, so a scrape still answers while that loop is busy), with a read timeout and a cap on concurrent
+connections: prometheus-client's ``start_http_server`` started a thread per connection and kept an idle
+one forever (issue 23 row 6: 200 idle connections, 202 threads).
 """
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
-from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
@@ -27,8 +33,10 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
-    start_http_server,
 )
+from prometheus_client.exposition import choose_encoder, gzip_accepted
+
+from shared.infra.httpserver import HttpServer, Limits, Request, Response
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -218,8 +226,7 @@ class ServiceMetrics:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         self._made: dict[str, Counter | Gauge | Histogram] = {}
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        self._endpoint: _Endpoint | None = None
         self.url: str | None = None
 
     def _make(self, name: str) -> Counter | Gauge | Histogram:
@@ -258,18 +265,67 @@ class ServiceMetrics:
         assert isinstance(metric, Histogram), name
         return metric
 
-    def serve(self, host: str, port: int) -> str:
-        """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; the URL."""
+    def serve(self, host: str, port: int, *, max_connections: int = 16, read_timeout_s: float = 5.0) -> str:
+        """Serve ``/metrics`` on ``host:port`` (0: a free port) from a daemon thread; the URL. At most
+        ``max_connections`` at once; one that has not sent its request within ``read_timeout_s`` is closed.
+        ``OSError`` when the address cannot be bound."""
         if self.url is not None:
             return self.url
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        bound = self._server.server_port
-        self.url = f"http://{host}:{bound}/metrics"
+        limits = Limits(max_connections=max_connections, read_timeout_s=read_timeout_s)
+        self._endpoint = _Endpoint(HttpServer(self._answer, limits), host, port)
+        self.url = f"http://{host}:{self._endpoint.port}/metrics"
         return self.url
 
+    async def _answer(self, request: Request) -> Response:
+        # As prometheus-client's own server: any path, the format the scraper asks for, gzip if accepted.
+        if request.method not in ("GET", "HEAD"):
+            return Response(405, b"GET only\n", headers=(("Allow", "GET, HEAD"),))
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        names = request.query.get("name[]")
+        output = encoder(self.registry.restricted_registry(names) if names else self.registry)
+        if gzip_accepted(request.headers.get("accept-encoding", "")):
+            return Response(200, gzip.compress(output), content_type, headers=(("Content-Encoding", "gzip"),))
+        return Response(200, output, content_type)
+
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        if self._endpoint is not None:
+            self._endpoint.stop()
+            self._endpoint = None
             self.url = None
+
+
+class _Endpoint:
+    """An ``HttpServer`` on an event loop of its own, in a daemon thread."""
+
+    def __init__(self, server: HttpServer, host: str, port: int) -> None:
+        self._server = server
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._failure: BaseException | None = None
+        self.port = 0
+        self._thread = threading.Thread(target=self._run, args=(host, port), name="metrics-http", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._failure is not None:
+            self._thread.join()
+            raise self._failure
+
+    def _run(self, host: str, port: int) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            _bound, self.port = self._loop.run_until_complete(self._server.start(host, port))
+        except BaseException as exc:  # handed to the caller of serve()
+            self._failure = exc
+            self._started.set()
+            self._loop.close()
+            return
+        self._started.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self._server.close())
+            self._loop.close()
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)

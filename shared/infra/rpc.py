@@ -69,7 +69,12 @@ def parse_reply(rpc: Rpc, data: bytes, *, rejection_as_reply: bool = False) -> B
 class CallStats:
     """How the recent calls to other services went, per context (``ledger``, ``fleet``, ...): what
     health reads to say a dependency is failing (its latest call got no answer) or slow (the median
-    of its last ``window`` calls in the last ``horizon_s`` seconds is over the threshold)."""
+    answer of its last ``window`` calls in the last ``horizon_s`` seconds is over the threshold).
+
+    A call that got no answer counts as failing, not as slow: its wait (a timeout) is left out of the
+    median, so one dependency that came back does not read slow for a minute. Failing ends with the
+    next call that is answered, a health probe's included (``shared.infra.service``), or once the
+    failure is older than ``horizon_s``."""
 
     window: int = 50
     horizon_s: float = 60.0
@@ -88,12 +93,19 @@ class CallStats:
             if not recent:
                 continue
             failed = sum(1 for _seconds, ok in recent if not ok)
-            median = statistics.median(seconds for seconds, _ok in recent)
+            answered = [seconds for seconds, ok in recent if ok]
             if not recent[-1][1]:  # the latest call got no answer: it is failing now
                 out[context] = f"{failed} of the last {len(recent)} calls got no answer, the latest among them"
-            elif median > slow_s:
-                out[context] = f"median answer {median * 1000:.0f} ms over the last {len(recent)} calls"
+            elif (median := statistics.median(answered)) > slow_s:
+                out[context] = f"median answer {median * 1000:.0f} ms over the last {len(answered)} calls"
         return out
+
+    def failing(self, *, now: float | None = None) -> set[str]:
+        """Contexts whose latest call in the last ``horizon_s`` seconds got no answer."""
+        since = (time.monotonic() if now is None else now) - self.horizon_s
+        return {
+            context for context, calls in self.calls.items() if calls and calls[-1][0] >= since and not calls[-1][2]
+        }
 
 
 class RpcClient:

@@ -40,7 +40,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from shared.contracts.base import ErrorCode, Request, rejected
 from shared.contracts.health import HealthReply, HealthRequest
 from shared.contracts.permissions import NODE_SCOPED_EVENTS, ServiceGrant, owned_streams, service_identity
-from shared.contracts.streams import deadletter_stream_name, stream_name, stream_specs
+from shared.contracts.streams import deadletter_stream_name, stream_name
 from shared.contracts.subjects import NODE_SCOPED, TENANT_SCOPED, Context, Rpc, Subjects
 from shared.infra.bus import TypedEventHandler, consume, ensure_streams
 from shared.infra.clock import Clock, system_clock
@@ -50,6 +50,7 @@ from shared.infra.identity import connect_options
 from shared.infra.metrics import ServiceMetrics
 from shared.infra.outbox import OutboxRelay
 from shared.infra.requests import Endpoint, RequestServer
+from shared.infra.retention import Pruner, Retention, stream_specs_for
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings, nats_servers
 from shared.infra.telemetry import configure_telemetry
@@ -84,6 +85,7 @@ class Runtime:
     nc: NatsClient | None = None
     js: JetStreamContext | None = None
     relay: OutboxRelay | None = None
+    pruner: Pruner | None = None  # deletes outbox and inbox rows past their retention
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     # The event consumers, for their counters (redelivered, dead_lettered).
     consumers: list[_EventLoop] = field(default_factory=list)
@@ -121,6 +123,11 @@ class Runtime:
 EVENT_BATCH = 64
 EVENT_FETCH_TIMEOUT_S = 1.0
 DEAD_LETTERED_MESSAGE = "event dead-lettered: the consumer gave up on it"
+# How often an idle consumer asks the server whether its durable still exists: a fetch on a deleted consumer
+# only times out, as an idle one does.
+CONSUMER_CHECK_S = 5.0
+CONSUMER_GONE_MESSAGE = "event consumer disappeared; re-creating it to replay its stream from the first sequence"
+CONSUMER_CAUGHT_UP_MESSAGE = "re-created event consumer caught up"
 # Server-side deliveries, as a multiple of the limit, after which a failing event is dead-lettered even
 # if this process saw fewer failures (it restarted, or the event was nak'ed behind others).
 RESTART_SLACK = 4
@@ -244,10 +251,33 @@ def _workers_check(requests: RequestServer, *, after_s: float) -> str:
     return f"saturated: every worker busy ({worst})"
 
 
+HEALTH_PROBE_TIMEOUT_S = 1.0
+
+
+def health_probes(calls: tuple[Rpc, ...]) -> dict[str, Rpc]:
+    """The dependencies a service may probe: context (``reservation``) -> its health subject, for each
+    health subject among the subjects the service calls (its NATS permissions allow just those)."""
+    return {rpc.value.split(".", 1)[0]: rpc for rpc in calls if rpc.value.endswith(".health")}
+
+
+async def _probe(runtime: Runtime, probes: Mapping[str, Rpc]) -> None:
+    """Ask the health of each dependency whose latest call got no answer: one that answers is back (the
+    call stats record the answer), so health does not wait for the next real call to say so."""
+    failing = [probes[context] for context in runtime.rpc.stats.failing() if context in probes]
+
+    async def one(rpc: Rpc) -> None:
+        with contextlib.suppress(Exception):  # no answer: recorded as such, still failing
+            await runtime.rpc.call(rpc, HealthRequest(), timeout_s=HEALTH_PROBE_TIMEOUT_S)
+
+    await asyncio.gather(*(one(rpc) for rpc in failing))
+
+
 def _health(
     runtime: Runtime,
     extra: Callable[[], Mapping[str, str]] | None,
     requests: RequestServer | None = None,
+    *,
+    probes: Mapping[str, Rpc] | None = None,
 ) -> Callable[[HealthRequest], Awaitable[BaseModel]]:
     async def handler(_request: HealthRequest) -> BaseModel:
         checks: dict[str, str] = {}
@@ -264,10 +294,15 @@ def _health(
         checks["nats"] = "ok" if runtime.nc is not None and runtime.nc.is_connected else "error: disconnected"
         if requests is not None:
             checks["workers"] = _workers_check(requests, after_s=runtime.settings.request_saturated_ms / 1000)
+        if probes:
+            await _probe(runtime, probes)
         slow = runtime.rpc.stats.slow(slow_s=slow_s)
         checks["dependencies"] = (
             "ok" if not slow else "slow: " + "; ".join(f"{k}: {v}" for k, v in sorted(slow.items()))
         )
+        loops = getattr(runtime, "consumers", None)  # a test's stand-in runtime may have none
+        if loops:
+            checks["consumers"] = consumers_check(loops)
         if extra is not None:
             checks.update(extra())
         healthy = all(v == "ok" for v in checks.values())
@@ -313,6 +348,11 @@ class _EventLoop:
     ``max_deliveries`` failures, or at once for a message ``consume`` calls unappliable, the event is
     dead-lettered (``DEADLETTER`` stream) and acknowledged: the consumer moves on. Logs: the first
     failure with its stack, each later one on one line, the dead letter on one ERROR line.
+
+    A durable deleted under it (by whoever holds the operator's key, or lost with a server's storage) is
+    re-created with its own config, so from the stream's first sequence: its ack floor went with it, and
+    events it had applied are skipped by the inbox, so nothing is lost even when several processes share
+    the durable. Until it has caught up again (nothing pending), health check ``consumers`` says so.
     """
 
     subject: str
@@ -330,26 +370,67 @@ class _EventLoop:
     # Counters the metrics endpoint exports.
     redelivered: int = 0
     dead_lettered: int = 0
+    # A re-created durable replaying its stream: how many events it had pending last (None: not known yet).
+    recovering: bool = False
+    pending: int | None = None
+    recreated: int = 0
+    checked_at: float = 0.0
 
     async def run(self, runtime: Runtime) -> None:
         subscription = await self._subscribe(runtime)
+        self.checked_at = time.monotonic()
         try:
             while True:
                 try:
                     messages = await subscription.fetch(batch=EVENT_BATCH, timeout=EVENT_FETCH_TIMEOUT_S)
                 except TimeoutError:
                     _stop_if_cancelled()  # nats-py may turn a cancellation inside fetch into a timeout
-                    continue  # nothing new
+                    subscription = await self._check(runtime, subscription)  # nothing new, or no consumer
+                    continue
                 except (ConnectionClosedError, ServiceUnavailableError, NoRespondersError):
                     _stop_if_cancelled()
                     await asyncio.sleep(EVENT_FETCH_TIMEOUT_S)  # NATS is restarting: unacked events come again
+                    # ... or the consumer is gone: a pull on a deleted one is answered 503 (no responders)
+                    subscription = await self._check(runtime, subscription)
                     continue
                 await self.apply_in_order(runtime, messages)
+                if self.recovering and messages:
+                    self.pending = messages[-1].metadata.num_pending
         finally:
             # The durable consumer stays on the server; only this process's interest ends (so a drain
             # at shutdown does not wait for a pull request that will never be answered).
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
+
+    async def _check(self, runtime: Runtime, subscription: Any) -> Any:
+        """After a fetch that timed out or found no responder: is the durable still there (asked every
+        ``CONSUMER_CHECK_S``, and each time while recovering)? A missing one is re-created (logged once,
+        naming the consumer and its stream); a re-created one with nothing pending has caught up. Returns
+        the subscription to fetch from next."""
+        now = time.monotonic()
+        if not self.recovering and now - self.checked_at < CONSUMER_CHECK_S:
+            return subscription
+        self.checked_at = now
+        try:
+            info = await runtime.jetstream.consumer_info(self.stream, self.durable)
+        except NotFoundError:
+            self.recovering, self.pending, self.recreated = True, None, self.recreated + 1
+            runtime.log.warning(CONSUMER_GONE_MESSAGE, extra={"durable": self.durable, "stream": self.stream})
+            with contextlib.suppress(Exception):  # its server-side consumer is gone already
+                await subscription.unsubscribe()
+            return await self._subscribe(runtime)
+        except Exception:  # NATS away or electing a leader: ask again at the next check
+            _stop_if_cancelled()
+            return subscription
+        if self.recovering:
+            self.pending = info.num_pending
+            if info.num_pending == 0 and info.num_ack_pending == 0:
+                self.recovering = False
+                runtime.log.info(
+                    CONSUMER_CAUGHT_UP_MESSAGE,
+                    extra={"durable": self.durable, "stream": self.stream, "sequence": info.delivered.stream_seq},
+                )
+        return subscription
 
     async def _subscribe(self, runtime: Runtime) -> Any:
         """The durable pull subscription, once its stream exists (its owner or the operator creates it:
@@ -506,6 +587,19 @@ class _EventLoop:
         return True
 
 
+def consumers_check(loops: list[_EventLoop]) -> str:
+    """Health check ``consumers``: ``ok``, or which re-created durables are still replaying their stream."""
+    recovering = [loop for loop in loops if loop.recovering]
+    if not recovering:
+        return "ok"
+    parts = [
+        f"{loop.durable} on {loop.stream} re-created, "
+        + ("replaying" if loop.pending is None else f"{loop.pending} events pending")
+        for loop in recovering
+    ]
+    return "recovering: " + "; ".join(parts)
+
+
 def _event_loop(
     runtime: Runtime, *, subject: str, context: Context, durable: str, apply: Any, together: bool = False
 ) -> _EventLoop:
@@ -621,7 +715,11 @@ def build_app(
     extra_checks = (lambda: definition.checks(ctx)) if definition.checks is not None else None  # type: ignore[misc]
     requests.add(
         Endpoint(
-            runtime.subjects.rpc(definition.health), queue, HealthRequest, _health(runtime, extra_checks, requests), 4
+            runtime.subjects.rpc(definition.health),
+            queue,
+            HealthRequest,
+            _health(runtime, extra_checks, requests, probes=health_probes(definition.calls)),
+            4,
         )
     )
     for route in definition.routes:
@@ -647,7 +745,12 @@ def build_app(
     async def _connect() -> None:
         if settings.metrics_port >= 0:  # -1: no endpoint (e.g. several services in one test process)
             try:
-                runtime.metrics.serve(settings.metrics_host, settings.metrics_port)
+                runtime.metrics.serve(
+                    settings.metrics_host,
+                    settings.metrics_port,
+                    max_connections=settings.metrics_max_connections,
+                    read_timeout_s=settings.metrics_read_timeout_s,
+                )
             except OSError as exc:  # a port taken: the service runs, its metrics say why they are missing
                 log.warning("metrics endpoint not served", extra={"error": str(exc)[:200]})
         # Our own connection for JetStream management, the relay and calls to other services, so
@@ -663,13 +766,7 @@ def build_app(
             **nats_options,
         )
         runtime.js = runtime.nc.jetstream()
-        specs = stream_specs(
-            subjects=runtime.subjects,
-            stream_prefix=settings.stream_prefix,
-            duplicate_window_s=settings.stream_duplicate_window_s,
-            telemetry_max_age_s=settings.telemetry_max_age_s,
-            replicas=settings.stream_replicas,
-        )
+        specs = stream_specs_for(settings, subjects=runtime.subjects)  # with their limits (docs/RETENTION.md)
         if settings.nats_nkey_seed_file is not None:
             # An identity of its own: it manages only its own streams (and may create DEADLETTER); the
             # operator (`hetsched up`) or the owners create the rest, which its consumers wait for.
@@ -690,6 +787,15 @@ def build_app(
                 poll_ms=settings.outbox_poll_ms,
             )
             runtime.spawn(runtime.relay.run(), name="outbox-relay")
+            runtime.pruner = Pruner(
+                sessions=runtime.sessions,
+                schema=definition.schema,
+                clock=runtime.clock,
+                retention=Retention.of(settings),
+                every_s=settings.retention_prune_s,
+                batch=settings.retention_prune_batch,
+            )
+            runtime.spawn(runtime.pruner.run(), name="retention-prune")
         for hook in definition.on_start:
             await hook(ctx)
         for event_loop in event_loops:

@@ -5,8 +5,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.contracts.streams import (
+    DEFAULT_DEADLETTER_MAX_AGE_S,
+    DEFAULT_MAX_AGE_S,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_TELEMETRY_MAX_AGE_S,
+)
+from shared.contracts.subjects import Context
+from shared.domain.quotas import Quota, Quotas, parse_overrides
 
 
 def _default_data_dir() -> Path:
@@ -94,7 +103,9 @@ class Settings(BaseSettings):
     stream_duplicate_window_s: float = Field(
         default=120.0, gt=0, description="JetStream duplicate window: a re-sent event id inside it is dropped."
     )
-    telemetry_max_age_s: float = Field(default=3600.0, gt=0, description="Max age of TELEMETRY messages.")
+    telemetry_max_age_s: float = Field(
+        default=DEFAULT_TELEMETRY_MAX_AGE_S, gt=0, description="Max age of TELEMETRY messages."
+    )
     metrics_host: str = Field(default="127.0.0.1", description="Where a service serves its Prometheus metrics.")
     metrics_port: int = Field(
         default=0,
@@ -102,6 +113,40 @@ class Settings(BaseSettings):
         le=65535,
         description="Port of a service's Prometheus metrics endpoint (0: a free one, named in its health reply "
         "and `hetsched status --json` as `metrics_url`; -1: none).",
+    )
+    # -- operator HTTP endpoints: limits of both servers, the console's access (issue 23 rows 5, 6) -------
+    metrics_max_connections: int = Field(
+        default=16,
+        gt=0,
+        le=10_000,
+        description="Connections a service's metrics endpoint holds at once; a new one displaces the oldest that "
+        "has not sent its request yet, else it gets 503.",
+    )
+    metrics_read_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="A connection to the metrics endpoint that has not sent its request within this long (or "
+        "not taken the answer within as long again) is closed.",
+    )
+    console_token: SecretStr | None = Field(
+        default=None,
+        description="Token `hetsched console` requires (at least 16 characters). Unset or empty: a new random one "
+        "at each start, printed with the URL to open.",
+    )
+    console_allowed_hosts: str = Field(
+        default="localhost,127.0.0.1,[::1]",
+        description="Host header values the console answers, comma-separated (a name without a port means the "
+        "console's port; the address given to `--host` is added). Any other Host gets 421 and no data.",
+    )
+    console_max_connections: int = Field(
+        default=64, gt=0, le=10_000, description="Connections the console holds at once (as the metrics endpoint)."
+    )
+    console_read_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="A connection to the console that has not sent its request within this long is closed.",
     )
     otel_exporter: str = Field(
         default="none", pattern=r"^(none|console|otlp)$", description="OpenTelemetry exporter for traces."
@@ -267,6 +312,54 @@ class Settings(BaseSettings):
         description="A node's PCIe utilisation is the lowest sample of this window (telemetry): it counts as over "
         "the threshold only when it stayed over it that long; 0: the latest sample.",
     )
+    placement_queue_page: int = Field(
+        default=200,
+        gt=0,
+        le=10_000,
+        description="Queued placements read per page: each pass of the queue pages through all of them.",
+    )
+
+    # -- per-tenant quotas (issue 23 row 7); 0: unlimited -----------------------------------------------
+    quota_gpus_reserved_per_tenant: int = Field(
+        default=10_000,
+        ge=0,
+        description="Accelerators one tenant's active reservations may hold in all; `reservation.create` past it "
+        "is `quota_exceeded`. 0: unlimited.",
+    )
+    quota_gpus_placed_per_tenant: int = Field(
+        default=10_000,
+        ge=0,
+        description="Accelerators one tenant's live replicas may hold (each counted once, commits in flight "
+        "included); `placement.place` past it is `quota_exceeded`. 0: unlimited.",
+    )
+    quota_queued_requests_per_tenant: int = Field(
+        default=1_000,
+        ge=0,
+        description="Placements one tenant may have waiting in placement's queue; one more is `quota_exceeded`. "
+        "0: unlimited.",
+    )
+    quota_tenant_overrides: dict[str, dict[str, int]] = Field(
+        default_factory=dict,
+        description='Per-tenant limits over the three above, JSON: `{"acme": {"gpus_placed": 64, '
+        '"queued_requests": 10}}` (quotas `gpus_reserved`, `gpus_placed`, `queued_requests`; 0: unlimited).',
+    )
+
+    @field_validator("quota_tenant_overrides")
+    @classmethod
+    def _known_quotas(cls, value: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+        parse_overrides(value)  # an unknown quota name or a negative limit fails at start, not silently
+        return value
+
+    def quotas(self) -> Quotas:
+        """The per-tenant quotas these settings give (``shared.domain.quotas``)."""
+        return Quotas(
+            limits={
+                Quota.GPUS_RESERVED: self.quota_gpus_reserved_per_tenant,
+                Quota.GPUS_PLACED: self.quota_gpus_placed_per_tenant,
+                Quota.QUEUED_REQUESTS: self.quota_queued_requests_per_tenant,
+            },
+            overrides=parse_overrides(self.quota_tenant_overrides),
+        )
 
     # -- the request path (issue 14): admission and cross-region routing ------------------------------
     model_groups: Path | None = Field(
@@ -378,6 +471,78 @@ class Settings(BaseSettings):
         "`hetsched up` connect with TLS, verify the chain and the URL's host name (libpq's `verify-full`). "
         "Unset: TLS only if the server offers it, unverified.",
     )
+
+    # -- retention: stream limits, pruned tables (issue 23 row 7; docs/RETENTION.md) ------------------
+    stream_topology_max_age_s: float = Field(
+        default=DEFAULT_MAX_AGE_S, gt=0, description="Max age of TOPOLOGY events (7 days)."
+    )
+    stream_ledger_max_age_s: float = Field(default=DEFAULT_MAX_AGE_S, gt=0, description="Max age of LEDGER events.")
+    stream_placement_max_age_s: float = Field(
+        default=DEFAULT_MAX_AGE_S, gt=0, description="Max age of PLACEMENT events."
+    )
+    stream_reservation_max_age_s: float = Field(
+        default=DEFAULT_MAX_AGE_S,
+        gt=0,
+        description="Max age of RESERVATION events; the filler restates every live reservation each quarter of it.",
+    )
+    stream_routing_max_age_s: float = Field(default=DEFAULT_MAX_AGE_S, gt=0, description="Max age of ROUTING events.")
+    stream_rebalance_max_age_s: float = Field(
+        default=DEFAULT_MAX_AGE_S,
+        gt=0,
+        description="Max age of REBALANCE events; the rebalancer restates its throttles and draining replicas each "
+        "quarter of it.",
+    )
+    stream_max_bytes: int = Field(
+        default=DEFAULT_MAX_BYTES,
+        ge=0,
+        description="Size cap of each stream (bytes; the oldest events go first). JetStream reserves it on the "
+        "server at creation, so all streams together must fit its store. 0: no cap.",
+    )
+    deadletter_retention_s: float = Field(
+        default=DEFAULT_DEADLETTER_MAX_AGE_S,
+        gt=0,
+        description="How long dead letters are kept: the DEADLETTER stream's max age, and quarantined outbox rows.",
+    )
+    outbox_retention_s: float = Field(
+        default=86_400.0, gt=0, description="Sent outbox rows are deleted this long after they were sent."
+    )
+    inbox_retention_s: float = Field(
+        default=DEFAULT_DEADLETTER_MAX_AGE_S,
+        gt=0,
+        description="Inbox rows (events a consumer applied) are deleted this long after. At least the longest "
+        "stream max age and `HETSCHED_DEADLETTER_RETENTION_S`: a copy of an event read or replayed later must "
+        "still find its row.",
+    )
+    retention_prune_s: float = Field(
+        default=300.0, gt=0, description="How often every service prunes its outbox and inbox."
+    )
+    retention_prune_batch: int = Field(
+        default=5_000, gt=0, le=100_000, description="Rows one pruning transaction deletes at most."
+    )
+
+    def stream_max_ages(self) -> dict[Context, float]:
+        """Each context stream's max age under these settings (``shared.contracts.streams.stream_specs``)."""
+        return {
+            Context.TOPOLOGY: self.stream_topology_max_age_s,
+            Context.LEDGER: self.stream_ledger_max_age_s,
+            Context.PLACEMENT: self.stream_placement_max_age_s,
+            Context.RESERVATION: self.stream_reservation_max_age_s,
+            Context.ROUTING: self.stream_routing_max_age_s,
+            Context.REBALANCE: self.stream_rebalance_max_age_s,
+            Context.TELEMETRY: self.telemetry_max_age_s,
+        }
+
+    @model_validator(mode="after")
+    def _inbox_outlives_its_copies(self) -> Settings:
+        # A consumer may meet an event again as long as a stream or DEADLETTER can still hand it a copy.
+        floor = max(*self.stream_max_ages().values(), self.deadletter_retention_s, self.stream_duplicate_window_s)
+        if self.inbox_retention_s < floor:
+            raise ValueError(
+                f"inbox_retention_s ({self.inbox_retention_s:.0f}) must be at least the longest stream max age, the "
+                f"dead-letter retention and the duplicate window ({floor:.0f} s): a redelivered or replayed copy of an "
+                "event would otherwise be applied twice"
+            )
+        return self
 
 
 def nats_servers(url: str) -> list[str]:

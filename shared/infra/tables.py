@@ -38,6 +38,8 @@ def outbox_table(schema: str) -> Table:
             "seq",
             postgresql_where=text("sent_at IS NULL AND quarantined_at IS NULL"),
         ),
+        # Pruning finds old rows by time (shared.infra.retention; migration 0015): BRIN, nearly free to keep.
+        Index(f"ix_{schema}_outbox_created", "created_at", postgresql_using="brin"),
         schema=schema,
     )
 
@@ -51,6 +53,7 @@ def inbox_table(schema: str) -> Table:
         Column("consumer", Text, primary_key=True),
         Column("event_id", UUID(as_uuid=True), primary_key=True),
         Column("processed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Index(f"ix_{schema}_inbox_processed", "processed_at", postgresql_using="brin"),
         schema=schema,
     )
 

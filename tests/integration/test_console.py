@@ -1,6 +1,7 @@
 """`hetsched console` in a real headless Chromium, on a real stack (topology with the demo fleet, the ledger,
 placement, the reservation filler and the rebalancer as processes). The console runs as an operator runs it
-(`python -m hetsched console --port 0`); Chromium is driven with the Chrome DevTools Protocol over its
+(`python -m hetsched console --port 0`) and Chromium opens the login URL it prints (its token sets the session
+cookie); Chromium is driven with the Chrome DevTools Protocol over its
 debugging pipe (`--remote-debugging-pipe`: JSON messages ended by NUL on fds 3 and 4; no websocket client,
 no new dependency). The page must draw the demo fleet (every node, the NVLink graphs, the TPU pod grids);
 a replica placed with `hetsched place` must show within two page refreshes (the page polls every second) in
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -200,9 +202,23 @@ async def rpc(service_processes: ServiceProcesses, settings: Settings) -> AsyncI
         service_processes.stop(name)
 
 
+@dataclass(frozen=True)
+class Console:
+    url: str  # what it prints first
+    login_url: str  # what it prints next: the URL that logs a browser in (sets the session cookie)
+
+    @property
+    def token(self) -> str:
+        return self.login_url.split("token=", 1)[1]
+
+    def request(self, path: str, **kw: Any) -> urllib.request.Request:
+        """A request to the console with its token (every route but the login page needs it)."""
+        return urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {self.token}"}, **kw)
+
+
 @pytest.fixture(scope="module")
-def console_url(rpc: RpcClient, settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`python -m hetsched console --port 0`, as an operator starts it; the URL it prints."""
+def console(rpc: RpcClient, settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
+    """`python -m hetsched console --port 0`, as an operator starts it; the URLs it prints."""
     log = tmp_path_factory.mktemp("console") / "console.log"
     with log.open("wb") as err:
         proc = subprocess.Popen(
@@ -215,19 +231,21 @@ def console_url(rpc: RpcClient, settings: Settings, tmp_path_factory: pytest.Tem
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()  # the first line, once it listens (or EOF if it died)
     assert line.startswith("hetsched console at http://"), (line, log.read_text())
+    login = proc.stdout.readline().decode().split()
+    assert login[0] == "open" and "/login?token=" in login[1], login
     try:
-        yield line.split(" at ", 1)[1].strip()
+        yield Console(line.split(" at ", 1)[1].strip(), login[1])
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0, log.read_text()  # SIGTERM is a clean stop
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def browser(console_url: str, tmp_path: Path) -> AsyncIterator[Browser]:
+async def browser(console: Console, tmp_path: Path) -> AsyncIterator[Browser]:
     chromium = ensure_tool("chromium", "chromium")
     b = await Browser.launch(chromium, tmp_path / "chromium-profile", tmp_path / "chromium.log")
     try:
-        await b.open(console_url)
+        await b.open(console.login_url)  # as the operator opens the printed URL: a cookie, then the page
         yield b
     finally:
         await b.close()
@@ -257,8 +275,8 @@ def keep(shot: Path, name: str) -> None:
 # -- the tests -----------------------------------------------------------------------------------------
 
 
-def test_api_state_serves_the_fleet_and_refuses_what_it_does_not_serve(console_url: str) -> None:
-    with urllib.request.urlopen(console_url + "api/state", timeout=30) as response:
+def test_api_state_serves_the_fleet_and_refuses_what_it_does_not_serve(console: Console) -> None:
+    with urllib.request.urlopen(console.request("api/state"), timeout=30) as response:
         assert response.headers["Content-Type"] == "application/json"
         state = json.load(response)
     assert {"dgx-h100-01", "hgx-h100-4x4-01", "gh200-01"} <= {n["name"] for n in state["nodes"]}
@@ -266,9 +284,9 @@ def test_api_state_serves_the_fleet_and_refuses_what_it_does_not_serve(console_u
     assert state["rebalancer"] is not None and state["reservations"] is not None, state["errors"]
     for path, status in (("nope", 404), ("../pyproject.toml", 404)):
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(console_url + path, timeout=30)
+            urllib.request.urlopen(console.request(path), timeout=30)
         assert refused.value.code == status
-    request = urllib.request.Request(console_url + "api/state", method="POST", data=b"{}")
+    request = console.request("api/state", method="POST", data=b"{}")
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=30)
     assert refused.value.code == 405
@@ -276,7 +294,7 @@ def test_api_state_serves_the_fleet_and_refuses_what_it_does_not_serve(console_u
 
 @pytest.mark.asyncio(loop_scope="session")
 async def test_the_page_draws_the_fleet_and_follows_placements(
-    browser: Browser, rpc: RpcClient, settings: Settings, console_url: str, tmp_path: Path
+    browser: Browser, rpc: RpcClient, settings: Settings, console: Console, tmp_path: Path
 ) -> None:
     fleet = await rpc.fleet()
     assert isinstance(fleet, FleetGetReply)
@@ -322,7 +340,7 @@ async def test_the_page_draws_the_fleet_and_follows_placements(
     after = await browser.js("window.hetschedConsole.refreshes")
     # Every state is fresh: asked for now, it holds what the ledger committed before `place` returned.
     chosen = {a for p in placed["placements"] for a in p["accelerators"]}
-    assert len(chosen) == 2 and set(await asyncio.to_thread(_holding, console_url, gpu_allocation)) == chosen
+    assert len(chosen) == 2 and set(await asyncio.to_thread(_holding, console, gpu_allocation)) == chosen
     bars = f'#nodes [data-allocations~="{gpu_allocation}"]'
     shown_at = await wait_for(
         lambda: browser.js(f"document.querySelector('{bars}') && window.hetschedConsole.refreshes"),
@@ -392,9 +410,9 @@ async def test_the_page_draws_the_fleet_and_follows_placements(
     assert await browser.js("window.hetschedConsole.lastError") is None
 
 
-def _holding(console_url: str, allocation_id: str) -> list[str]:
+def _holding(console: Console, allocation_id: str) -> list[str]:
     """The GPUs `/api/state` shows holding the allocation."""
-    with urllib.request.urlopen(console_url + "api/state", timeout=30) as response:
+    with urllib.request.urlopen(console.request("api/state"), timeout=30) as response:
         state = json.load(response)
     return [g["id"] for n in state["nodes"] for g in n["gpus"] if allocation_id in g["allocations"]]
 
@@ -411,9 +429,9 @@ async def _reserve(rpc: RpcClient) -> str | None:
     return reply.reservation_id if isinstance(reply, ReservationCreateReply) else None
 
 
-def test_the_console_says_why_it_cannot_start(settings: Settings, console_url: str) -> None:
+def test_the_console_says_why_it_cannot_start(settings: Settings, console: Console) -> None:
     """Its port taken: exit 2 with the reason, not a traceback."""
-    port = console_url.rsplit(":", 1)[1].strip("/")
+    port = console.url.rsplit(":", 1)[1].strip("/")
     done = subprocess.run(
         [sys.executable, "-m", "hetsched", "console", "--port", port],
         env=service_env(settings),

@@ -30,7 +30,7 @@ from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.service import Route
 from shared.infra.settings import Settings
 from tests.conftest import ServiceProcesses
-from tests.contract_examples import example_body
+from tests.contract_examples import boolean_bodies, example_body
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -131,6 +131,33 @@ async def test_a_nul_in_a_string_is_invalid_request_on_every_subject(
     reply = await ask(stack, settings, route.rpc, body)
     assert reply["status"] == "rejected" and reply["error"]["code"] == "invalid_request", reply
     assert "NUL" in reply["error"]["message"]
+
+
+# Every integer or number field of every request, nested ones included (``version`` aside: dispatch
+# refused an unreadable version before the contract ever saw it).
+NUMBERS: list[tuple[Route, str, dict[str, Any]]] = [
+    (route, path, body) for _, route in ROUTES for path, body in boolean_bodies(route.model) if path != "version"
+]
+
+
+@pytest.mark.parametrize(
+    ("route", "path", "body"), NUMBERS, ids=[f"{route.rpc.value}:{path}" for route, path, _ in NUMBERS]
+)
+async def test_a_boolean_for_a_number_is_invalid_request_on_every_subject(
+    stack: Client, settings: Settings, route: Route, path: str, body: dict[str, Any]
+) -> None:
+    """Issue 23 row 9: `lease_s: true`, `context_tokens: true` (and every other integer or number field of
+    every request) were read as 1; now each is `invalid_request` naming the field."""
+    reply = await ask(stack, settings, route.rpc, body)
+    assert reply["status"] == "rejected" and reply["error"]["code"] == "invalid_request", reply
+    message = reply["error"]["message"]
+    assert f"field '{path}" in message and ("valid integer" in message or "valid number" in message), message
+
+
+async def test_every_request_with_numbers_is_probed() -> None:
+    probed = {(route.rpc, path) for route, path, _ in NUMBERS}
+    assert {(Rpc.PLACEMENT_ADMIT, "lease_s"), (Rpc.PLACEMENT_PLACE, "context_tokens")} <= probed
+    assert (Rpc.LEDGER_COMMIT_BATCH, "commits.0.shares.0.kv") in probed and len(probed) > 60
 
 
 async def test_a_nul_in_a_commits_tenant_never_reaches_postgres(stack: Client, settings: Settings) -> None:

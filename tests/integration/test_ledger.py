@@ -170,8 +170,9 @@ async def test_bad_input_gets_typed_errors_and_changes_nothing(ledger: Client, s
         (Rpc.LEDGER_COMMIT, commit(["dgx-h100-02/gpu1", "no-such-node/gpu0"], 1), "not_found"),  # all or nothing
         (Rpc.LEDGER_COMMIT, commit("dgx-h100-02/gpu1", 1, lease_expires_at=past), "invalid_request"),
         (Rpc.LEDGER_COMMIT, commit("dgx-h100-02/gpu1", 1, kind="request"), "invalid_request"),  # no parent
-        (Rpc.LEDGER_RELEASE, {"allocation_id": held["allocation_id"], "tenant": "acme"}, "forbidden"),
-        (Rpc.LEDGER_RENEW, {"allocation_id": held["allocation_id"], "tenant": "acme", "lease_s": 60}, "forbidden"),
+        # Another tenant's allocation: answered as an unknown one (issue 23: an id says nothing of its existence).
+        (Rpc.LEDGER_RELEASE, {"allocation_id": held["allocation_id"], "tenant": "acme"}, "not_found"),
+        (Rpc.LEDGER_RENEW, {"allocation_id": held["allocation_id"], "tenant": "acme", "lease_s": 60}, "not_found"),
         (
             Rpc.LEDGER_RENEW,
             {"allocation_id": held["allocation_id"], "tenant": "globex", "lease_expires_at": past},
@@ -792,3 +793,48 @@ async def test_tpu_chips_are_ledger_accelerators(ledger: Client, settings: Setti
     assert chips["v5e-pod-1/0.0"]["hbm_usable"] == 16 * 2**30 * 23 // 25  # 16 GiB x 0.92
     v5p = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": "v5p-pod-1"})
     assert len(v5p["accelerators"]) == 512 and v5p["accelerators"][0]["id"] == "v5p-pod-1/0.0.0"
+
+
+async def test_a_device_reported_smaller_under_an_allocation_keeps_it_and_takes_nothing_new(
+    ledger: Client, settings: Settings, service_processes: ServiceProcesses
+) -> None:
+    """Issue 23 row 8: topology says a GPU holding a 60 GB replica has only 40 GiB (36.8 GiB usable). The
+    ledger keeps the replica (usable held at what is reserved), lets nothing new in, says so once in its
+    log, and lets usable down to the new figure when the replica goes; the real figures then come back."""
+    node, gpu = "hgx-h100-4x4-01", "hgx-h100-4x4-01/gpu7"
+    described = await call(ledger, settings, Rpc.FLEET_DESCRIBE, {"node": node})
+    original = described["profile"]
+    shrunk = {
+        **original,
+        "accelerators": [{**a, "hbm_bytes": 40 * 2**30} if a["index"] == 7 else a for a in original["accelerators"]],
+    }
+
+    def changed(profile: dict[str, Any], fingerprint: str) -> dict[str, Any]:
+        return {
+            "node": node,
+            "region": profile["region"],
+            "kind": "test",
+            "fingerprint": fingerprint,
+            "profile": profile,
+        }
+
+    async def usable_is(expected: int) -> bool:
+        snap = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": node})
+        return next(a for a in snap["accelerators"] if a["id"] == gpu)["hbm_usable"] == expected
+
+    held = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(gpu, 60))
+    assert held["status"] == "committed", held
+    await publish(ledger, settings, Context.TOPOLOGY, "node_changed", changed(shrunk, "shrunk"))
+    await wait_for(lambda: usable_is(60 * GB), 15, interval_s=0.1, what="usable held at the 60 GB reserved")
+    refused = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(gpu, 0.001))
+    assert refused["error"]["code"] == "no_capacity", refused
+    others = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": node})
+    assert all(a["hbm_usable"] == H100_USABLE for a in others["accelerators"] if a["id"] != gpu)
+    assert "reports less HBM than is reserved on it" in service_processes.log("ledger_ledger")
+    released = await call(
+        ledger, settings, Rpc.LEDGER_RELEASE, {"allocation_id": held["allocation_id"], "tenant": "acme"}
+    )
+    assert released["status"] == "released"
+    await wait_for(lambda: usable_is(40 * 2**30 * 23 // 25), 15, interval_s=0.1, what="usable down to the new figure")
+    await publish(ledger, settings, Context.TOPOLOGY, "node_changed", changed(original, "restored"))
+    await wait_for(lambda: usable_is(H100_USABLE), 15, interval_s=0.1, what="the real figure back")

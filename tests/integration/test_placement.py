@@ -147,7 +147,13 @@ async def test_release_gives_the_bytes_back(stack: Client, settings: Settings) -
     other = await call(
         stack, settings, Rpc.PLACEMENT_RELEASE, {"allocation_id": placed["allocation_id"], "tenant": "globex"}
     )
-    assert other["status"] == "rejected" and other["error"]["code"] == "forbidden"
+    unknown = await call(stack, settings, Rpc.PLACEMENT_RELEASE, {"allocation_id": "al-nope", "tenant": "globex"})
+    # Another tenant's allocation is answered as an unknown one (issue 23): the same code, the same message.
+    assert other["status"] == unknown["status"] == "rejected"
+    assert other["error"]["code"] == unknown["error"]["code"] == "not_found"
+    assert other["error"]["message"].replace(placed["allocation_id"], "ID") == unknown["error"]["message"].replace(
+        "al-nope", "ID"
+    )
     done = await call(
         stack, settings, Rpc.PLACEMENT_RELEASE, {"allocation_id": placed["allocation_id"], "tenant": "acme"}
     )

@@ -139,6 +139,12 @@ LEDGER_FORBIDDEN = [
     ("reserved_inserted", "INSERT INTO ledger.accelerators (id, node, sku, hbm_total, ceiling, hbm_usable, reserved) "
      "VALUES ('planted', 'n', 's', 1, 1, 1, 0)", "permission denied for table accelerators"),
     ("accelerator_deleted", "DELETE FROM ledger.accelerators", "permission denied for table accelerators"),
+    # Issue 23 row 8: usable HBM is the capacity trigger's (migration 0015), never written by hand.
+    ("usable_written", "UPDATE ledger.accelerators SET hbm_usable = hbm_total * 100",
+     "permission denied for table accelerators"),
+    ("usable_zeroed", "UPDATE ledger.accelerators SET hbm_usable = 0", "permission denied for table accelerators"),
+    ("usable_inserted", "INSERT INTO ledger.accelerators (id, node, sku, hbm_total, ceiling, hbm_usable) "
+     "VALUES ('planted', 'n', 's', 1, 1, 100)", "permission denied for table accelerators"),
 ]  # fmt: skip
 
 
@@ -160,8 +166,8 @@ async def test_the_ledger_role_commits_through_the_trigger_which_still_refuses_a
     await tx.start()
     try:
         await conn.execute(
-            "INSERT INTO ledger.accelerators (id, node, sku, hbm_total, ceiling, hbm_usable, available) "
-            "VALUES ('priv-node/gpu0', 'priv-node', 'H100-SXM-80GB', 100, 1.0, 100, true)"
+            "INSERT INTO ledger.accelerators (id, node, sku, hbm_total, ceiling, available) "
+            "VALUES ('priv-node/gpu0', 'priv-node', 'H100-SXM-80GB', 100, 1.0, true)"
         )
         for allocation in ("al-priv-1", "al-priv-2"):
             await conn.execute(
@@ -300,8 +306,12 @@ async def test_login_roles_hold_only_the_dml_they_use(fresh_database: str) -> No
         assert not await conn.fetchval(
             "SELECT has_column_privilege($1, 'ledger.accelerators', 'reserved', 'UPDATE')", ledger
         )
+        for privilege in ("INSERT", "UPDATE"):  # the capacity trigger's column (migration 0015)
+            assert not await conn.fetchval(
+                "SELECT has_column_privilege($1, 'ledger.accelerators', 'hbm_usable', $2)", ledger, privilege
+            )
         assert await conn.fetchval(
-            "SELECT has_column_privilege($1, 'ledger.accelerators', 'hbm_usable', 'UPDATE')", ledger
+            "SELECT has_column_privilege($1, 'ledger.accelerators', 'hbm_total', 'UPDATE')", ledger
         )
         definer = await conn.fetchval("SELECT prosecdef FROM pg_proc WHERE oid = 'ledger.apply_share()'::regprocedure")
         assert definer is True

@@ -289,14 +289,30 @@ async def test_tenants_see_and_touch_only_their_own_reservations(stack: Stack) -
     theirs = await stack.status("globex")
     assert isinstance(theirs, ReservationStatusReply) and theirs.reservations == []
     reservation_id = mine.reservations[0].reservation_id
-    read = await stack.status("globex", reservation_id=reservation_id)
-    assert isinstance(read, Rejected) and read.error.code == "forbidden"
-    cancel = await stack.rpc.ask(
-        Rpc.RESERVATION_CANCEL,
-        ReservationCancelRequest(reservation_id=reservation_id, tenant="globex"),
-        ReservationCancelReply,
+    # Another tenant's reservation id is answered as one that does not exist (issue 23): the same code and
+    # message, so an id tells globex nothing.
+    for rid in (reservation_id, "res-does-not-exist"):
+        read = await stack.status("globex", reservation_id=rid)
+        assert isinstance(read, Rejected) and read.error.code == "not_found", read
+        assert read.error.message == f"no reservation {rid!r} for this tenant"
+        cancel = await stack.rpc.ask(
+            Rpc.RESERVATION_CANCEL,
+            ReservationCancelRequest(reservation_id=rid, tenant="globex"),
+            ReservationCancelReply,
+        )
+        assert isinstance(cancel, Rejected) and cancel.error.code == "not_found", cancel
+        assert cancel.error.message == f"no reservation {rid!r} for this tenant"
+    # Asking for GPUs acme holds says how many are taken, never which.
+    theirs = list(mine.reservations[0].accelerators[:3])
+    clash = await stack.rpc.ask(
+        Rpc.RESERVATION_CREATE,
+        ReservationCreateRequest(tenant="globex", policy="soft", accelerators=theirs),
+        ReservationCreateReply,
     )
-    assert isinstance(cancel, Rejected) and cancel.error.code == "forbidden"
+    assert isinstance(clash, Rejected) and clash.error.code == "conflict", clash
+    assert clash.error.details == {"in_use": 3}  # was the list of acme's GPUs
+    assert not any(acc in clash.error.message for acc in theirs), clash.error.message
+    assert clash.error.message.startswith("3 of the 3 GPU(s) asked for")
     after = await stack.status("acme")
     assert isinstance(after, ReservationStatusReply)
     assert [r.reservation_id for r in after.reservations] == [r.reservation_id for r in mine.reservations]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from nats.aio.client import Client
 from pydantic import SecretStr
 
 from hetsched.embedded import EmbeddedNats
+from hetsched.engine_sim import EngineLoad, publish_engine_status
 from hetsched.stack import service_permission_map, wait_healthy
 from services.registry import SERVICES
 from shared.contracts.envelope import new_event
@@ -39,7 +41,7 @@ from shared.contracts.permissions import (
 )
 from shared.contracts.streams import deadletter_stream_name, stream_name, stream_specs
 from shared.contracts.subjects import Context, Rpc, Subjects
-from shared.contracts.topology import GpuSample, GpuTelemetryEvent, NodeStateEvent
+from shared.contracts.topology import EngineStatusEvent, GpuSample, GpuTelemetryEvent, NodeStateEvent
 from shared.infra import deadletter
 from shared.infra.bus import ensure_streams
 from shared.infra.catalog import demo_fleet_path
@@ -66,6 +68,7 @@ AGENT_NODE = "sec-agent-01"
 RUNNING_AGENT = "sec-agent-02"  # a real agent process with its own credential
 GHOST_NODE = "ghost-01"
 VICTIM_NODE = "dgx-h100-01"  # a demo-fleet node an attacker would like to lose or inflate
+PREFIX_AGENT = "dgx-h100-0"  # a node whose name is a prefix of the demo fleet's dgx-h100-01 and -02 (issue 23)
 TOPO_FIXTURES = REPO / "tests" / "fixtures" / "topo"
 SERVICES_RUN = ("topology_discovery", "capacity_ledger", "placement")
 
@@ -139,7 +142,7 @@ async def bus(
     for name, tenants in (("acme-gw", ["acme"]), ("globex-gw", ["globex"])):
         identity = issue(registry, kind="gateway", name=name, out=directory / f"{name}.nk", tenants=tenants)
         seeds[identity.id] = directory / f"{name}.nk"
-    for node in (AGENT_NODE, RUNNING_AGENT):
+    for node in (AGENT_NODE, RUNNING_AGENT, PREFIX_AGENT):
         identity = issue(registry, kind="agent", name=node, out=directory / f"{node}.nk")
         seeds[identity.id] = directory / f"{node}.nk"
     registry.save(directory)
@@ -470,3 +473,165 @@ async def test_an_agent_process_works_with_its_own_credential(bus: SecureBus, tm
 
 async def _is_up(state: Any) -> bool:
     return bool(await state() == "up")
+
+
+# -- issue 23: a hostile probe after the hardening ------------------------------------------------------
+
+H100_4X4 = [f"hgx-h100-4x4-01/gpu{i}" for i in range(8)]  # avoided: the replica lands on dgx-h100-01 or -02
+
+
+async def place_as(caller: Caller, bus: SecureBus, tenant: str, model: str, **fields: Any) -> dict[str, Any]:
+    body = {
+        "request_id": f"i23-{model}-{uuid.uuid4().hex[:8]}",
+        "tenant": tenant,
+        "model": model,
+        "context_tokens": 4096,
+        "concurrency": 8,  # room for a few admissions' KV
+        "tp": 1,
+        "backend": "gpu",
+        "fallbacks": [],
+        **fields,
+    }
+    reply = await caller.request(bus.subjects.scoped(Rpc.PLACEMENT_PLACE, tenant), body)
+    assert reply["status"] == "placed", reply
+    return reply
+
+
+async def admit_as(caller: Caller, bus: SecureBus, tenant: str, model: str, **fields: Any) -> dict[str, Any]:
+    body = {
+        "request_id": f"i23-adm-{uuid.uuid4().hex[:8]}",
+        "tenant": tenant,
+        "model": model,
+        "input_tokens": 1000,
+        "output_tokens": 200,
+        **fields,
+    }
+    return await caller.request(bus.subjects.scoped(Rpc.PLACEMENT_ADMIT, tenant), body)
+
+
+async def engine_reports(bus: SecureBus, placed: dict[str, Any], **load: Any) -> None:
+    """The replica's engine, as its own node's agent reports it (published here as the operator)."""
+    operator = await bus.connect("operator")
+    status = EngineLoad(jitter=0, queue_depth=0, **load).status(
+        replica_id=placed["allocation_id"], node=placed["placements"][0]["node"], rng=random.Random(0)
+    )
+    await publish_engine_status(operator.nc.jetstream(), bus.subjects, status)
+
+
+async def admitted_to(caller: Caller, bus: SecureBus, tenant: str, replica: dict[str, Any]) -> dict[str, Any]:
+    """An admission to ``replica``'s model once placement has its engine's report. The engine reports
+    again before each try, as a running one does: a report that comes before admission has heard of the
+    replica (from the LEDGER events) is ignored."""
+    model = replica["model"]
+    request_id = f"i23-adm-{uuid.uuid4().hex[:8]}"  # one request, asked again (never a queue of them)
+    last: list[dict[str, Any]] = []
+
+    async def once() -> dict[str, Any] | None:
+        await engine_reports(bus, replica)
+        last[:] = [await admit_as(caller, bus, tenant, model, request_id=request_id)]
+        return last[0] if last[0]["status"] == "admitted" else None
+
+    try:
+        return await wait_for(once, 30, interval_s=0.2, what=f"{model} in rotation for {tenant}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {last}") from None
+
+
+async def release_as(caller: Caller, bus: SecureBus, tenant: str, allocation_id: str) -> dict[str, Any]:
+    return await caller.request(
+        bus.subjects.scoped(Rpc.PLACEMENT_RELEASE, tenant), {"allocation_id": allocation_id, "tenant": tenant}
+    )
+
+
+async def test_failed_replica_id_counts_only_for_a_replica_the_caller_has_an_admission_on(bus: SecureBus) -> None:
+    """Row 2: acme naming globex's replica as failed took it out of rotation for globex until its engine
+    reported again. Now acme's word counts only once acme holds an admission on that replica; before
+    that it is ignored, and the reply says so."""
+    globex = await bus.connect(gateway_identity("globex-gw"))
+    acme = await bus.connect(gateway_identity("acme-gw"))
+    model = "llama3.1-8b"
+    replica = await place_as(globex, bus, "globex", model)
+    first = await admitted_to(globex, bus, "globex", replica)
+    assert first["replica_id"] == replica["allocation_id"]
+
+    probe = await admit_as(acme, bus, "acme", model, failed_replica_id=replica["allocation_id"])
+    assert probe["status"] == "admitted" and probe["replica_id"] == replica["allocation_id"], probe
+    assert probe["failed_replica_ignored"] is True and "failed_replica_id ignored" in probe["explanation"]
+    again = await admit_as(globex, bus, "globex", model)
+    assert again["status"] == "admitted" and again["replica_id"] == replica["allocation_id"], again
+
+    # acme now holds an admission on it: its word is heard (the only replica leaves rotation).
+    heard = await admit_as(acme, bus, "acme", model, failed_replica_id=replica["allocation_id"])
+    assert heard["status"] == "rejected" and heard["error"]["code"] == "no_capacity", heard
+    assert heard["error"]["details"] == {"failed_replica_ignored": False}
+
+    for caller, tenant, hold in ((acme, "acme", probe), (globex, "globex", first), (globex, "globex", again)):
+        assert (await release_as(caller, bus, tenant, hold["allocation_id"]))["status"] == "released"
+    back = await admitted_to(globex, bus, "globex", replica)  # its engine reports: back in rotation
+    assert (await release_as(globex, bus, "globex", back["allocation_id"]))["status"] == "released"
+    assert (await release_as(globex, bus, "globex", replica["allocation_id"]))["status"] == "released"
+
+
+async def test_an_agent_whose_node_name_is_a_prefix_cannot_report_for_another_nodes_replica(bus: SecureBus) -> None:
+    """Row 3: the agent of `dgx-h100-0`, on its own subject, reported a replica on `dgx-h100-0X` unhealthy
+    and placement believed it (its node check was a prefix match). Now node names compare exactly."""
+    acme = await bus.connect(gateway_identity("acme-gw"))
+    victim = await place_as(
+        acme, bus, "acme", "gemma2-9b", skus=["H100-SXM-80GB"], region="us-west-1", avoid_accelerators=H100_4X4
+    )
+    node = victim["placements"][0]["node"]
+    assert node.startswith(PREFIX_AGENT) and node != PREFIX_AGENT, node
+    marker = await place_as(acme, bus, "acme", "mistral-7b-v0.1")
+    await admitted_to(acme, bus, "acme", victim)
+
+    agent = await bus.connect(agent_identity(PREFIX_AGENT))
+    forged = EngineStatusEvent(
+        replica_id=victim["allocation_id"],
+        node=PREFIX_AGENT,  # its own node, as its subject says: the consumers' subject check passes
+        queue_depth=0,
+        kv_used_bytes=0,
+        kv_total_bytes=1,
+        latency_p50_ms=1.0,
+        latency_p99_ms=1.0,
+        healthy=False,
+    )
+    await agent.nc.jetstream().publish(
+        bus.subjects.event(Context.TELEMETRY, "engine_status", node=PREFIX_AGENT),
+        event(Context.TELEMETRY, "engine_status", forged.model_dump(mode="json")),
+    )
+    # Placement applies TELEMETRY in stream order: once the marker's report (published after the forgery)
+    # has put the marker in rotation, the forgery has been applied too.
+    await admitted_to(acme, bus, "acme", marker)
+    after = await admit_as(acme, bus, "acme", "gemma2-9b")
+    assert after["status"] == "admitted" and after["replica_id"] == victim["allocation_id"], after
+    for placed in (victim, marker):
+        assert (await release_as(acme, bus, "acme", placed["allocation_id"]))["status"] == "released"
+
+
+async def test_another_tenants_allocation_id_is_answered_as_an_unknown_one(bus: SecureBus) -> None:
+    """The probe's information leak: `forbidden` for another tenant's allocation id (on the caller's own
+    subject) against `not_found` for an id that does not exist told which ids exist. Both are now
+    `not_found` with one message, for a replica and for an admission's KV hold, on release and renew."""
+    acme = await bus.connect(gateway_identity("acme-gw"))
+    globex = await bus.connect(gateway_identity("globex-gw"))
+    model = "mamba2-2.7b"
+    replica = await place_as(acme, bus, "acme", model)
+    hold = await admitted_to(acme, bus, "acme", replica)
+
+    def answer(reply: dict[str, Any], allocation_id: str) -> tuple[str, str, str]:
+        error = reply["error"]
+        return reply["status"], error["code"], error["message"].replace(allocation_id, "<id>")
+
+    for verb, extra in ((Rpc.PLACEMENT_RELEASE, {}), (Rpc.PLACEMENT_RENEW, {"lease_s": 60})):
+        answers = set()
+        for allocation_id in (replica["allocation_id"], hold["allocation_id"], f"al-{uuid.uuid4().hex}"):
+            body = {"allocation_id": allocation_id, "tenant": "globex", **extra}
+            reply = await globex.request(bus.subjects.scoped(verb, "globex"), body)
+            answers.add(answer(reply, allocation_id))
+        assert answers == {("rejected", "not_found", "no allocation '<id>' for this tenant")}, (verb, answers)
+    for allocation_id in (replica["allocation_id"], hold["allocation_id"]):  # both still held: acme renews them
+        body = {"allocation_id": allocation_id, "tenant": "acme", "lease_s": 300}
+        renewed = await acme.request(bus.subjects.scoped(Rpc.PLACEMENT_RENEW, "acme"), body)
+        assert renewed["status"] == "renewed", renewed
+    assert (await release_as(acme, bus, "acme", hold["allocation_id"]))["status"] == "released"
+    assert (await release_as(acme, bus, "acme", replica["allocation_id"]))["status"] == "released"

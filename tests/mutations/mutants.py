@@ -18,16 +18,42 @@ class Mutant:
 
 
 LEDGER_IT = "tests/integration/test_ledger.py"
+RETENTION_IT = "tests/integration/test_retention.py"
 LEDGER_UNIT = "tests/unit/services/capacity_ledger"
 LEDGER_DOMAIN = "tests/unit/domain/ledger"
 PLACEMENT_UNIT = "tests/unit/services/placement"
 PLACEMENT_IT = "tests/integration/test_placement.py"
+HTTP_EXPOSURE_IT = "tests/integration/test_http_exposure.py"
 _CROSS_SCHEMA_READ = '        await session.execute(__import__("sqlalchemy").text("SELECT 1 FROM ledger.shares"))\n'
 _LOCK_DOC = (
     '        """The intent of this (tenant, request id), locked for this transaction; None if there is none."""\n'
 )
 
 MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        name="foreign_durables_not_denied",
+        what="a service that follows a stream may create (update) another service's durable on it",
+        file="shared/contracts/permissions.py",
+        find="            if consumed is context and (consumed, durable) not in own\n",
+        replace="            if False\n",
+        tests=("tests/unit/test_consumer_ownership.py",),
+    ),
+    Mutant(
+        name="deleted_consumer_not_recreated",
+        what="an event loop whose durable was deleted notices it but never re-creates it",
+        file="shared/infra/service.py",
+        find="                await subscription.unsubscribe()\n            return await self._subscribe(runtime)\n",
+        replace="                await subscription.unsubscribe()\n            return subscription\n",
+        tests=("tests/integration/test_consumer_ownership.py",),
+    ),
+    Mutant(
+        name="ordered_consumer_reset_keeps_its_name",
+        what="an ordered consumer reset after a gap re-uses the name of the consumer still there",
+        file="shared/infra/bus.py",
+        find="        state._ccreq.name = ordered_name()\n",
+        replace="        pass\n",
+        tests=("tests/integration/test_consumer_ownership.py",),
+    ),
     Mutant(
         name="hbm_trigger_disabled",
         what="the HBM over-commit trigger no longer raises",
@@ -59,6 +85,51 @@ MUTANTS: tuple[Mutant, ...] = (
         find="lease_s=request.lease_s),",
         replace="lease_s=self._default_lease_s),",
         tests=(PLACEMENT_UNIT,),
+    ),
+    # Issue 23 (a hostile probe after the hardening): rows 2, 3, 9 and the two information leaks.
+    Mutant(
+        name="failed_replica_from_anyone",
+        what="admission takes a replica out of rotation on any tenant's failed_replica_id",
+        file="services/placement/replicas.py",
+        find="        if replica_id not in self.replicas or not self.holds_on(replica_id, tenant):\n",
+        replace="        if replica_id not in self.replicas:\n",
+        tests=("tests/unit/services/placement/test_admission.py",),
+    ),
+    Mutant(
+        name="engine_status_node_prefix",
+        what="an engine report is taken from an agent whose node name is a prefix of the replica's node",
+        file="services/placement/replicas.py",
+        find="        if replica.node != status.node:\n",
+        replace="        if replica.node != status.node and not replica.node.startswith(status.node):\n",
+        tests=("tests/unit/services/placement/test_admission.py",),
+    ),
+    Mutant(
+        name="node_scope_suffix",
+        what="a node-scoped subject is matched by suffix, not by whole token",
+        file="shared/contracts/subjects.py",
+        find='    return subject.rpartition(".")[2] == token(name)\n',
+        replace="    return subject.endswith(token(name))\n",
+        tests=("tests/unit/test_dispatch.py::test_a_node_scoped_subject_names_exactly_one_node",),
+    ),
+    Mutant(
+        name="booleans_are_integers",
+        what="contract integers read a JSON boolean as 1 again",
+        file="shared/contracts/base.py",
+        find="Int = Annotated[int, Strict()]\n",
+        replace="Int = int\n",
+        tests=("tests/unit/test_contracts.py::test_a_boolean_is_never_a_number",),
+    ),
+    Mutant(
+        name="release_tells_forbidden",
+        what="ledger.release tells another tenant's allocation (forbidden) from an unknown one",
+        file="services/capacity_ledger/handlers.py",
+        find="        access = await self._end(request.allocation_id, tenant=request.tenant, "
+        "state=AllocationState.RELEASED)\n",
+        replace="        access = await self._end(request.allocation_id, tenant=request.tenant, "
+        "state=AllocationState.RELEASED)\n"
+        "        if access is Access.FORBIDDEN:\n"
+        '            return rejected(ErrorCode.FORBIDDEN, "the allocation belongs to another tenant")\n',
+        tests=("tests/unit/services/capacity_ledger/test_handlers.py",),
     ),
     Mutant(
         name="node_removed_ignored",
@@ -126,5 +197,111 @@ MUTANTS: tuple[Mutant, ...] = (
         replace=_LOCK_DOC
         + '        await session.execute(__import__("sqlalchemy").text("SELECT count(*) FROM ledger.allocations"))\n',
         tests=("tests/unit/test_schema_ownership.py", PLACEMENT_IT),
+    ),
+    Mutant(
+        name="console_host_unchecked",
+        what="the console answers any Host (a page that rebinds its DNS name to 127.0.0.1 reads it)",
+        file="hetsched/console/server.py",
+        find='        if not access.host_allowed(request.headers.get("host"), self._allowed):\n',
+        replace="        if False:\n",
+        tests=(HTTP_EXPOSURE_IT,),
+    ),
+    Mutant(
+        name="console_token_unchecked",
+        what="the console serves its state without the token",
+        file="hetsched/console/server.py",
+        find="        if not access.authorised(request.headers, token=self._token, cookie=self._cookie):\n",
+        replace="        if False:\n",
+        tests=(HTTP_EXPOSURE_IT,),
+    ),
+    Mutant(
+        name="http_no_read_timeout",
+        what="the metrics and console servers wait for a request forever",
+        file="shared/infra/httpserver.py",
+        find="                request = await asyncio.wait_for(self._read(reader), timeout_s)\n",
+        replace="                request = await self._read(reader)\n",
+        tests=(HTTP_EXPOSURE_IT,),
+    ),
+    Mutant(
+        name="http_no_connection_cap",
+        what="the metrics and console servers hold every connection they accept",
+        file="shared/infra/httpserver.py",
+        find="        if len(self._open) >= self.limits.max_connections:\n",
+        replace="        if False:\n",
+        tests=(HTTP_EXPOSURE_IT,),
+    ),
+    # Issue 23 rows 7 (retention) and 8 (the ledger's usable HBM).
+    Mutant(
+        name="usable_hbm_as_written",
+        what="the capacity trigger keeps whatever a statement wrote into hbm_usable",
+        file="migrations/versions/0015_retention_capacity.py",
+        find="        NEW.hbm_usable := GREATEST(computed, LEAST(OLD.hbm_usable, NEW.reserved));\n",
+        replace="        NULL;\n",
+        tests=("tests/integration/test_ledger_capacity.py",),
+    ),
+    Mutant(
+        name="usable_hbm_below_reserved",
+        what="a device reported smaller takes its new figure at once, under what is reserved on it",
+        file="migrations/versions/0015_retention_capacity.py",
+        find="        NEW.hbm_usable := GREATEST(computed, LEAST(OLD.hbm_usable, NEW.reserved));\n",
+        replace="        NEW.hbm_usable := computed;\n",
+        tests=("tests/integration/test_ledger_capacity.py",),
+    ),
+    Mutant(
+        name="usable_hbm_column_writable",
+        what="the ledger role keeps INSERT and UPDATE on hbm_usable",
+        file="migrations/versions/0015_retention_capacity.py",
+        find='    op.execute(f"REVOKE INSERT (hbm_usable), UPDATE (hbm_usable) ON ledger.accelerators '
+        'FROM {LEDGER_ROLE}")\n',
+        replace="",
+        tests=("tests/integration/test_ledger_capacity.py",),
+    ),
+    Mutant(
+        name="stream_without_size_cap",
+        what="streams are created without their size cap",
+        file="shared/infra/bus.py",
+        find="        max_bytes=spec.max_bytes,\n",
+        replace="",
+        tests=(RETENTION_IT,),
+    ),
+    Mutant(
+        name="pruner_not_started",
+        what="services do not run the pruning loop",
+        file="shared/infra/service.py",
+        find='            runtime.spawn(runtime.pruner.run(), name="retention-prune")\n',
+        replace="",
+        tests=(RETENTION_IT,),
+    ),
+    Mutant(
+        name="prune_unsent_rows",
+        what="pruning deletes old unsent outbox rows (events still owed to the bus)",
+        file="shared/infra/retention.py",
+        find='        "WHERE created_at < :before AND sent_at IS NULL AND quarantined_at < :before LIMIT :batch)"\n',
+        replace='        "WHERE created_at < :before AND sent_at IS NULL LIMIT :batch)"\n',
+        tests=(RETENTION_IT,),
+    ),
+    Mutant(
+        name="prune_one_batch",
+        what="a pruning pass stops after its first batch",
+        file="shared/infra/retention.py",
+        find="        if count < batch:\n            return deleted\n",
+        replace="        return deleted\n",
+        tests=(RETENTION_IT,),
+    ),
+    Mutant(
+        name="reservations_not_restated",
+        what="the filler never restates its active reservations",
+        file="services/reservation_filler/app.py",
+        find="        restate_s=restate_every_s(settings.stream_reservation_max_age_s),\n",
+        replace="        restate_s=None,\n",
+        tests=("tests/integration/test_restatement.py",),
+    ),
+    Mutant(
+        name="throttles_not_restated",
+        what="the rebalancer never restates its throttles",
+        file="services/rebalancer/app.py",
+        find="        restate_s=restate_every_s(settings.stream_rebalance_max_age_s),  # docs/RETENTION.md\n",
+        replace="        restate_s=None,\n",
+        tests=("tests/integration/test_restatement.py",),
     ),
 )

@@ -18,7 +18,7 @@ from shared.contracts.placement import PlaceRequest
 from shared.contracts.streams import stream_specs
 from shared.contracts.subjects import Context, Rpc, Subjects
 from shared.infra.bus import dispatch
-from tests.contract_examples import example_body
+from tests.contract_examples import boolean_bodies, example_body
 
 
 def _all_models() -> list[type[BaseModel]]:
@@ -45,6 +45,50 @@ def test_every_model_is_frozen_and_every_field_documented(model: type[BaseModel]
         assert field.description, f"{model.__name__}.{name} has no description"
 
 
+BOOLEAN_PROBES = [(model, path, body) for model in MODELS for path, body in boolean_bodies(model)]
+
+
+def test_every_contract_has_its_numbers_probed() -> None:
+    probed = {(model.__name__, path) for model, path, _body in BOOLEAN_PROBES}
+    assert {("AdmitRequest", "lease_s"), ("PlaceRequest", "context_tokens"), ("PlaceRequest", "slo.ttft_ms")} <= probed
+    assert ("CommitRequest", "shares.0.kv") in probed and ("EngineStatusEvent", "queue_depth") in probed
+
+
+@pytest.mark.parametrize(
+    ("model", "path", "body"), BOOLEAN_PROBES, ids=[f"{m.__name__}.{path}" for m, path, _b in BOOLEAN_PROBES]
+)
+def test_a_boolean_is_never_a_number(model: type[BaseModel], path: str, body: dict[str, Any]) -> None:
+    """Issue 23 row 9: `true` where a contract wants an integer or a number is refused, not read as 1 —
+    in every contract (requests, replies, events), nested models and list items included."""
+    with pytest.raises(ValidationError) as caught:
+        model.model_validate(body)
+    refused = [
+        e
+        for e in caught.value.errors()
+        if ".".join(str(p) for p in e["loc"]).startswith(path) and e["type"] in ("int_type", "float_type")
+    ]
+    assert refused, caught.value.errors()
+
+
+@pytest.mark.parametrize(
+    ("model", "body"),
+    [
+        (PlaceRequest, {"request_id": "r", "tenant": "t", "model": "m", "context_tokens": 8, "slo": {"ttft_ms": 500}}),
+        (PlaceRequest, {"request_id": "r", "tenant": "t", "model": "m", "context_tokens": 8, "version": "1.2"}),
+    ],
+)
+def test_whole_numbers_still_read_as_numbers(model: type[BaseModel], body: dict[str, Any]) -> None:
+    """A JSON integer is a number (`ttft_ms: 500`); strings still validate where a field takes them."""
+    model.model_validate(body)
+
+
+@pytest.mark.parametrize("value", ["8", 8.0, True])
+def test_an_integer_field_takes_only_a_json_integer(value: object) -> None:
+    body = {"request_id": "r", "tenant": "t", "model": "m", "context_tokens": value}
+    with pytest.raises(ValidationError, match="valid integer"):
+        PlaceRequest.model_validate(body)
+
+
 def test_subjects_follow_api_md() -> None:
     subjects = Subjects()
     assert subjects.rpc(Rpc.PLACEMENT_PLACE) == "hetsched.placement.place"
@@ -66,7 +110,9 @@ def test_one_stream_per_context_with_dedup_and_short_telemetry() -> None:
         "DEADLETTER",
     }
     assert all(s.duplicate_window_s > 0 and s.file_storage for s in specs.values())
-    assert specs["TELEMETRY"].max_age_s == 600 and specs["LEDGER"].max_age_s is None
+    # Every stream has a max age (issue 23: none used to, but TELEMETRY's and DEADLETTER's) and a size cap.
+    assert specs["TELEMETRY"].max_age_s == 600 and specs["LEDGER"].max_age_s == 7 * 86_400
+    assert all(s.max_age_s and s.max_bytes for s in specs.values())
     assert specs["LEDGER"].subjects == ("hetsched.events.ledger.>",)
     assert specs["DEADLETTER"].subjects == ("hetsched.deadletter.>",) and specs["DEADLETTER"].max_age_s
 

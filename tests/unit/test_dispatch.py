@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ from shared.contracts.health import HealthRequest
 from shared.contracts.ledger import CommitRequest, LedgerRenewRequest
 from shared.contracts.placement import PlaceRequest
 from shared.contracts.registry import RPCS
-from shared.contracts.subjects import Rpc, Subjects, token, untoken
+from shared.contracts.subjects import Context, Rpc, Subjects, names_scope, token, untoken
 from shared.domain.ledger import MAX_LEASE_S as DOMAIN_MAX_LEASE_S
 from shared.infra import deadline
 from shared.infra.bus import MAX_DEPTH, dispatch
@@ -150,7 +151,7 @@ def _string_fields(model: type[BaseModel], seen: set[type[BaseModel]]) -> list[t
     seen.add(model)
     for name, info in model.model_fields.items():
         text = repr(info.annotation)
-        if "str" in text and "Literal" not in text and name != "version":
+        if re.search(r"\bstr\b", text) and "Literal" not in text and name != "version":  # not `Strict`
             found.append((f"{model.__name__}.{name}", info))
         for arg in _models_in(info.annotation):
             found.extend(_string_fields(arg, seen))
@@ -401,3 +402,15 @@ def test_subject_tokens_round_trip_and_never_collide_with_plain_names() -> None:
         assert untoken(token(name)) == name
         assert all(ch not in token(name) for ch in ".*> ")
     assert token("a.b") != token("a_b") and token("=x").startswith("=")
+
+
+def test_a_node_scoped_subject_names_exactly_one_node() -> None:
+    """Issue 23 row 3: whole tokens compare, so `dgx-h100-0`'s subject never speaks for `dgx-h100-02`
+    (nor the other way round), and an encoded name is matched in its encoded form only."""
+    subjects = Subjects("p")
+    subject = subjects.event(Context.TELEMETRY, "engine_status", node="dgx-h100-02")
+    assert names_scope(subject, "dgx-h100-02")
+    for other in ("dgx-h100-0", "dgx-h100-021", "h100-02", "02", "", "DGX-H100-02"):
+        assert not names_scope(subject, other), other
+    assert not names_scope(subjects.heartbeat("dgx-h100-0"), "dgx-h100-02")
+    assert names_scope(subjects.heartbeat("a.b"), "a.b") and not names_scope(subjects.heartbeat("a.b"), "b")

@@ -390,6 +390,10 @@ async function poll() {
   const started = Date.now();
   try {
     const response = await fetch("/api/state", { cache: "no-store" });
+    if (response.status === 401) {  // no session (the console restarted with a new token): log in again
+      window.location.assign("/login");
+      return;
+    }
     const state = await response.json();
     if (!response.ok) throw new Error(state.error || `HTTP ${response.status}`);
     render(state);

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from shared.domain.fleet import cluster_key
+from shared.domain.fleet import AcceleratorId, cluster_key
 from shared.domain.placement.types import Decision, FleetSnapshot, PlacementRequest, apply
 from shared.domain.placement.withhold import withhold
 from shared.domain.topology.tpu import TpuSlice
@@ -218,13 +218,13 @@ def consolidate(
 def broken_groups(replicas: Sequence[Replica], node: str, cliques: Sequence[frozenset[str]]) -> list[Replica]:
     """TP>1 GPU replicas on ``node`` whose accelerators are no longer all inside one clique of the
     node's new NVLink graph (``cliques``: its maximal all-pairs-NVLinked groups, as accelerator ids).
-    A group is on ``node`` when ``node`` is its first node or one of its GPUs is named ``<node>/...``."""
-    prefix = f"{node}/"
+    A group is on ``node`` when ``node`` is its first node or one of its GPUs is on it (names compared
+    exactly, never as prefixes)."""
     broken: list[Replica] = []
     for replica in replicas:
         if replica.tpu_pod is not None or replica.tp <= 1 or len(replica.accelerators) <= 1:
             continue
-        if replica.node != node and not any(acc.startswith(prefix) for acc in replica.accelerators):
+        if replica.node != node and not any(AcceleratorId.on_host(acc, node) for acc in replica.accelerators):
             continue
         group = frozenset(replica.accelerators)
         if not any(group <= clique for clique in cliques):

@@ -299,6 +299,27 @@ def test_broken_groups_reads_only_tp_groups_on_the_node() -> None:
     assert broken_groups(replicas, "b", cliques_of(snap, "b")) == []
 
 
+def test_a_group_is_on_a_node_by_its_exact_name_never_a_prefix() -> None:
+    """Issue 23 row 3: node `a`'s NVLink change says nothing of node `a/x`'s group (ids `a/x/gpu<i>`,
+    which a `startswith("a/")` test put on `a`), nor of `ab`'s."""
+    ask = request("llama3-8b", request_id="two", tp=2)
+    elsewhere = [
+        Replica(
+            allocation_id=f"alloc-{name}",
+            tenant="t",
+            request=ask,
+            node=name,
+            accelerators=(f"{name}/gpu0", f"{name}/gpu1"),
+            tp=2,
+            cluster="r1/c1",
+            bytes_per_accelerator={},
+        )
+        for name in ("a/x", "ab")
+    ]
+    assert broken_groups(elsewhere, "a", []) == []
+    assert [r.allocation_id for r in broken_groups(elsewhere, "a/x", [])] == ["alloc-a/x"]
+
+
 def test_replace_leaves_out_a_replica_without_a_copy_and_moves_the_rest() -> None:
     """a holds a TP=8 70B, b an 8B on gpu0. The TP=8 group has no copy (b has 7 idle GPUs, a none
     outside its own), the 8B has one (on b): only the 8B moves, avoiding its own GPU."""

@@ -171,6 +171,9 @@ class FakeStore:
             self.clusters[a.id] = a.cluster
         return {a.id: self.accelerators[a.id] for a in accelerators}
 
+    async def held_above_reported(self, *, session: Any, ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+        return {}
+
     async def set_node_available(self, *, session: Any, node: str, available: bool) -> NodeAvailability:
         self._called("set_node_available", node=node, available=available)
         for i, c in list(self.accelerators.items()):
@@ -449,11 +452,16 @@ async def committed(handlers: LedgerHandlers, rid: str = "a", tenant: str = "acm
     return reply.allocation_id
 
 
-async def test_releasing_another_tenants_allocation_is_forbidden_and_changes_nothing() -> None:
+async def test_releasing_another_tenants_allocation_is_answered_as_an_unknown_one_and_changes_nothing() -> None:
+    """Issue 23: `not_found` with the same message as an id that does not exist (an id tells no one whether
+    it exists), never `forbidden`."""
     handlers, store, units = make(gpu("n/gpu0"))
     allocation = await committed(handlers, tenant="globex")
     reply = await handlers.release(LedgerReleaseRequest(allocation_id=allocation, tenant="acme"))
-    assert isinstance(reply, Rejected) and reply.error.code == "forbidden"
+    unknown = await handlers.release(LedgerReleaseRequest(allocation_id="al-nope", tenant="acme"))
+    assert isinstance(reply, Rejected) and isinstance(unknown, Rejected)
+    assert reply.error.code == unknown.error.code == "not_found"
+    assert reply.error.message.replace(allocation, "ID") == unknown.error.message.replace("al-nope", "ID")
     assert store.called("end_allocation") == [] and units.named("allocation_released") == []
 
 
@@ -490,7 +498,7 @@ async def test_renew_computes_the_lease_from_the_clock_and_stores_exactly_that()
     ("tenant", "lease_end", "code"),
     [
         ("acme", NOW - timedelta(seconds=1), "invalid_request"),  # in the past by the injected clock
-        ("globex", NOW + timedelta(hours=1), "forbidden"),
+        ("globex", NOW + timedelta(hours=1), "not_found"),  # another tenant's: as an unknown id (issue 23)
     ],
 )
 async def test_renew_refusals_store_nothing(tenant: str, lease_end: datetime, code: str) -> None:
@@ -660,7 +668,7 @@ async def test_concurrent_releases_end_together_each_answered_on_its_own() -> No
     )
     assert replies[:8] == [LedgerReleaseReply(status="released", already=False)] * 8
     assert replies[8] == LedgerReleaseReply(status="released", already=True)
-    assert isinstance(replies[9], Rejected) and replies[9].error.code == "forbidden"
+    assert isinstance(replies[9], Rejected) and replies[9].error.code == "not_found"  # not theirs: as unknown
     assert sorted(c["allocation_id"] for c in store.called("end_allocation")) == sorted(allocations)
     assert len(units.named("allocation_released")) == 8
     assert handlers._releases.groups < 10  # the ones that came while the first ran went together

@@ -21,6 +21,7 @@ from shared.contracts.ledger import (
     CommitRequest,
     LedgerReleaseReply,
     LedgerReleaseRequest,
+    no_allocation,
 )
 from shared.contracts.placement import AcceleratorShare, AdmitReply, AdmitRequest, NodePlacement, PlaceReply
 from shared.contracts.subjects import Rpc, Subjects
@@ -271,8 +272,11 @@ async def test_kv_is_held_until_release_and_only_its_tenant_may_release_it() -> 
     assert isinstance(reply, AdmitReply) and reply.allocation_id is not None and reply.kv_bytes
     assert book.status(tf).held_bytes == reply.kv_bytes
 
-    forbidden = handlers.owner_of_hold(reply.allocation_id, "mallory")
-    assert isinstance(forbidden, Rejected) and forbidden.error.code is ErrorCode.FORBIDDEN
+    # Another tenant's hold is answered as the ledger answers an unknown allocation (issue 23): the same
+    # code and message, so the id does not tell it exists.
+    theirs = handlers.owner_of_hold(reply.allocation_id, "mallory")
+    assert isinstance(theirs, Rejected) and theirs.error.code is ErrorCode.NOT_FOUND
+    assert theirs == no_allocation(reply.allocation_id)
     owner = handlers.owner_of_hold(reply.allocation_id, "acme")
     assert owner == "platform"
     # A long generation renews its hold: through placement.renew, under the replica's owner (PlacementHandlers).
@@ -399,3 +403,59 @@ async def test_names_the_book_does_not_know_do_not_grow_it() -> None:
         await handlers.admit(_ask(f"x-{i}", failed_replica_id=f"made-up-{i}"))
         handlers.on_engine_status(_status(dataclasses.replace(tf, replica_id=f"ghost-{i}")))
     assert set(book._failed) == set() and set(book._reports) == {"r-tf"}
+
+
+# -- issue 23 ----------------------------------------------------------------------------------------
+
+
+async def test_failed_replica_id_counts_only_from_a_tenant_holding_an_admission_on_it() -> None:
+    """Row 2: globex naming acme's replica as failed is ignored (and told so); acme, who holds an
+    admission on it, is heard; once acme's hold ends, acme is ignored too."""
+    moe, tf = _replica("r-moe", "mixtral-8x7b", "n1", kv_gb=60), _replica("r-tf", "llama3.1-8b", "n2")
+    handlers, _ledger, _clock, book = _stack(moe, tf)
+    handlers.on_engine_status(_status(moe, latency_p50_ms=30.0, queue_depth=0))
+    handlers.on_engine_status(_status(tf, latency_p50_ms=80.0, queue_depth=0))
+    mine = await handlers.admit(_ask("a-1", tenant="acme"))
+    assert isinstance(mine, AdmitReply) and mine.replica_id == "r-moe" and mine.failed_replica_ignored is None
+
+    probe = await handlers.admit(_ask("g-1", tenant="globex", failed_replica_id="r-moe"))
+    assert isinstance(probe, AdmitReply) and probe.failed_replica_ignored is True
+    assert probe.replica_id == "r-moe"  # still in rotation: globex's word did not take it out
+    assert "failed_replica_id ignored" in (probe.explanation or "")
+    after = await handlers.admit(_ask("a-2", tenant="acme"))
+    assert isinstance(after, AdmitReply) and after.replica_id == "r-moe"
+
+    heard = await handlers.admit(_ask("a-1b", tenant="acme", failed_replica_id="r-moe"))
+    assert isinstance(heard, AdmitReply) and heard.failed_replica_ignored is False
+    assert heard.replica_id == "r-tf"  # acme holds admissions on r-moe: out of rotation, failed over
+
+    handlers.on_engine_status(_status(moe, latency_p50_ms=30.0, queue_depth=0))  # back in rotation
+    for reply in (mine, probe, after):
+        assert reply.allocation_id is not None
+        handlers.on_allocation_ended(reply.allocation_id)
+    assert not book.holds_on("r-moe", "acme")
+    late = await handlers.admit(_ask("a-3", tenant="acme", model="llama3.1-8b", failed_replica_id="r-moe"))
+    assert isinstance(late, AdmitReply) and late.failed_replica_ignored is True
+    assert book.status(moe).healthy
+
+
+async def test_an_ignored_failed_replica_id_is_said_in_a_no_capacity_rejection_too() -> None:
+    tf = _replica("r-tf", "llama3.1-8b", "n1")
+    handlers, _ledger, _clock, _book = _stack(tf)  # never reported: nothing can serve
+    reply = await handlers.admit(_ask("g-1", tenant="globex", model="llama3.1-8b", failed_replica_id="r-tf"))
+    assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.NO_CAPACITY
+    assert reply.error.details == {"failed_replica_ignored": True}
+    assert "failed_replica_id ignored" in reply.error.message
+
+
+def test_an_engine_report_counts_only_from_the_replicas_own_node_compared_exactly() -> None:
+    """Row 3: the agent of `dgx-h100-0` cannot speak for a replica on `dgx-h100-02` (a prefix of its
+    name), nor the agent of `dgx-h100-021` (its name is a prefix of theirs)."""
+    tf = _replica("r-tf", "llama3.1-8b", "dgx-h100-02")
+    book = ReplicaBook(models=MODELS)
+    book.add(tf)
+    assert book.report(_status(tf), now_ms=0)
+    for node in ("dgx-h100-0", "dgx-h100-", "dgx-h100-021", "DGX-H100-02", ""):
+        forged = _status(tf, healthy=False, queue_depth=999)
+        assert not book.report(forged.model_copy(update={"node": node}), now_ms=1), node
+    assert book.status(tf).healthy and book.status(tf).queue_depth == 1

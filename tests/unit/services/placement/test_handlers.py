@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 from services.placement.handlers import Ownership, PlacementHandlers, Queueing
-from services.placement.store import DecisionStore, QueuedRequest, SeenAllocation, StoredIntent
+from services.placement.store import DecisionStore, PlacedAllocation, QueuedRequest, SeenAllocation, StoredIntent
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import (
@@ -32,6 +32,7 @@ from shared.domain.fleet import AcceleratorId, tpu_chip_ids
 from shared.domain.memory import usable_hbm
 from shared.domain.placement.ownership import DecisionStatus, Intent
 from shared.domain.placement.view import FleetView, LedgerAccelerator, LedgerMirror
+from shared.domain.quotas import Quotas
 from shared.infra import deadline
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork
@@ -116,6 +117,7 @@ class FakeStore(DecisionStore):
         self.allocations: dict[str, dict[str, Any]] = {}
         self.released: list[str] = []
         self.queue: dict[tuple[str, str], QueuedRequest] = {}
+        self.pages = 0  # pages of the queue read
         self._seq = itertools.count(1)
 
     @property
@@ -260,7 +262,7 @@ class FakeStore(DecisionStore):
                 seq=next(self._seq),
                 tenant=request.tenant,
                 request_id=request.request_id,
-                request=PlaceRequest.model_validate(request.model_dump(mode="json")),
+                body=request.model_dump(mode="json"),
                 enqueued_at=enqueued_at,
                 deadline_at=deadline_at,
             )
@@ -274,8 +276,23 @@ class FakeStore(DecisionStore):
     async def dequeue(self, *, session: Any, tenant: str, request_id: str) -> None:
         self.queue.pop((tenant, request_id), None)
 
-    async def queued(self, *, session: Any, limit: int) -> list[QueuedRequest]:
-        return sorted(self.queue.values(), key=lambda q: q.seq)[:limit]
+    async def queued(self, *, session: Any, limit: int, after: int | None = None) -> list[QueuedRequest]:
+        self.pages += 1
+        return sorted((q for q in self.queue.values() if after is None or q.seq > after), key=lambda q: q.seq)[:limit]
+
+    async def queued_of(self, *, session: Any, tenant: str, request_id: str) -> int:
+        return sum(1 for q in self.queue.values() if q.tenant == tenant and q.request_id != request_id)
+
+    async def placed_allocations(self, *, session: Any) -> list[PlacedAllocation]:
+        return [
+            PlacedAllocation(
+                allocation_id=r["allocation_id"],
+                tenant=r["tenant"],
+                accelerators=tuple(s.accelerator_id for s in r["commit"].shares),
+            )
+            for r in self.rows.values()
+            if r["status"] == "placed" and r["allocation_id"] and r["commit"] is not None
+        ]
 
     async def unclaim(self, *, session: Any, tenant: str, request_id: str, attempt: int, now: datetime) -> None:
         row = self.rows.get((tenant, request_id))
@@ -382,6 +399,7 @@ class Rig:
         view: FleetView | None = None,
         queueing: Queueing | None = None,
         timer: FakeTimer | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
         self.rpc = rpc
         self.view = view or fleet_view()
@@ -400,6 +418,7 @@ class Rig:
             clock=lambda: self.now,
             after_commit=self.after_commit,
             queueing=queueing,
+            quotas=quotas,
         )
 
     def reserved(self) -> dict[str, int]:

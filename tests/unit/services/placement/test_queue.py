@@ -17,7 +17,11 @@ from shared.contracts.ledger import CommitRequest
 from shared.contracts.placement import PlaceReply, PlaceRequest
 from shared.contracts.placement_events import PlacementEvent
 from shared.contracts.subjects import Rpc
-from tests.unit.services.placement.test_handlers import FakeRpc, Rig, committed, place
+from shared.domain.fleet import AcceleratorId
+from shared.domain.memory import usable_hbm
+from shared.domain.placement.view import FleetView, LedgerAccelerator, LedgerMirror
+from tests.unit.placement.builders import models, node, skus
+from tests.unit.services.placement.test_handlers import FakeRpc, Rig, committed, fleet_view, place
 from tests.unit.services.placement.test_ownership import deliver
 from tests.waiting import wait_for
 
@@ -158,3 +162,116 @@ async def test_a_release_event_wakes_the_queue_which_places_the_waiting_request(
         await wait_for(placed, 10, what="the queued request placed after the release")
     finally:
         serving.cancel()
+
+
+# -- issue 23 row 4: every queued request, every due row, no tenant's backlog in another's way ----------
+
+
+def two_sku_view() -> FleetView:
+    """An 8-GPU H100 node and a one-GPU L40S node: the probe's A100 backlog and globex's idle L40S."""
+    profiles = [node("h1").nvswitch(8).profile(), node("l1").sku("L40S-48GB").pcie(1).profile()]
+    rows = [
+        LedgerAccelerator(
+            id=AcceleratorId.gpu(p.name, a.index), node=p.name, usable=usable_hbm(a.hbm_bytes), reserved=0
+        )
+        for p in profiles
+        for a in p.accelerators
+    ]
+    return FleetView(skus=skus(), models=models(), nodes=[(p, True) for p in profiles], ledger=LedgerMirror(rows))
+
+
+def h100_group(rid: str, **extra: Any) -> PlaceRequest:
+    return tp8(rid, skus=["H100-SXM-80GB"], **extra)
+
+
+def l40s_replica(rid: str, **extra: Any) -> PlaceRequest:
+    return place(rid, tenant="globex", tp=1, skus=["L40S-48GB"], **extra)
+
+
+def ended(rig: Rig, reply: PlaceReply, tenant: str, rid: str) -> None:
+    """The ledger's `allocation_released` of ``reply``'s allocation, as the view's feed applies it."""
+    assert reply.hbm_per_accelerator is not None and reply.allocation_id is not None
+    accs = [a for p in reply.placements for a in p.accelerators]
+    total = reply.hbm_per_accelerator.total
+    key = (tenant, f"placement/{rid}")
+    rig.view.allocation_moved(reply.allocation_id, key=key, delta=dict.fromkeys(accs, -total))
+
+
+def counting_decisions(rig: Rig) -> list[str]:
+    """The request ids the handlers decide from now on (each costs a run of the pipeline)."""
+    decided: list[str] = []
+    decide = rig.handlers._decide
+
+    def spy(snapshot: Any, request: PlaceRequest) -> Any:
+        decided.append(request.request_id)
+        return decide(snapshot, request)
+
+    rig.handlers._decide = spy  # type: ignore[method-assign]
+    return decided
+
+
+async def test_another_tenants_request_behind_a_backlog_of_205_is_placed_when_its_capacity_frees() -> None:
+    """The probe at its own scale: acme's 205 H100 groups wait (its only H100 node is taken); globex's
+    L40S replica waits behind them for the one L40S; once that frees, one pass places globex's, and
+    acme's 205 identical requests cost one decision, not 205."""
+    commits = [committed("al-h"), committed("al-l1"), committed("al-l2")]
+    rig = Rig(FakeRpc(ledger_commit=commits), view=two_sku_view())
+    assert (await rig.handlers.place(h100_group("h-first"))).model_dump()["status"] == "placed"
+    first_l40s = await rig.handlers.place(l40s_replica("g-first"))
+    assert isinstance(first_l40s, PlaceReply) and first_l40s.status == "placed"
+    for i in range(205):
+        assert (await rig.handlers.place(h100_group(f"a-{i}"))).model_dump()["status"] == "queued"
+    waiting = await rig.handlers.place(l40s_replica("g-second"))
+    assert isinstance(waiting, PlaceReply) and waiting.status == "queued" and waiting.queue_position == 206
+
+    ended(rig, first_l40s, "globex", "g-first")
+    decided = counting_decisions(rig)
+    outcomes = await rig.handlers.serve_queue_once()
+    assert outcomes["g-second"] == "placed"
+    assert sum(1 for rid, outcome in outcomes.items() if rid.startswith("a-") and outcome == "queued") == 205
+    assert decided.count("g-second") == 2  # the dry decision, then the attempt's
+    assert len([rid for rid in decided if rid.startswith("a-")]) == 1  # one shape, one decision
+    placed = await rig.handlers.place(l40s_replica("g-second"))
+    assert isinstance(placed, PlaceReply) and placed.status == "placed" and placed.allocation_id == "al-l2"
+
+
+async def test_every_queued_request_past_its_deadline_is_timed_out_in_one_pass() -> None:
+    """230 due requests, more than a page of the old pass (200): all of them leave in one pass."""
+    rig = Rig(FakeRpc(ledger_commit=[committed("al-1")]))
+    await rig.handlers.place(tp8("first"))
+    for i in range(230):
+        assert (await rig.handlers.place(tp8(f"q-{i}", queue_timeout_s=30))).model_dump()["status"] == "queued"
+    rig.now += timedelta(seconds=31)
+    outcomes = await rig.handlers.serve_queue_once()
+    assert len(outcomes) == 230 and set(outcomes.values()) == {"timed_out"}
+    assert rig.store.queue == {}
+    assert rig.uow.names().count("placement_rejected") == 230
+
+
+async def test_a_pass_reads_the_queue_in_pages_of_the_setting() -> None:
+    rig = Rig(FakeRpc(ledger_commit=[committed("al-1")]), queueing=Queueing(page=20))
+    await rig.handlers.place(tp8("first"))
+    for i in range(45):
+        await rig.handlers.place(tp8(f"q-{i}", queue_timeout_s=30 if i >= 40 else 600))
+    rig.store.pages = 0
+    rig.now += timedelta(seconds=31)
+    outcomes = await rig.handlers.serve_queue_once()
+    assert rig.store.pages == 3  # 20 + 20 + 5 (keyset: each page after the last row of the one before)
+    assert [rid for rid, outcome in outcomes.items() if outcome == "timed_out"] == [f"q-{i}" for i in range(40, 45)]
+    assert len(rig.store.queue) == 40
+
+
+async def test_the_queue_is_served_round_robin_by_tenant() -> None:
+    """Room for two groups once both nodes free: acme's first and globex's first are placed, not acme's
+    first two (acme queued three before globex queued one)."""
+    commits = [committed(f"al-{i}") for i in range(1, 5)]
+    rig = Rig(FakeRpc(ledger_commit=commits), view=fleet_view(nodes=("n1", "n2")))
+    held = [await rig.handlers.place(tp8(rid)) for rid in ("hold-1", "hold-2")]
+    for rid in ("a-1", "a-2", "a-3"):
+        assert (await rig.handlers.place(tp8(rid))).model_dump()["status"] == "queued"
+    assert (await rig.handlers.place(tp8("g-1", tenant="globex"))).model_dump()["status"] == "queued"
+    for reply, rid in zip(held, ("hold-1", "hold-2"), strict=True):
+        assert isinstance(reply, PlaceReply)
+        ended(rig, reply, "acme", rid)
+    outcomes = await rig.handlers.serve_queue_once()
+    assert outcomes == {"a-1": "placed", "g-1": "placed", "a-2": "queued", "a-3": "queued"}
