@@ -194,9 +194,6 @@ class ReservationHandlers:
                         accelerators=list(earlier.accelerators),
                         duplicate=True,
                     )
-            over = await self._over_quota(uow, request)
-            if over is not None:
-                return over
             taken = await store.held(session=uow.session)
             others = await store.used_by_others(session=uow.session, tenant=request.tenant)
             if request.accelerators:
@@ -240,6 +237,11 @@ class ReservationHandlers:
                         free=free,
                     )
                 chosen, sku, region = picked, request.sku, request.region
+            # Past its tenant's quota: refused, nothing written (after the capacity checks, which answer
+            # a request for more than exists as they always did).
+            over = await self._over_quota(uow, request)
+            if over is not None:
+                return over
             reservation = Reservation(
                 id=new_reservation_id(),
                 tenant=request.tenant,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -10,7 +11,7 @@ from typing import Any, TypeVar
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 from nats.nuid import NUID
 from opentelemetry.trace import SpanKind
 from pydantic import BaseModel, ValidationError
@@ -75,13 +76,13 @@ async def ensure_streams(js: JetStreamContext, specs: tuple[StreamSpec, ...], *,
                 info = await js.stream_info(spec.name)
             except NotFoundError:
                 try:
-                    await js.add_stream(config)
+                    await _create_or_uncap(js, config)
                     break
                 except BadRequestError:
                     continue  # another service created it between our two calls: update it instead
             else:
                 if update:
-                    await js.update_stream(config)
+                    await _create_or_uncap(js, config, update=True)
                 elif _limits(info.config.max_age, info.config.max_bytes) != _limits(spec.max_age_s, spec.max_bytes):
                     log.warning(
                         "a stream's limits differ from the settings; its owner or the operator updates it",
@@ -94,6 +95,26 @@ async def ensure_streams(js: JetStreamContext, specs: tuple[StreamSpec, ...], *,
                         },
                     )
                 break
+
+
+INSUFFICIENT_STORAGE = 10047  # JetStream's error code: the store cannot reserve a stream's max_bytes
+
+
+async def _create_or_uncap(js: JetStreamContext, config: StreamConfig, *, update: bool = False) -> None:
+    """Add (or update) a stream; when the server's store cannot reserve its size cap, without the cap,
+    with one ERROR line naming the setting (the max age still bounds it, and the stack keeps working)."""
+    call = js.update_stream if update else js.add_stream
+    try:
+        await call(config)
+    except APIError as exc:
+        if exc.err_code != INSUFFICIENT_STORAGE or not config.max_bytes or config.max_bytes <= 0:
+            raise
+        log.error(
+            "the NATS server's JetStream store cannot reserve this stream's size cap: the stream runs without one "
+            "(lower HETSCHED_STREAM_MAX_BYTES or give the server more store)",
+            extra={"stream": config.name, "max_bytes": config.max_bytes},
+        )
+        await call(dataclasses.replace(config, max_bytes=-1))
 
 
 ORDERED_HEARTBEAT_S = 5.0

@@ -45,7 +45,7 @@ REGION = "probe-1"
 TENANTS = ("acme", "globex", "initech")
 SERVICES_RUN = ("topology_discovery", "capacity_ledger", "placement", "reservation_filler")
 BACKLOG = 205  # the probe's: more than the 200 rows the old pass read
-RESERVED_QUOTA = 16
+RESERVED_QUOTA = 8
 # initech: 8 placed GPUs and 2 queued requests; the others keep the (large) defaults.
 OVERRIDES = {"initech": {"gpus_placed": 8, "queued_requests": 2}}
 
@@ -244,9 +244,11 @@ async def test_a_backlog_of_205_does_not_keep_another_tenants_request_from_an_id
 
 
 async def test_requests_due_behind_the_backlog_time_out(probe: SecureBus) -> None:
-    """The L40S is taken again (globex's second): three more wait behind acme's 205 with a 1 s timeout,
-    and each is rejected `no_capacity` (queue timeout) although more than 10 pages of rows come first."""
+    """With the L40S taken, three more wait behind acme's 205 with a 1 s timeout, and each is rejected
+    `no_capacity` (queue timeout) although more than 10 pages of rows come first."""
     globex = await gateway(probe, "globex")
+    if (await explain(globex, probe, l40s_replica("g-probe", fallbacks=[])))["status"] == "placed":
+        assert (await place(globex, probe, l40s_replica("g-hold")))["status"] == "placed"  # taken, whatever came before
     late = [l40s_replica(f"g-late-{i}", queue_timeout_s=1) for i in range(3)]
     for request in late:
         reply = await place(globex, probe, request)
@@ -304,8 +306,9 @@ async def test_a_placement_past_the_tenants_gpus_placed_quota_is_refused_and_res
 async def test_a_reservation_past_the_tenants_gpus_reserved_quota_is_refused_and_records_nothing(
     probe: SecureBus,
 ) -> None:
-    """The probe reserved 22 of 24 H100s from one gateway: with a quota of 16 per tenant, acme's 16 are
-    created and 8 more are `quota_exceeded`; its reservations stay the one; globex has a quota of its own."""
+    """The probe reserved 22 of 24 H100s from one gateway: with a quota of 8 per tenant, acme's 8 are
+    created and 8 more are `quota_exceeded` (16 H100s are free); its reservations stay the one; globex has a
+    quota of its own."""
     acme, globex = await gateway(probe, "acme"), await gateway(probe, "globex")
 
     def reservation(rid: str, tenant: str, count: int) -> dict[str, Any]:
@@ -322,15 +325,15 @@ async def test_a_reservation_past_the_tenants_gpus_reserved_quota_is_refused_and
         return await caller.request(probe.subjects.scoped(Rpc.RESERVATION_CREATE, request["tenant"]), request)
 
     async def created() -> dict[str, Any] | None:  # the filler learns the H100s from TOPOLOGY
-        reply = await create(acme, reservation("r-16", "acme", RESERVED_QUOTA))
+        reply = await create(acme, reservation("r-first", "acme", RESERVED_QUOTA))
         return reply if reply["status"] == "created" else None
 
-    first = await wait_for(created, 30, what="acme's 16 H100s reserved")
+    first = await wait_for(created, 30, what="acme's first H100s reserved")
     details = quota_refusal(await create(acme, reservation("r-8", "acme", 8)), "gpus_reserved")
     assert details == {"quota": "gpus_reserved", "limit": RESERVED_QUOTA, "used": RESERVED_QUOTA, "asked": 8}
     status = await acme.request(probe.subjects.scoped(Rpc.RESERVATION_STATUS, "acme"), {"tenant": "acme"})
     assert [r["reservation_id"] for r in status["reservations"]] == [first["reservation_id"]]
-    repeat = await create(acme, reservation("r-16", "acme", RESERVED_QUOTA))  # its own id: its own answer
+    repeat = await create(acme, reservation("r-first", "acme", RESERVED_QUOTA))  # its own id: its own answer
     assert repeat["status"] == "created" and repeat["duplicate"] is True
 
     async def theirs() -> dict[str, Any] | None:  # once the filler has heard the H100s were released

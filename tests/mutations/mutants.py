@@ -23,6 +23,10 @@ LEDGER_UNIT = "tests/unit/services/capacity_ledger"
 LEDGER_DOMAIN = "tests/unit/domain/ledger"
 PLACEMENT_UNIT = "tests/unit/services/placement"
 PLACEMENT_IT = "tests/integration/test_placement.py"
+RESERVATION_PROBE_IT = "tests/integration/test_reservation_probe.py"
+ROW_10_IT = f"{RESERVATION_PROBE_IT}::test_row_10_a_filler_killed_mid_reclaim_holds_no_answer_and_health_recovers"
+ROW_11_IT = f"{RESERVATION_PROBE_IT}::test_row_11_a_reservation_answered_created_is_in_force_for_the_next_placement"
+QUEUE_QUOTAS_IT = "tests/integration/test_queue_quotas.py"
 HTTP_EXPOSURE_IT = "tests/integration/test_http_exposure.py"
 _CROSS_SCHEMA_READ = '        await session.execute(__import__("sqlalchemy").text("SELECT 1 FROM ledger.shares"))\n'
 _LOCK_DOC = (
@@ -198,6 +202,58 @@ MUTANTS: tuple[Mutant, ...] = (
         + '        await session.execute(__import__("sqlalchemy").text("SELECT count(*) FROM ledger.allocations"))\n',
         tests=("tests/unit/test_schema_ownership.py", PLACEMENT_IT),
     ),
+    # Issue 23 rows 10 and 11 (docs/SECURITY.md "Hostile probe, round 3 — rows 10 and 11").
+    Mutant(
+        name="reclaim_waits_the_whole_deadline",
+        what="an owner's placement waits for reservation.reclaim as long as the caller's deadline allows",
+        file="services/placement/handlers.py",
+        find="                timeout_s=_share_of_deadline(min(RECLAIM_TIMEOUT_S, self._rpc.timeout_s)),\n",
+        replace="                timeout_s=None,\n",
+        tests=(ROW_10_IT,),
+    ),
+    Mutant(
+        name="reclaim_unanswered_not_refused",
+        what="an owner's placement that may not queue, whose reclaim got no answer, is decided as if none was needed",
+        file="services/placement/handlers.py",
+        find="            return self._reclaim_unanswered(request, exc)\n",
+        replace="            return None\n",
+        tests=(ROW_10_IT,),
+    ),
+    Mutant(
+        name="health_never_probes",
+        what="health waits for the next real call (or a minute) to say a dependency that failed is back",
+        file="shared/infra/service.py",
+        find="        if probes:\n            await _probe(runtime, probes)\n",
+        replace="        if False:\n            await _probe(runtime, probes)\n",
+        tests=(
+            "tests/unit/test_call_stats.py",
+            ROW_10_IT,
+        ),
+    ),
+    Mutant(
+        name="timeouts_in_the_median",
+        what="a call that got no answer counts its timeout in the median answer (slow for a minute)",
+        file="shared/infra/rpc.py",
+        find="            answered = [seconds for seconds, ok in recent if ok]\n",
+        replace="            answered = [seconds for seconds, _ok in recent]\n",
+        tests=("tests/unit/test_call_stats.py",),
+    ),
+    Mutant(
+        name="placement_ignores_the_reservation_stream_end",
+        what="placement decides without waiting for its reservation view to reach the RESERVATION stream's end",
+        file="services/placement/handlers.py",
+        find="        unsure = await self._reservations_known()\n",
+        replace="        unsure = None\n",
+        tests=("tests/unit/services/placement/test_read_your_writes.py", ROW_11_IT),
+    ),
+    Mutant(
+        name="created_before_announced",
+        what="reservation.create answers `created` before its event is in the RESERVATION stream",
+        file="services/reservation_filler/handlers.py",
+        find="        return await self._announced(created)\n",
+        replace="        return created\n",
+        tests=(ROW_11_IT,),
+    ),
     Mutant(
         name="console_host_unchecked",
         what="the console answers any Host (a page that rebinds its DNS name to 127.0.0.1 reads it)",
@@ -303,5 +359,57 @@ MUTANTS: tuple[Mutant, ...] = (
         find="        restate_s=restate_every_s(settings.stream_rebalance_max_age_s),  # docs/RETENTION.md\n",
         replace="        restate_s=None,\n",
         tests=("tests/integration/test_restatement.py",),
+    ),
+    # Issue 23 row 4 (the queue) and row 7 (quotas).
+    Mutant(
+        name="queue_first_page_only",
+        what="a pass of placement's queue reads only its first page",
+        file="services/placement/handlers.py",
+        find="            if len(rows) < page:\n                return entries\n",
+        replace="            return entries\n",
+        tests=(PLACEMENT_UNIT, QUEUE_QUOTAS_IT),
+    ),
+    Mutant(
+        name="queue_fifo_not_round_robin",
+        what="the queue is visited in arrival order only (one tenant's backlog goes first)",
+        file="services/placement/handlers.py",
+        find="        entries = round_robin(await self._queued(), tenant=lambda entry: entry.tenant)\n",
+        replace="        entries = await self._queued()\n",
+        tests=(PLACEMENT_UNIT,),
+    ),
+    Mutant(
+        name="quota_placed_unchecked",
+        what="placement checks a tenant's placed GPUs against the wrong (unset) quota",
+        file="services/placement/handlers.py",
+        find="            Quota.GPUS_PLACED,\n",
+        replace="            Quota.GPUS_RESERVED,\n",
+        tests=(PLACEMENT_UNIT, QUEUE_QUOTAS_IT),
+    ),
+    Mutant(
+        name="quota_in_flight_uncounted",
+        what="a commit in flight does not count for its tenant's quota",
+        file="services/placement/handlers.py",
+        find="        self.holdings.hold(token, key[0], held)\n",
+        replace="        pass\n",
+        tests=(PLACEMENT_UNIT,),
+    ),
+    Mutant(
+        name="quota_queued_unchecked",
+        what="the enqueue ignores the tenant's quota of queued requests",
+        file="services/placement/handlers.py",
+        find=(
+            "                over = exceeded(self._quotas, request.tenant, Quota.QUEUED_REQUESTS, used=waiting, "
+            "asked=1)\n"
+        ),
+        replace="                over = None\n",
+        tests=(PLACEMENT_UNIT, QUEUE_QUOTAS_IT),
+    ),
+    Mutant(
+        name="quota_reserved_unchecked",
+        what="reservation.create ignores the tenant's quota of reserved GPUs",
+        file="services/reservation_filler/handlers.py",
+        find="            over = await self._over_quota(uow, request)\n",
+        replace="            over = None\n",
+        tests=(QUEUE_QUOTAS_IT,),
     ),
 )
