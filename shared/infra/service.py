@@ -352,7 +352,8 @@ class _EventLoop:
     A durable deleted under it (by whoever holds the operator's key, or lost with a server's storage) is
     re-created with its own config, so from the stream's first sequence: its ack floor went with it, and
     events it had applied are skipped by the inbox, so nothing is lost even when several processes share
-    the durable. Until it has caught up again (nothing pending), health check ``consumers`` says so.
+    the durable. Until it has caught up again (nothing pending), and for ``CONSUMER_CHECK_S`` at least,
+    health check ``consumers`` says so.
     """
 
     subject: str
@@ -374,6 +375,7 @@ class _EventLoop:
     recovering: bool = False
     pending: int | None = None
     recreated: int = 0
+    recreated_at: float = 0.0
     checked_at: float = 0.0
 
     async def run(self, runtime: Runtime) -> None:
@@ -415,6 +417,7 @@ class _EventLoop:
             info = await runtime.jetstream.consumer_info(self.stream, self.durable)
         except NotFoundError:
             self.recovering, self.pending, self.recreated = True, None, self.recreated + 1
+            self.recreated_at = now
             runtime.log.warning(CONSUMER_GONE_MESSAGE, extra={"durable": self.durable, "stream": self.stream})
             with contextlib.suppress(Exception):  # its server-side consumer is gone already
                 await subscription.unsubscribe()
@@ -424,7 +427,8 @@ class _EventLoop:
             return subscription
         if self.recovering:
             self.pending = info.num_pending
-            if info.num_pending == 0 and info.num_ack_pending == 0:
+            # caught up, and degraded for one check interval at least, so a health poller sees it happened
+            if info.num_pending == 0 and info.num_ack_pending == 0 and now - self.recreated_at >= CONSUMER_CHECK_S:
                 self.recovering = False
                 runtime.log.info(
                     CONSUMER_CAUGHT_UP_MESSAGE,

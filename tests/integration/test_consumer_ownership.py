@@ -249,11 +249,17 @@ async def test_a_deleted_durable_is_recreated_and_the_view_catches_up(secure_bus
     finally:
         os.kill(topology.pid, signal.SIGCONT)
     seen: list[dict[str, Any]] = []
+    watching = True
 
     async def watch() -> None:
-        while True:
+        # Stops on the flag, not on a cancellation: nats-py may turn a cancelled request into a timeout,
+        # which would be swallowed here. The pause keeps a request that fails at once from never yielding
+        # and a flood of health requests from starving the service it watches.
+        while watching:
             with contextlib.suppress(Exception):
-                seen.append(await operator.request(bus.subjects.rpc(Rpc.TOPOLOGY_HEALTH), {}))
+                reply = await operator.nc.request(bus.subjects.rpc(Rpc.TOPOLOGY_HEALTH), b"{}", timeout=2)
+                seen.append(json.loads(reply.data))
+            await asyncio.sleep(0.05)
 
     def first_degraded() -> tuple[int] | None:  # a tuple: index 0 is a find too
         return next(((i,) for i, h in enumerate(seen) if h["status"] == "degraded"), None)
@@ -267,9 +273,8 @@ async def test_a_deleted_durable_is_recreated_and_the_view_catches_up(secure_bus
             lambda: any(h["status"] == "ok" for h in seen[at + 1 :]), 60, what="topology's health ok once caught up"
         )
     finally:
-        watcher.cancel()
-        with contextlib.suppress(BaseException):
-            await watcher
+        watching = False
+        await asyncio.wait_for(watcher, 10)
     recovered = next(h for h in seen[at + 1 :] if h["status"] == "ok")
     assert recovered["checks"]["consumers"] == "ok", recovered
     assert (await js.consumer_info(stream, name)).created != created, "a new durable under the same name"
