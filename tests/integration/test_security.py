@@ -182,6 +182,9 @@ async def bus(
         )
         assert all(h["status"] == "ok" for h in health.values()), (health, procs.log("placement")[-3000:])
         state.procs = procs
+        # Healthy is not yet settled: the ledger may still be applying the fleet's TOPOLOGY events, and the
+        # tests compare snapshots taken before and after an attack.
+        await wait_for(lambda: ledger_holds_the_fleet(state), 60, what="the ledger holds every node and pod")
         yield state
     finally:
         for caller in state.callers:
@@ -199,6 +202,18 @@ async def snapshot(bus: SecureBus) -> list[dict[str, Any]]:
     # The agent test's own node comes and goes (it sends no heartbeats): that is not what is compared.
     accelerators: list[dict[str, Any]] = [a for a in reply["accelerators"] if a["node"] != AGENT_NODE]
     return sorted(accelerators, key=lambda a: a["id"])
+
+
+async def ledger_holds_the_fleet(bus: SecureBus) -> bool:
+    """Every node and TPU pod topology lists has its accelerators in the ledger (a pod's every chip)."""
+    operator = await bus.connect("operator")
+    fleet = await operator.request(bus.subjects.rpc(Rpc.FLEET_GET), {"limit": 10_000})
+    ledger = await snapshot(bus)
+    held = {a["node"] for a in ledger}
+    chips = {pod["name"]: sum(1 for a in ledger if a["node"] == pod["name"]) for pod in fleet["tpu_pods"]}
+    return {node["name"] for node in fleet["nodes"]} <= held and all(
+        chips[pod["name"]] == pod["chips"] for pod in fleet["tpu_pods"]
+    )
 
 
 async def fleet_nodes(bus: SecureBus, who: str = "operator") -> set[str]:
