@@ -642,27 +642,9 @@ class PlacementHandlers:
                 )
                 over = exceeded(self._quotas, request.tenant, Quota.QUEUED_REQUESTS, used=waiting, asked=1)
                 if over is not None:
-                    finished = await self._store.finish(
-                        session=uow.session,
-                        tenant=request.tenant,
-                        request_id=request.request_id,
-                        attempt=claim.attempt,
-                        status=DecisionStatus.REJECTED,
-                        reply=None,
-                        allocation_id=None,
-                        now=uow.now,
-                    )
+                    finished = await self._finish(uow, request, claim, DecisionStatus.REJECTED)
                     return over if finished else LOST
-            if not await self._store.finish(
-                session=uow.session,
-                tenant=request.tenant,
-                request_id=request.request_id,
-                attempt=claim.attempt,
-                status=DecisionStatus.QUEUED,
-                reply=reply,
-                allocation_id=None,
-                now=uow.now,
-            ):
+            if not await self._finish(uow, request, claim, DecisionStatus.QUEUED, reply=reply):
                 return LOST
             await self._store.enqueue(
                 session=uow.session,
@@ -1218,6 +1200,28 @@ class PlacementHandlers:
 
         return await self._uow.run_grouped(work)
 
+    async def _finish(
+        self,
+        uow: UnitOfWork,
+        request: PlaceRequest,
+        claim: _Claimed,
+        status: DecisionStatus,
+        *,
+        reply: PlaceReply | None = None,
+        allocation_id: str | None = None,
+    ) -> bool:
+        """Record this attempt's outcome for the request's intent; False when another attempt took it."""
+        return await self._store.finish(
+            session=uow.session,
+            tenant=request.tenant,
+            request_id=request.request_id,
+            attempt=claim.attempt,
+            status=status,
+            reply=reply,
+            allocation_id=allocation_id,
+            now=uow.now,
+        )
+
     async def _unclaim(self, request: PlaceRequest, claim: _Claimed) -> None:
         async def work(uow: UnitOfWork) -> None:
             await self._store.unclaim(
@@ -1234,16 +1238,7 @@ class PlacementHandlers:
         """Nothing placed and nothing reserved: the same id (and body) may be retried."""
 
         async def work(uow: UnitOfWork) -> None:
-            await self._store.finish(
-                session=uow.session,
-                tenant=request.tenant,
-                request_id=request.request_id,
-                attempt=claim.attempt,
-                status=DecisionStatus.REJECTED,
-                reply=None,
-                allocation_id=None,
-                now=uow.now,
-            )
+            await self._finish(uow, request, claim, DecisionStatus.REJECTED)
 
         await self._uow.run_grouped(work)
 
@@ -1266,15 +1261,13 @@ class PlacementHandlers:
             placed = reply.status == "placed"
             if claim.queued:  # decided: it leaves the queue with its outcome
                 await self._store.dequeue(session=uow.session, tenant=request.tenant, request_id=request.request_id)
-            if not await self._store.finish(
-                session=uow.session,
-                tenant=request.tenant,
-                request_id=request.request_id,
-                attempt=claim.attempt,
-                status=DecisionStatus.PLACED if placed else DecisionStatus.REJECTED,
+            if not await self._finish(
+                uow,
+                request,
+                claim,
+                DecisionStatus.PLACED if placed else DecisionStatus.REJECTED,
                 reply=reply if placed else None,
                 allocation_id=reply.allocation_id if placed else None,
-                now=uow.now,
             ):
                 return False
             self._emit(uow, request, reply, event, decision_ms, attempts)

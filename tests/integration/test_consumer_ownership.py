@@ -36,7 +36,8 @@ from shared.infra.bus import follow
 from shared.infra.service import CONSUMER_GONE_MESSAGE, grant_of
 from shared.infra.settings import Settings
 from tests.integration import test_security
-from tests.integration.test_security import AGENT_NODE, Caller, SecureBus, event
+from tests.integration.secure_stack import Caller, SecureBus
+from tests.integration.test_security import AGENT_NODE, event
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

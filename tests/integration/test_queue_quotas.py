@@ -14,29 +14,18 @@ nothing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import pytest_asyncio
-from pydantic import SecretStr
 
-from hetsched.embedded import EmbeddedNats
-from hetsched.stack import service_permission_map, wait_healthy
-from services.registry import SERVICES
-from shared.contracts.permissions import gateway_identity, inbox_prefix, service_identity
-from shared.contracts.streams import stream_specs
-from shared.contracts.subjects import Rpc, Subjects
-from shared.infra.bus import ensure_streams
-from shared.infra.identity import Registry, ensure_operator, ensure_seeded, issue, write_auth_conf
-from shared.infra.migrate import upgrade
+from shared.contracts.permissions import gateway_identity
+from shared.contracts.subjects import Rpc
 from shared.infra.settings import Settings
-from tests.conftest import ServiceProcesses
-from tests.integration.test_security import Caller, SecureBus
-from tests.servers import ROLE_PASSWORD, RealServers
+from tests.integration.secure_stack import Caller, SecureBus, secure_stack
+from tests.servers import RealServers
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -83,60 +72,23 @@ async def probe(
     servers: RealServers, settings: Settings, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[SecureBus]:
     tmp = tmp_path_factory.mktemp("probe-queue")
-    directory = tmp / "identities"
-    run = uuid.uuid4().hex[:8]
-    secure = settings.model_copy(update={"subject_prefix": f"q{run}", "stream_prefix": f"Q{run.upper()}_"})
-    registry = Registry(subject_prefix=secure.subject_prefix, stream_prefix=secure.stream_prefix)
-    seeds = {"operator": ensure_operator(directory, registry)}
-    for definition in SERVICES.values():
-        identity = service_identity(definition.schema)
-        seeds[identity] = ensure_seeded(directory, registry, id=identity, kind="service", name=definition.name)
-    for tenant in TENANTS:
-        credential = issue(
-            registry, kind="gateway", name=f"{tenant}-gw", out=directory / f"{tenant}.nk", tenants=[tenant]
-        )
-        seeds[credential.id] = directory / f"{tenant}.nk"
-    registry.save(directory)
-    server = EmbeddedNats(
-        store_dir=tmp / "js", auth_conf=write_auth_conf(directory, registry, service_permission_map(secure))
-    )
-    await asyncio.to_thread(server.start, log_file=tmp / "nats.log")
-    database = f"hetsched_quota_{run}"
-    url = await servers.create_database(database)
-    await asyncio.to_thread(upgrade, url, role_password=SecretStr(ROLE_PASSWORD))
-    secure = secure.model_copy(update={"nats_url": server.url, "database_url": url, "data_dir": tmp / "data"})
-    state = SecureBus(
-        url=server.url, settings=secure, directory=directory, seeds=seeds, subjects=Subjects(secure.subject_prefix)
-    )
-    operator = await state.connect("operator")
-    await ensure_streams(
-        operator.nc.jetstream(), stream_specs(subjects=state.subjects, stream_prefix=secure.stream_prefix)
-    )
     inventory = tmp / "fleet.yaml"
     inventory.write_text(FLEET)
-    procs = ServiceProcesses(secure, tmp)
-    try:
-        for package in SERVICES_RUN:
-            identity = service_identity(SERVICES[package].schema)
-            procs.start(
-                package,
-                HETSCHED_NATS_NKEY_SEED_FILE=str(seeds[identity]),
-                HETSCHED_NATS_INBOX_PREFIX=inbox_prefix(identity),
-                HETSCHED_TOPOLOGY_INVENTORY=str(inventory),
-                HETSCHED_PLACEMENT_QUEUE_PAGE="20",  # a page smaller than the backlog: the pass pages
-                HETSCHED_PLACEMENT_QUEUE_RETRY_S="0.5",
-                HETSCHED_QUOTA_GPUS_RESERVED_PER_TENANT=str(RESERVED_QUOTA),
-                HETSCHED_QUOTA_TENANT_OVERRIDES=json.dumps(OVERRIDES),
-            )
-        health = await wait_healthy(
-            nats_url=server.url,
-            subjects=state.subjects,
-            deadline_s=60,
-            only=set(SERVICES_RUN),
-            nkeys_seed=str(seeds["operator"]),
-        )
-        assert all(h["status"] == "ok" for h in health.values()), (health, procs.log("placement")[-3000:])
-        state.procs = procs
+    async with secure_stack(
+        servers,
+        settings,
+        tmp,
+        tag="q",
+        services=SERVICES_RUN,
+        gateways={f"{tenant}-gw": [tenant] for tenant in TENANTS},
+        env={
+            "HETSCHED_TOPOLOGY_INVENTORY": str(inventory),
+            "HETSCHED_PLACEMENT_QUEUE_PAGE": "20",  # a page smaller than the backlog: the pass pages
+            "HETSCHED_PLACEMENT_QUEUE_RETRY_S": "0.5",
+            "HETSCHED_QUOTA_GPUS_RESERVED_PER_TENANT": str(RESERVED_QUOTA),
+            "HETSCHED_QUOTA_TENANT_OVERRIDES": json.dumps(OVERRIDES),
+        },
+    ) as state:
         acme = await gateway(state, "acme")
 
         async def sees_the_fleet() -> bool:
@@ -145,13 +97,6 @@ async def probe(
 
         await wait_for(sees_the_fleet, 30, what="placement sees the probe's fleet")
         yield state
-    finally:
-        for caller in state.callers:
-            with contextlib.suppress(Exception):
-                await caller.nc.close()
-        procs.stop_all()
-        server.stop()
-        await servers.drop_database(database)
 
 
 async def gateway(bus: SecureBus, tenant: str) -> Caller:

@@ -41,7 +41,8 @@ from shared.contracts.reservation import (
 )
 from shared.contracts.subjects import Context, Rpc
 from shared.infra.rpc import RpcClient
-from tests.integration.test_security import SecureBus, bus
+from tests.integration.secure_stack import SecureBus
+from tests.integration.test_security import bus
 from tests.jetstream import read_all
 from tests.waiting import wait_for
 

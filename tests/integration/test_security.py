@@ -16,7 +16,6 @@ import json
 import random
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,13 +23,8 @@ from typing import Any
 import nats
 import pytest
 import pytest_asyncio
-from nats.aio.client import Client
-from pydantic import SecretStr
 
-from hetsched.embedded import EmbeddedNats
 from hetsched.engine_sim import EngineLoad, publish_engine_status
-from hetsched.stack import service_permission_map, wait_healthy
-from services.registry import SERVICES
 from shared.contracts.envelope import new_event
 from shared.contracts.permissions import (
     EVENT_PUBLISHERS,
@@ -39,27 +33,21 @@ from shared.contracts.permissions import (
     inbox_prefix,
     service_identity,
 )
-from shared.contracts.streams import deadletter_stream_name, stream_name, stream_specs
-from shared.contracts.subjects import Context, Rpc, Subjects
+from shared.contracts.streams import deadletter_stream_name
+from shared.contracts.subjects import Context, Rpc
 from shared.contracts.topology import EngineStatusEvent, GpuSample, GpuTelemetryEvent, NodeStateEvent
 from shared.infra import deadletter
-from shared.infra.bus import ensure_streams
 from shared.infra.catalog import demo_fleet_path
 from shared.infra.identity import (
-    Registry,
-    ensure_operator,
-    ensure_seeded,
-    issue,
     new_seed,
-    write_auth_conf,
     write_secret,
 )
-from shared.infra.migrate import upgrade
 from shared.infra.settings import Settings
-from tests.conftest import REPO, ServiceProcesses
+from tests.conftest import REPO
+from tests.integration.secure_stack import Caller, SecureBus, secure_stack
 from tests.integration.test_placement import agent_profile
 from tests.jetstream import read_all
-from tests.servers import ROLE_PASSWORD, RealServers
+from tests.servers import RealServers
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -73,126 +61,24 @@ TOPO_FIXTURES = REPO / "tests" / "fixtures" / "topo"
 SERVICES_RUN = ("topology_discovery", "capacity_ledger", "placement")
 
 
-@dataclass
-class Caller:
-    """One identity's connection; the server's refusals arrive through ``errors``."""
-
-    nc: Client
-    errors: list[str] = field(default_factory=list)
-
-    async def refused(self, subject: str, *, verb: str = "publish") -> None:
-        await wait_for(
-            # nats-py lower-cases the server's message
-            lambda: any(f"violation for {verb}" in e.lower() and subject.lower() in e.lower() for e in self.errors),
-            10,
-            what=f"a permissions violation for {verb} to {subject} (errors: {self.errors[-5:]})",
-        )
-
-    async def publish(self, subject: str, body: bytes = b"{}") -> None:
-        await self.nc.publish(subject, body)
-        await self.nc.flush()
-
-    async def request(self, subject: str, body: dict[str, Any]) -> dict[str, Any]:
-        reply = await self.nc.request(subject, json.dumps(body).encode(), timeout=10)
-        data: dict[str, Any] = json.loads(reply.data)
-        return data
-
-
-@dataclass
-class SecureBus:
-    url: str
-    settings: Settings
-    directory: Path
-    seeds: dict[str, Path]
-    subjects: Subjects
-    callers: list[Caller] = field(default_factory=list)
-    procs: ServiceProcesses | None = None
-
-    async def connect(self, who: str) -> Caller:
-        caller = Caller(nc=None)  # type: ignore[arg-type]
-
-        async def on_error(exc: Exception) -> None:
-            caller.errors.append(str(exc))
-
-        options: dict[str, Any] = {"nkeys_seed": str(self.seeds[who]), "error_cb": on_error}
-        if who != "operator":
-            options["inbox_prefix"] = inbox_prefix(who)
-        caller.nc = await nats.connect(self.url, name=f"test-{who}", max_reconnect_attempts=0, **options)
-        self.callers.append(caller)
-        return caller
-
-    def stream(self, context: Context) -> str:
-        return stream_name(context, stream_prefix=self.settings.stream_prefix)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def bus(
     servers: RealServers, settings: Settings, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[SecureBus]:
-    tmp = tmp_path_factory.mktemp("secure")
-    directory = tmp / "identities"
-    run = uuid.uuid4().hex[:8]
-    # Prefixes of its own, so the machine's NATS and this server never share a durable name.
-    secure = settings.model_copy(update={"subject_prefix": f"s{run}", "stream_prefix": f"S{run.upper()}_"})
-    registry = Registry(subject_prefix=secure.subject_prefix, stream_prefix=secure.stream_prefix)
-    seeds = {"operator": ensure_operator(directory, registry)}
-    for definition in SERVICES.values():
-        identity = service_identity(definition.schema)
-        seeds[identity] = ensure_seeded(directory, registry, id=identity, kind="service", name=definition.name)
-    for name, tenants in (("acme-gw", ["acme"]), ("globex-gw", ["globex"])):
-        identity = issue(registry, kind="gateway", name=name, out=directory / f"{name}.nk", tenants=tenants)
-        seeds[identity.id] = directory / f"{name}.nk"
-    for node in (AGENT_NODE, RUNNING_AGENT, PREFIX_AGENT):
-        identity = issue(registry, kind="agent", name=node, out=directory / f"{node}.nk")
-        seeds[identity.id] = directory / f"{node}.nk"
-    registry.save(directory)
-    server = EmbeddedNats(
-        store_dir=tmp / "js", auth_conf=write_auth_conf(directory, registry, service_permission_map(secure))
-    )
-    await asyncio.to_thread(server.start, log_file=tmp / "nats.log")
-    database = f"hetsched_sec_{run}"
-    url = await servers.create_database(database)
-    await asyncio.to_thread(upgrade, url, role_password=SecretStr(ROLE_PASSWORD))
-    secure = secure.model_copy(update={"nats_url": server.url, "database_url": url, "data_dir": tmp / "data"})
-    state = SecureBus(
-        url=server.url, settings=secure, directory=directory, seeds=seeds, subjects=Subjects(secure.subject_prefix)
-    )
-    operator = await state.connect("operator")
-    await ensure_streams(
-        operator.nc.jetstream(),
-        stream_specs(subjects=state.subjects, stream_prefix=secure.stream_prefix),
-    )
-    procs = ServiceProcesses(secure, tmp)
-    try:
-        for package in SERVICES_RUN:
-            identity = service_identity(SERVICES[package].schema)
-            procs.start(
-                package,
-                HETSCHED_NATS_NKEY_SEED_FILE=str(seeds[identity]),
-                HETSCHED_NATS_INBOX_PREFIX=inbox_prefix(identity),
-                HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path()),
-                HETSCHED_TOPOLOGY_HEARTBEAT_S="0.5",
-            )
-        health = await wait_healthy(
-            nats_url=server.url,
-            subjects=state.subjects,
-            deadline_s=60,
-            only=set(SERVICES_RUN),
-            nkeys_seed=str(seeds["operator"]),
-        )
-        assert all(h["status"] == "ok" for h in health.values()), (health, procs.log("placement")[-3000:])
-        state.procs = procs
+    async with secure_stack(
+        servers,
+        settings,
+        tmp_path_factory.mktemp("secure"),
+        tag="s",
+        services=SERVICES_RUN,
+        gateways={"acme-gw": ["acme"], "globex-gw": ["globex"]},
+        agents=(AGENT_NODE, RUNNING_AGENT, PREFIX_AGENT),
+        env={"HETSCHED_TOPOLOGY_INVENTORY": str(demo_fleet_path()), "HETSCHED_TOPOLOGY_HEARTBEAT_S": "0.5"},
+    ) as state:
         # Healthy is not yet settled: the ledger may still be applying the fleet's TOPOLOGY events, and the
         # tests compare snapshots taken before and after an attack.
         await wait_for(lambda: ledger_holds_the_fleet(state), 60, what="the ledger holds every node and pod")
         yield state
-    finally:
-        for caller in state.callers:
-            with contextlib.suppress(Exception):
-                await caller.nc.close()
-        procs.stop_all()
-        server.stop()
-        await servers.drop_database(database)
 
 
 async def snapshot(bus: SecureBus) -> list[dict[str, Any]]:
