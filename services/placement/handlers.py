@@ -488,15 +488,21 @@ class PlacementHandlers:
         """One pass over every queued request, round robin by tenant (each tenant's oldest first): time
         out what waited too long, place what fits now; a request shaped as one that did not fit earlier in
         this pass is not decided again (capacity only shrinks within a pass: one freed meanwhile wakes the
-        next). The outcome per request id (``placed``, ``queued``, ``timed_out``, ``rejected``, ``skipped``)."""
+        next). The outcome per request id (``placed``, ``queued``, ``timed_out``, ``rejected``, ``skipped``).
+
+        Read-your-writes holds here too: a pass decides only once the reservation view has applied every
+        reservation answered before the pass began; if it cannot get there, the pass only times out."""
         entries = round_robin(await self._queued(), tenant=lambda entry: entry.tenant)
         outcomes: dict[str, str] = {}
+        if not entries:
+            return outcomes
+        behind = await self._reservations_known()  # a refusal: the view may miss a reservation
         unfit: set[str] = set()  # shapes that did not fit in this pass
         for visited, entry in enumerate(entries, 1):
             async with self.ids.hold((entry.tenant, entry.request_id)):
                 if entry.deadline_at <= self._clock():
                     outcome = await self._time_out(entry)
-                elif (shape := entry.shape) in unfit:
+                elif behind is not None or (shape := entry.shape) in unfit:
                     outcome = "queued"
                 else:
                     outcome = await self._serve(entry)

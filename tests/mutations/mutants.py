@@ -247,6 +247,14 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/unit/services/placement/test_read_your_writes.py", ROW_11_IT),
     ),
     Mutant(
+        name="queue_pass_ignores_the_reservation_view",
+        what="a queue pass decides queued requests without its reservation view being known to be current",
+        file="services/placement/handlers.py",
+        find="                elif behind is not None or (shape := entry.shape) in unfit:\n",
+        replace="                elif (shape := entry.shape) in unfit:\n",
+        tests=("tests/unit/services/placement/test_queue.py",),
+    ),
+    Mutant(
         name="created_before_announced",
         what="reservation.create answers `created` before its event is in the RESERVATION stream",
         file="services/reservation_filler/handlers.py",

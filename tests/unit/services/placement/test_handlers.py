@@ -400,6 +400,7 @@ class Rig:
         queueing: Queueing | None = None,
         timer: FakeTimer | None = None,
         quotas: Quotas | None = None,
+        reservations_current: Callable[[float], Awaitable[str | None]] | None = None,
     ) -> None:
         self.rpc = rpc
         self.view = view or fleet_view()
@@ -419,6 +420,7 @@ class Rig:
             after_commit=self.after_commit,
             queueing=queueing,
             quotas=quotas,
+            reservations_current=reservations_current,
         )
 
     def reserved(self) -> dict[str, int]:

@@ -275,3 +275,26 @@ async def test_the_queue_is_served_round_robin_by_tenant() -> None:
         ended(rig, reply, "acme", rid)
     outcomes = await rig.handlers.serve_queue_once()
     assert outcomes == {"a-1": "placed", "g-1": "placed", "a-2": "queued", "a-3": "queued"}
+
+
+async def test_a_queue_pass_decides_only_once_its_reservation_view_is_current_and_still_times_out() -> None:
+    """Read-your-writes on the queue's path (issue 23 row 11): a queued request is decided later, by a
+    pass; the pass asks the reservation view first, and one not known to be current decides nothing
+    (a reservation answered meanwhile might be missing from it), though rows past their deadline still go."""
+    behind: list[str | None] = [None, None]  # place() of "first" and of "waiting" find the view current
+
+    async def current(timeout_s: float) -> str | None:
+        return behind.pop(0) if behind else "applied RESERVATION events up to 3 of 5"
+
+    rig = Rig(FakeRpc(ledger_commit=[committed("al-1"), committed("al-2")]), reservations_current=current)
+    first = await rig.handlers.place(tp8("first"))
+    assert isinstance(first, PlaceReply) and first.status == "placed"
+    assert (await rig.handlers.place(tp8("waiting", queue_timeout_s=30))).model_dump()["status"] == "queued"
+    release(rig, first, "al-1", "first")  # it would fit now ...
+    assert await rig.handlers.serve_queue_once() == {"waiting": "queued"}  # ... but the view is behind
+    assert len(commits(rig)) == 1
+    rig.now += timedelta(seconds=31)
+    assert await rig.handlers.serve_queue_once() == {"waiting": "timed_out"}
+    behind.append(None)
+    assert await rig.handlers.serve_queue_once() == {}  # an empty queue asks nothing
+    assert behind == [None]
