@@ -255,3 +255,29 @@ async def test_the_running_service_prunes_what_is_past_its_retention(
         assert all(present[row] for row in planted if not row.goes), present
     finally:
         await conn.close()
+
+
+async def test_a_size_cap_the_servers_store_cannot_reserve_leaves_the_stream_uncapped_and_says_so(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """JetStream reserves a stream's ``max_bytes`` in its store at creation (error 10047 when it cannot):
+    a cap larger than any disk here must not keep the stack from starting. The streams are made without
+    it, with their max ages, and one ERROR line per stream names the setting."""
+    nc = await nats.connect(settings.nats_url or "")
+    js = nc.jetstream()
+    run = uuid.uuid4().hex[:8]
+    specs = stream_specs(subjects=Subjects(f"cap{run}"), stream_prefix=f"CAP{run.upper()}_", max_bytes=1024**5)
+    try:
+        with caplog.at_level("ERROR", logger="hetsched.bus"):
+            await ensure_streams(js, specs)
+            await ensure_streams(js, specs)  # and again, as the next start updates them in place
+        for spec in specs:
+            info = await js.stream_info(spec.name)
+            assert (info.config.max_bytes, info.config.max_age) == (-1, spec.max_age_s), spec.name
+        said = [r for r in caplog.records if "HETSCHED_STREAM_MAX_BYTES" in r.getMessage()]
+        assert {getattr(r, "stream", None) for r in said} == {spec.name for spec in specs}
+    finally:
+        for spec in specs:
+            with contextlib.suppress(Exception):
+                await js.delete_stream(spec.name)
+        await nc.close()

@@ -255,6 +255,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/unit/services/placement/test_queue.py",),
     ),
     Mutant(
+        name="size_cap_refused_stops_the_stack",
+        what="a stream whose size cap the server cannot reserve is not created at all (the stack cannot start)",
+        file="shared/infra/bus.py",
+        find="        if exc.err_code != INSUFFICIENT_STORAGE or not config.max_bytes or config.max_bytes <= 0:\n",
+        replace="        if True:\n",
+        tests=(
+            RETENTION_IT + "::test_a_size_cap_the_servers_store_cannot_reserve_leaves_the_stream_uncapped_and_says_so",
+        ),
+    ),
+    Mutant(
         name="created_before_announced",
         what="reservation.create answers `created` before its event is in the RESERVATION stream",
         file="services/reservation_filler/handlers.py",
