@@ -267,7 +267,7 @@ def memory_fraction(share_bytes: int, hbm_bytes: int) -> str:
     if hbm_bytes <= 0:
         raise ValueError(f"device HBM must be positive, got {hbm_bytes}")
     thousandths = share_bytes * 1000 // hbm_bytes
-    if not 0 < thousandths <= 1000:
+    if thousandths <= 0 or share_bytes > hbm_bytes:  # a byte over the device still floors to 1.000
         raise ValueError(f"a share of {share_bytes} bytes is not a usable fraction of {hbm_bytes} bytes")
     return f"{thousandths // 1000}.{thousandths % 1000:03d}"
 

@@ -15,7 +15,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from shared.contracts.placement import EngineLaunch
@@ -488,6 +488,8 @@ def test_pp1_launch_has_no_pipeline_flag_and_no_bindings_no_env() -> None:
     share=st.integers(1, 200 * 2**30),
     hbm=st.sampled_from((25_769_803_776, 51_539_607_552, H100_HBM_BYTES, 151_397_597_184, 206_158_430_208)),
 )
+@example(share=25_769_803_777, hbm=25_769_803_776)  # one byte over the device: floors to 1.000, still refused
+@example(share=25_769_803_776, hbm=25_769_803_776)  # the whole device: 1.000
 def test_memory_fraction_is_share_over_hbm_rounded_down(share: int, hbm: int) -> None:
     if not (share * 1000 >= hbm and share <= hbm):  # below 0.001 or above the device: refused
         with pytest.raises(ValueError):
