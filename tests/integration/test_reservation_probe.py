@@ -29,7 +29,7 @@ from shared.contracts.base import Rejected
 from shared.contracts.health import HealthReply, HealthRequest
 from shared.contracts.ledger import SnapshotReply, SnapshotRequest
 from shared.contracts.permissions import inbox_prefix, service_identity
-from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseReply, ReleaseRequest
+from shared.contracts.placement import PlaceReply, ReleaseReply, ReleaseRequest
 from shared.contracts.reservation import (
     ReservationCancelReply,
     ReservationCancelRequest,
@@ -42,6 +42,7 @@ from shared.contracts.reservation import (
 from shared.contracts.subjects import Context, Rpc
 from shared.infra.rpc import RpcClient
 from tests.integration.secure_stack import SecureBus
+from tests.integration.test_reservations import one_gpu_request
 from tests.integration.test_security import bus
 from tests.jetstream import read_all
 from tests.waiting import wait_for
@@ -101,17 +102,8 @@ class Stack:
         fallbacks: list[str] | None = None,
         timeout_s: float | None = None,
     ) -> PlaceReply | Rejected:
-        request = PlaceRequest(
-            request_id=rid,
-            tenant=tenant,
-            model="llama3.1-8b",
-            context_tokens=8192,
-            tp=1,
-            region=region,
-            skus=[sku],
-            backend="gpu",
-            preemptible=preemptible,
-            fallbacks=fallbacks or [],
+        request = one_gpu_request(
+            rid, tenant, sku=sku, region=region, preemptible=preemptible, fallbacks=fallbacks or []
         )
         return await self.rpc.ask(Rpc.PLACEMENT_PLACE, request, PlaceReply, timeout_s=timeout_s)
 

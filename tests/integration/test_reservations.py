@@ -56,6 +56,25 @@ SERVICES = ("topology_discovery", "capacity_ledger", "placement", "reservation_f
 NAMES = {s: f"rs_{s}" for s in SERVICES}
 
 
+def one_gpu_request(
+    rid: str, tenant: str, *, sku: str = SKU, region: str = REGION, preemptible: bool = False, **extra: Any
+) -> PlaceRequest:
+    """A TP=1 llama3.1-8b replica on one GPU of ``sku`` in ``region``: the unit these tests reserve and lend."""
+    return PlaceRequest(
+        request_id=rid,
+        tenant=tenant,
+        model="llama3.1-8b",
+        context_tokens=8192,
+        tp=1,
+        region=region,
+        skus=[sku],
+        backend="gpu",
+        preemptible=preemptible,
+        fallbacks=extra.pop("fallbacks", []),
+        **extra,
+    )
+
+
 class Stack:
     def __init__(self, rpc: RpcClient, nc: Client, settings: Settings, processes: ServiceProcesses) -> None:
         self.rpc = rpc
@@ -68,19 +87,7 @@ class Stack:
     async def place(
         self, rid: str, tenant: str, *, preemptible: bool = False, sku: str = SKU, region: str = REGION, **extra: Any
     ) -> PlaceReply | Rejected:
-        request = PlaceRequest(
-            request_id=rid,
-            tenant=tenant,
-            model="llama3.1-8b",
-            context_tokens=8192,
-            tp=1,
-            region=region,
-            skus=[sku],
-            backend="gpu",
-            preemptible=preemptible,
-            fallbacks=extra.pop("fallbacks", []),
-            **extra,
-        )
+        request = one_gpu_request(rid, tenant, sku=sku, region=region, preemptible=preemptible, **extra)
         reply = await self.rpc.ask(Rpc.PLACEMENT_PLACE, request, PlaceReply)
         if isinstance(reply, PlaceReply) and reply.allocation_id:
             self.placed[reply.allocation_id] = (tenant, rid)
