@@ -36,7 +36,7 @@ from shared.contracts.subjects import Context, names_scope
 from shared.infra import tracing
 from shared.infra.deadletter import UnappliableEvent
 from shared.infra.inbox import claim
-from shared.infra.uow import EventTooLarge, UnitOfWork, UnitOfWorkFactory
+from shared.infra.uow import EventTooLarge, UnitOfWork, UnitOfWorkFactory, committed_on
 
 log = logging.getLogger("hetsched.bus")
 
@@ -390,5 +390,6 @@ def consume(
             await claimed(own)
         if emitted:
             uow.wake()
+        committed_on(own)  # memory follows only what committed
 
     return on_message

@@ -54,7 +54,7 @@ from shared.infra.retention import Pruner, Retention, stream_specs_for
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings, nats_servers
 from shared.infra.telemetry import configure_telemetry
-from shared.infra.uow import UnitOfWorkFactory
+from shared.infra.uow import UnitOfWorkFactory, committed_on
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
@@ -542,6 +542,7 @@ class _EventLoop:
             applied, again = await self._apply_together(runtime, messages[:failed_at])
             return (applied, failure) if again is None and applied == failed_at else (0, None)
         uow.wake()
+        committed_on(session)  # memory follows only what committed (a rolled-back batch changed none)
         for message in messages:
             self.failures.pop(message.metadata.sequence.stream, None)
             with contextlib.suppress(Exception):  # NATS away: redelivered after the ack wait, the inbox skips it

@@ -15,6 +15,7 @@ commit the relay is woken so the events leave at once, and a transaction Postgre
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,12 @@ from shared.infra.outbox import DEFAULT_EVENT_MAX_BYTES, check_event_size, enque
 from shared.infra.outbox import EventTooLarge as EventTooLarge  # handlers catch it from here
 
 T = TypeVar("T")
+
+log = logging.getLogger("hetsched.uow")
+
+# Callbacks to run once the transaction they belong to has committed (``UnitOfWork.after_commit``), kept on
+# the session of a transaction the unit of work joined: whoever owns that transaction runs them.
+AFTER_COMMIT = "hetsched.after_commit"
 
 # deadlock, serialization failure, a concurrent insert of the same key: the transaction may succeed again
 RETRYABLE_SQLSTATES = frozenset({"40P01", "40001", "23505"})
@@ -55,6 +62,12 @@ class UnitOfWork:
     source: str
     events: list[tuple[str, EventEnvelope]] = field(default_factory=list)
     max_event_bytes: int = DEFAULT_EVENT_MAX_BYTES
+    committed: list[Callable[[], None]] = field(default_factory=list)
+
+    def after_commit(self, change: Callable[[], None]) -> None:
+        """Run ``change`` (a fold of memory, no IO) once this transaction has committed, never if it rolls
+        back: memory follows what Postgres holds, also when a consumer's batch rolls back and runs again."""
+        self.committed.append(change)
 
     def emit(
         self,
@@ -138,8 +151,10 @@ class UnitOfWorkFactory:
         inbox claim): no retry and no commit here, the caller's transaction decides.
         """
         if session is not None:
-            result, events = await self.run_within(work, session)
-            await enqueue_many(session=session, schema=self.schema, events=events)
+            uow = self._open(session)
+            result = await work(uow)
+            await enqueue_many(session=session, schema=self.schema, events=uow.events)
+            session.info.setdefault(AFTER_COMMIT, []).extend(uow.committed)  # the owner runs them
             return result
         for attempt in range(self._attempts):
             try:
@@ -149,6 +164,7 @@ class UnitOfWorkFactory:
                     await enqueue_many(session=new_session, schema=self.schema, events=uow.events)
                 if uow.events:
                     self.wake()
+                run_committed(uow.committed)
                 return result
             except DBAPIError as exc:
                 if sqlstate(exc) not in RETRYABLE_SQLSTATES or attempt == self._attempts - 1:
@@ -158,12 +174,13 @@ class UnitOfWorkFactory:
 
     async def run_within(
         self, work: Callable[[UnitOfWork], Awaitable[T]], session: AsyncSession
-    ) -> tuple[T, list[tuple[str, EventEnvelope]]]:
-        """Run ``work`` in the caller's open transaction and hand back its events for the caller to
-        write to the outbox (a group writes all its works' events in one statement)."""
+    ) -> tuple[T, UnitOfWork]:
+        """Run ``work`` in the caller's open transaction and hand back its unit of work, whose events the
+        caller writes to the outbox (a group writes all its works' events in one statement) and whose
+        ``committed`` changes it runs once its transaction committed."""
         uow = self._open(session)
         result = await work(uow)
-        return result, uow.events
+        return result, uow
 
     def _open(self, session: AsyncSession) -> UnitOfWork:
         return UnitOfWork(
@@ -183,6 +200,27 @@ class UnitOfWorkFactory:
         """Ask the relay for a pass now (a consumer calls it after its transaction committed)."""
         if self._wake is not None:
             self._wake()
+
+
+def run_committed(changes: list[Callable[[], None]]) -> None:
+    """Apply the changes of a transaction that committed, in order; one that raises is logged and the
+    rest still run (the transaction is done: memory must not stop half way)."""
+    for change in changes:
+        try:
+            change()
+        except Exception:
+            log.exception("a change after commit failed")
+
+
+def committed_on(session: AsyncSession) -> None:
+    """The owner of a transaction others joined (``run(work, session=...)``): it committed, run their
+    ``after_commit`` changes."""
+    run_committed(session.info.pop(AFTER_COMMIT, []))
+
+
+def discard_committed(session: AsyncSession) -> None:
+    """The owner's transaction rolled back: the joined works' changes never happen."""
+    session.info.pop(AFTER_COMMIT, None)
 
 
 _Work = Callable[[UnitOfWork], Awaitable[object]]
@@ -227,11 +265,13 @@ class _GroupCommit:
             try:
                 results: list[object] = []
                 events: list[tuple[str, EventEnvelope]] = []
+                committed: list[Callable[[], None]] = []
                 async with factory.sessions() as session, session.begin():
                     for work, _ in group:
-                        result, emitted = await factory.run_within(work, session)
+                        result, unit = await factory.run_within(work, session)
                         results.append(result)
-                        events.extend(emitted)
+                        events.extend(unit.events)
+                        committed.extend(unit.committed)
                     await enqueue_many(session=session, schema=factory.schema, events=events)
             except Exception:  # the group failed: each work runs alone and meets its own outcome
                 pass
@@ -240,6 +280,7 @@ class _GroupCommit:
                     if not future.done():
                         future.set_result(result)
                 factory.wake()
+                run_committed(committed)
                 return
         for work, future in group:
             try:
