@@ -11,6 +11,7 @@ from typing import Any
 from faststream import FastStream
 
 from services.placement.admission import AdmissionHandlers, Fairness, parse_kv_shares, parse_weights
+from services.placement.follows import FOLLOWS
 from services.placement.handlers import Ownership, PlacementHandlers, Queueing
 from services.placement.metrics import PlacementMetrics, ViewMetrics
 from services.placement.readmodel import ReadModel
@@ -47,17 +48,14 @@ def wire(runtime: Runtime) -> Ctx:
     models = load_models(settings.model_catalog)
     readmodel = ReadModel(
         rpc=runtime.rpc,
-        jetstream=lambda: runtime.jetstream,
-        subjects=runtime.subjects,
-        stream_prefix=settings.stream_prefix,
         skus=load_skus(settings.sku_catalog),
         models=models,
         clock=runtime.clock,
         log=runtime.log,
-        stale_after_ms=settings.placement_stale_after_ms,
         resync_ms=settings.placement_refresh_ms,
         pcie_window_s=settings.placement_pcie_window_s,
     )
+    reservations = runtime.follower(Context.RESERVATION)
     store = DecisionStore()
 
     async def load_placed() -> list[tuple[str, PlaceReply]]:
@@ -113,13 +111,8 @@ def wire(runtime: Runtime) -> Ctx:
         holds=readmodel.holds,
         throttled=lambda: readmodel.throttled,
         # Read-your-writes: a placement waits until the reservations answered before it are in the book.
-        reservations_current=lambda timeout_s: readmodel.reservations_current(timeout_s=timeout_s),
+        reservations_current=lambda timeout_s: reservations.caught_up(timeout_s=timeout_s),
     )
-    readmodel.on_freed = handlers.wake_queue  # the view holds an event that may have freed capacity
-    readmodel.on_reservation = handlers.wake_queue  # an offer or a reclaimed GPU may let a queued one fit
-    readmodel.on_allocation = handlers.on_view_allocation  # each tenant's placed GPUs (its quota)
-    readmodel.on_engine_status = admission.on_engine_status
-    readmodel.on_hold = admission.on_hold_event
     metrics = ViewMetrics(
         runtime.metrics, snapshot=lambda: readmodel.snapshot, queue_depths=admission.queue_depths, log=runtime.log
     )
@@ -138,8 +131,10 @@ SERVICE = ServiceDefinition(
         Route(Rpc.PLACEMENT_RENEW, RenewRequest, lambda ctx: ctx.handlers.renew),
         Route(Rpc.PLACEMENT_ADMIT, AdmitRequest, lambda ctx: ctx.admission.admit),
     ),
-    on_start=(lambda ctx: ctx.readmodel.start(), lambda ctx: ctx.admission.start(), lambda ctx: ctx.handlers.start()),
-    on_stop=(lambda ctx: ctx.readmodel.stop(),),
+    on_start=(lambda ctx: ctx.admission.start(), lambda ctx: ctx.handlers.start()),
+    # The fleet view, admission's engines and holds, the reservations and the rebalancer's word: follows.py.
+    follows=FOLLOWS,
+    stale_after_ms=lambda settings: settings.placement_stale_after_ms,
     # What the ledger did to placement's allocations (committed / expired / released), durably: the
     # decisions learn that their allocation ended, and the reconciler finds those no decision owns.
     consumers=(
@@ -157,14 +152,11 @@ SERVICE = ServiceDefinition(
         ),
     ),
     loops=(
-        Loop("placement-view", lambda ctx: ctx.readmodel.run),
         Loop("placement-reconciler", lambda ctx: ctx.handlers.reconcile),
         Loop("placement-queue", lambda ctx: ctx.handlers.serve_queue),
         Loop("admission-queue", lambda ctx: ctx.admission.serve_queue),
-        Loop("placement-reservations", lambda ctx: ctx.readmodel.follow_reservations),
         Loop("placement-metrics", lambda ctx: ctx.metrics.run),
     ),
-    checks=lambda ctx: ctx.readmodel.health(),
     calls=(
         Rpc.LEDGER_COMMIT,
         Rpc.LEDGER_COMMIT_BATCH,
@@ -176,8 +168,6 @@ SERVICE = ServiceDefinition(
         Rpc.RESERVATION_RECLAIM,
         Rpc.RESERVATION_HEALTH,  # health probes the filler after a reclaim it did not answer
     ),
-    # Ordered readers of the view (readmodel.STREAMS): GPU telemetry for each node's PCIe utilisation.
-    reads=(Context.TOPOLOGY, Context.LEDGER, Context.TELEMETRY, Context.RESERVATION, Context.REBALANCE),
 )
 
 

@@ -16,9 +16,10 @@ from shared.contracts.placement_events import PlacementEventName
 from shared.contracts.rebalance import RebalanceStatusRequest
 from shared.contracts.streams import restate_every_s
 from shared.contracts.subjects import Context, Rpc
-from shared.contracts.topology import TopologyEvent
+from shared.contracts.topology import TelemetryEvent, TopologyEvent
 from shared.domain.rebalance.detect import Rule
 from shared.infra.catalog import load_models, load_skus
+from shared.infra.follow import Follow, Start
 from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
 
@@ -75,9 +76,6 @@ def wire(runtime: Runtime) -> Ctx:
         config=config_of(settings),
         skus=load_skus(settings.sku_catalog),
         models=load_models(settings.model_catalog),
-        jetstream=lambda: runtime.jetstream,
-        subjects=runtime.subjects,
-        stream_prefix=settings.stream_prefix,
         log=runtime.log,
         metrics=RebalanceMetrics(runtime.metrics),
         restate_s=restate_every_s(settings.stream_rebalance_max_age_s),  # docs/RETENTION.md
@@ -127,8 +125,14 @@ SERVICE = ServiceDefinition(
     ),
     loops=(Loop("rebalance-tick", lambda ctx: ctx.handlers.tick),),
     calls=(Rpc.PLACEMENT_PLACE, Rpc.PLACEMENT_RELEASE, Rpc.FLEET_GET, Rpc.LEDGER_SNAPSHOT),
-    # GPU telemetry: an ordered consumer of new samples (the detectors' input; nothing durable to replay).
-    reads=(Context.TELEMETRY,),
+    # GPU telemetry: new samples, the detectors' input (nothing durable to replay).
+    follows=(
+        Follow(
+            Context.TELEMETRY,
+            start=Start.NEW,
+            on={TelemetryEvent.GPU: lambda ctx: lambda sample, meta: ctx.handlers.observe(sample, meta.occurred_at)},
+        ),
+    ),
 )
 
 

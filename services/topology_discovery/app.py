@@ -6,8 +6,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from faststream import FastStream
-from faststream.nats import NatsBroker, NatsMessage
-from pydantic import ValidationError
 
 from services.topology_discovery.agent import Agent, AgentIntervals, make_provider, node_name
 from services.topology_discovery.handlers import TopologyHandlers
@@ -16,12 +14,12 @@ from services.topology_discovery.providers import TopologyProvider
 from services.topology_discovery.tables import SCHEMA
 from shared.contracts.fleet import FleetDescribeRequest, FleetGetRequest
 from shared.contracts.ledger import LedgerEvent
-from shared.contracts.subjects import Context, Rpc, names_scope
+from shared.contracts.subjects import Context, Rpc
 from shared.contracts.topology import Heartbeat, TopologyReportRequest
 from shared.domain.liveness import LivenessTracker
 from shared.infra.catalog import load_skus
 from shared.infra.clock import MonotonicMs, monotonic_ms
-from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
+from shared.infra.service import Consumer, Listen, Loop, Route, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
 
 # -- fleet mode --------------------------------------------------------------------------------
@@ -30,7 +28,6 @@ from shared.infra.settings import Settings
 @dataclass(frozen=True)
 class Ctx:
     handlers: TopologyHandlers
-    heartbeat_subject: str
 
 
 def wire(runtime: Runtime, *, clock_ms: MonotonicMs = monotonic_ms) -> Ctx:
@@ -48,23 +45,7 @@ def wire(runtime: Runtime, *, clock_ms: MonotonicMs = monotonic_ms) -> Ctx:
         liveness_period_s=max(settings.topology_heartbeat_s / 4, 0.05),
         metrics=TopologyMetrics(runtime.metrics, clock=runtime.clock),
     )
-    return Ctx(handlers=handlers, heartbeat_subject=runtime.subjects.heartbeats())
-
-
-def subscribe_heartbeats(broker: NatsBroker, ctx: Ctx) -> None:
-    """Heartbeats are core NATS (fire and forget): a garbled one, or one naming another node than its
-    subject (the one its agent's credential may publish on), is dropped."""
-
-    async def on_heartbeat(msg: NatsMessage) -> None:
-        try:
-            beat = Heartbeat.model_validate_json(msg.body)
-        except ValidationError:
-            return
-        if not names_scope(msg.raw_message.subject, beat.node):
-            return
-        await ctx.handlers.heartbeat(beat)
-
-    broker.subscriber(ctx.heartbeat_subject, title="topology heartbeats")(on_heartbeat)
+    return Ctx(handlers=handlers)
 
 
 SERVICE = ServiceDefinition(
@@ -92,8 +73,9 @@ SERVICE = ServiceDefinition(
     ),
     loops=(Loop("liveness", lambda ctx: ctx.handlers.liveness_loop),),
     on_start=(lambda ctx: ctx.handlers.load_inventory(), lambda ctx: ctx.handlers.watch_agents()),
-    extra=subscribe_heartbeats,
-    listens=lambda subjects: (subjects.heartbeats(),),
+    # Heartbeats are core NATS (fire and forget): a garbled one, or one naming another node than its
+    # subject (the one its agent's credential may publish on), is dropped by the kit.
+    listens=(Listen(lambda subjects: subjects.heartbeats(), Heartbeat, lambda ctx: ctx.handlers.heartbeat),),
 )
 
 # -- agent mode --------------------------------------------------------------------------------

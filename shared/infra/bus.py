@@ -29,13 +29,11 @@ from shared.contracts.base import (
     rejected,
 )
 from shared.contracts.envelope import EventEnvelope
-from shared.contracts.permissions import EVENT_PUBLISHERS, NODE_SCOPED_EVENTS
-from shared.contracts.registry import EVENTS
 from shared.contracts.streams import StreamSpec
-from shared.contracts.subjects import Context, names_scope
+from shared.contracts.subjects import Context
 from shared.infra import tracing
-from shared.infra.deadletter import UnappliableEvent
 from shared.infra.inbox import claim
+from shared.infra.trust import EventReader, summarise
 from shared.infra.uow import EventTooLarge, UnitOfWork, UnitOfWorkFactory, committed_on
 
 log = logging.getLogger("hetsched.bus")
@@ -176,17 +174,9 @@ REPLY_MARGIN_BYTES = 4096  # headers travel in the same NATS message as the repl
 PART_MAX = 200  # one part of an error message (a parser's or a validator's own words)
 
 
-def _summarise(error: ValidationError) -> str:
-    parts = []
-    for item in error.errors()[:5]:
-        where = ".".join(str(p) for p in item["loc"])[:ECHO_MAX] or "body"
-        parts.append(f"field '{where}': {item['msg'][:PART_MAX]}")
-    return "; ".join(parts)
-
-
 def invalid_request(error: ValidationError, *, request_id: object = None) -> Rejected:
     """The ``invalid_request`` reply to a body its contract refuses (the message names the fields)."""
-    reply = rejected(ErrorCode.INVALID_REQUEST, _summarise(error))
+    reply = rejected(ErrorCode.INVALID_REQUEST, summarise(error))
     return reply.model_copy(update={"request_id": _echoed_id(request_id)})
 
 
@@ -329,31 +319,14 @@ def consume(
     CONSUMER span named after its type when spans are exported (``shared.infra.tracing``), and the
     events its handler emits carry the trace on.
     """
-    expected_source = publisher or EVENT_PUBLISHERS[context]
-    scoped = set(NODE_SCOPED_EVENTS.get(context, ()))
+    reader = EventReader(context, publisher=publisher)
 
     async def on_message(raw: bytes, subject: str | None = None, session: AsyncSession | None = None) -> None:
-        try:
-            event = EventEnvelope.model_validate_json(raw)
-        except ValidationError as exc:
-            raise UnappliableEvent(f"not an event envelope: {_summarise(exc)}") from None
-        kind, _, name = event.type.rpartition(".")
-        if kind != context.value:
-            raise UnappliableEvent(f"a {echo(event.type)} event does not belong to the {context.value} stream")
-        if event.source != expected_source:
-            raise UnappliableEvent(f"{context.value} events come from {expected_source}, not from {echo(event.source)}")
+        event, name = reader.envelope(raw)
         handler = handlers.get(name)
         if handler is None:
             return
-        model = EVENTS.get((context, name))
-        try:
-            payload = model.model_validate(event.payload) if model is not None else event.payload
-        except ValidationError as exc:
-            raise UnappliableEvent(f"{event.type} payload does not match its contract: {_summarise(exc)}") from None
-        if name in scoped and subject is not None:
-            node = getattr(payload, "node", None)
-            if not isinstance(node, str) or not names_scope(subject, node):
-                raise UnappliableEvent(f"{event.type} names node {echo(node)} but came on {echo(subject)}")
+        payload = reader.payload(event, name, subject)
         if skip is not None and skip(payload):
             return
         parent = tracing.from_traceparent(event.traceparent)

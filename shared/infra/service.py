@@ -33,7 +33,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError, ServiceUnavailableError
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -41,11 +41,12 @@ from shared.contracts.base import ErrorCode, Request, rejected
 from shared.contracts.health import HealthReply, HealthRequest
 from shared.contracts.permissions import NODE_SCOPED_EVENTS, ServiceGrant, owned_streams, service_identity
 from shared.contracts.streams import deadletter_stream_name, stream_name
-from shared.contracts.subjects import NODE_SCOPED, TENANT_SCOPED, Context, Rpc, Subjects
+from shared.contracts.subjects import NODE_SCOPED, TENANT_SCOPED, Context, Rpc, Subjects, names_scope
 from shared.infra.bus import TypedEventHandler, consume, ensure_streams
 from shared.infra.clock import Clock, system_clock
 from shared.infra.db import application_name, database_tls, make_engine, make_sessions, service_database_url
 from shared.infra.deadletter import UnappliableEvent, dead_letter, redelivery_delay_s
+from shared.infra.follow import Follow, Follower, ReadSide
 from shared.infra.identity import connect_options
 from shared.infra.metrics import ServiceMetrics
 from shared.infra.outbox import OutboxRelay
@@ -57,6 +58,7 @@ from shared.infra.telemetry import configure_telemetry
 from shared.infra.uow import UnitOfWorkFactory, committed_on
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_STALE_AFTER_MS = 5000.0
 
 
 def hetsched_version() -> str:
@@ -91,6 +93,14 @@ class Runtime:
     consumers: list[_EventLoop] = field(default_factory=list)
     # Its Prometheus metrics (``shared.infra.metrics``), served over HTTP once it starts.
     metrics: ServiceMetrics = field(default_factory=lambda: ServiceMetrics("unknown"))
+    # Its followers (``shared.infra.follow``), built before ``wire`` so that it may hand one to what waits on it.
+    read_side: ReadSide | None = None
+
+    def follower(self, context: Context) -> Follower:
+        """The kit's follower of ``context`` (declared in the service's ``follows``)."""
+        if self.read_side is None or context not in self.read_side.followers:
+            raise KeyError(f"{self.name} does not follow {context.value}")
+        return self.read_side.followers[context]
 
     @property
     def nats(self) -> NatsClient:
@@ -195,6 +205,18 @@ class Loop:
 
 
 @dataclass(frozen=True)
+class Listen:
+    """A core-NATS subject the service listens on (fire and forget: heartbeats). Each message is parsed as
+    ``model``; one that does not parse, or (``node_scoped``) names another node than the subject it came on
+    (the one its agent's credential may publish on), is dropped. ``on`` builds the handler from the Ctx."""
+
+    subject: Callable[[Subjects], str]
+    model: type[BaseModel]
+    on: Callable[[Any], Callable[[Any], Awaitable[None]]]
+    node_scoped: bool = True
+
+
+@dataclass(frozen=True)
 class ServiceDefinition:
     name: str
     health: Rpc
@@ -206,16 +228,23 @@ class ServiceDefinition:
     loops: tuple[Loop, ...] = ()
     # Builds the service's objects once per app; every factory and hook then receives what it returns.
     wire: Callable[[Runtime], Any] = lambda runtime: runtime
-    # Other subscriptions (core NATS, e.g. heartbeats), wired with the context.
-    extra: Callable[[NatsBroker, Any], None] | None = None
-    # Extra health checks (name -> "ok" or why not), e.g. how stale a read model is.
+    # The read side (``shared.infra.follow``): the contexts it follows into memory, with their folds.
+    follows: tuple[Follow, ...] = ()
+    # How old a follower's last applied event may be while more wait before health says it is behind.
+    stale_after_ms: Callable[[Settings], float] = lambda _settings: DEFAULT_STALE_AFTER_MS
+    # Core-NATS subjects it listens on (heartbeats).
+    listens: tuple[Listen, ...] = ()
+    # Extra health checks (name -> "ok" or why not).
     checks: Callable[[Any], Mapping[str, str]] | None = None
-    # What its NATS identity may do beyond serving its routes and consuming its consumers' events
-    # (shared.contracts.permissions): the contexts whose events it publishes (it owns their streams),
-    # the other services' subjects it calls, and other core-NATS subjects it subscribes to.
+    # What its NATS identity may do beyond serving its routes, consuming its consumers' events, following
+    # its follows and listening on its listens (shared.contracts.permissions): the other services'
+    # subjects it calls.
     calls: tuple[Rpc, ...] = ()
-    reads: tuple[Context, ...] = ()  # contexts it follows with ordered (ephemeral) consumers
-    listens: Callable[[Subjects], tuple[str, ...]] = lambda subjects: ()
+
+    @property
+    def reads(self) -> tuple[Context, ...]:
+        """The contexts it follows with ordered (ephemeral) consumers: its NATS read permissions."""
+        return tuple(follow.context for follow in self.follows)
 
 
 def grant_of(definition: ServiceDefinition, settings: Settings) -> ServiceGrant:
@@ -231,7 +260,7 @@ def grant_of(definition: ServiceDefinition, settings: Settings) -> ServiceGrant:
         ),
         reads=definition.reads,
         calls=definition.calls,
-        listens=definition.listens(subjects),
+        listens=tuple(listen.subject(subjects) for listen in definition.listens),
     )
 
 
@@ -303,6 +332,8 @@ def _health(
         loops = getattr(runtime, "consumers", None)  # a test's stand-in runtime may have none
         if loops:
             checks["consumers"] = consumers_check(loops)
+        if runtime.read_side is not None:
+            checks.update(runtime.read_side.checks())
         if extra is not None:
             checks.update(extra())
         healthy = all(v == "ok" for v in checks.values())
@@ -648,6 +679,19 @@ def _subscribe_consumer(runtime: Runtime, consumer: Consumer, ctx: Any) -> _Even
     )
 
 
+def _listener(listen: Listen, handler: Callable[[Any], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
+    async def on_message(msg: Msg) -> None:
+        try:
+            message = listen.model.model_validate_json(msg.data)
+        except ValidationError:
+            return
+        if listen.node_scoped and not names_scope(msg.subject, getattr(message, "node", "")):
+            return
+        await handler(message)
+
+    return on_message
+
+
 def build_app(
     definition: ServiceDefinition,
     settings: Settings,
@@ -712,7 +756,18 @@ def build_app(
         metrics=ServiceMetrics(definition.name),
     )
     holder.append(runtime)
+    runtime.read_side = ReadSide.of(
+        definition.follows,
+        stream_of=lambda context: stream_name(context, stream_prefix=settings.stream_prefix),
+        subject_of=subjects.events_of,
+        jetstream=lambda: holder[0].jetstream,
+        clock=clock,
+        log=log,
+        stale_after_ms=definition.stale_after_ms(settings),
+    )
     ctx: Any = definition.wire(runtime)
+    runtime.read_side.bind(ctx)
+    read_side = runtime.read_side
     queue = f"{settings.subject_prefix}.{definition.schema}"
     requests = RequestServer(
         max_request_bytes=settings.request_max_bytes, default_deadline_ms=settings.request_deadline_ms
@@ -741,8 +796,7 @@ def build_app(
         )
     event_loops = [_subscribe_consumer(runtime, consumer, ctx) for consumer in definition.consumers]
     runtime.consumers = event_loops
-    if definition.extra is not None:
-        definition.extra(broker, ctx)
+    listeners = [(listen, listen.on(ctx)) for listen in definition.listens]
 
     app = FastStream(broker, logger=log)
 
@@ -801,6 +855,13 @@ def build_app(
                 batch=settings.retention_prune_batch,
             )
             runtime.spawn(runtime.pruner.run(), name="retention-prune")
+        for seeding in read_side.seedings:  # one attempt first, so the first requests find a seeded view
+            await seeding.first()
+            runtime.spawn(seeding.run(), name=f"seed-{seeding.seed.name}")
+        for follower in read_side.unseeded:
+            runtime.spawn(follower.run(), name=f"follow-{follower.context.value}")
+        for listen, handler in listeners:
+            await runtime.nats.subscribe(listen.subject(subjects), cb=_listener(listen, handler))
         for hook in definition.on_start:
             await hook(ctx)
         for event_loop in event_loops:
@@ -818,6 +879,7 @@ def build_app(
         await requests.stop()  # first: no new requests, in-flight ones finish
         for hook in definition.on_stop:
             await hook(ctx)
+        await read_side.close()
         if runtime.relay is not None:
             runtime.relay.stop()
         for task in runtime.tasks:

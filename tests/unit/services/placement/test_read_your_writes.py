@@ -1,25 +1,19 @@
-"""Read-your-writes for reservations (issue 23 row 11), without servers: placement asks the RESERVATION
-stream's end once per batch of placements (``StreamTail``), its view waits until its fold has applied
-the stream up to there (``ReadModel.reservations_current``), and ``place`` decides only after that: a
-reservation answered ``created`` before the request arrived is in force for it."""
+"""Read-your-writes for reservations (issue 23 row 11), without servers: ``place`` decides only once the
+reservation fold has applied the RESERVATION stream up to its end (the kit's ``Follower.caught_up``,
+tested in ``tests/unit/test_follow.py``): a reservation answered ``created`` before the request arrived is
+in force for it."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from nats.js.errors import NotFoundError
 
 from services.placement.handlers import RESERVATION_SYNC_S, Ownership, PlacementHandlers
-from services.placement.readmodel import ReadModel, StreamTail
 from shared.contracts.base import Rejected
-from shared.contracts.envelope import new_event
 from shared.contracts.placement import PlaceReply
-from shared.contracts.reservation import ReservationEvent, state_of
-from shared.contracts.subjects import Rpc, Subjects
+from shared.contracts.subjects import Rpc
 from shared.domain.reservations import Reservation, ReservationBook
 from shared.infra import deadline
 from tests.unit.services.placement.test_handlers import (
@@ -42,161 +36,6 @@ HARD = Reservation(id="res-1", tenant="initech", policy="hard", accelerators=RES
 async def settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
-
-
-# -- StreamTail: one lookup per batch, never one that started before the caller came ----------------
-
-
-class Stream:
-    """The stream's last sequence; each lookup waits until the test lets it answer."""
-
-    def __init__(self) -> None:
-        self.last = 10
-        self.lookups = 0
-        self.gates: list[asyncio.Event] = []
-
-    async def ask(self) -> int:
-        self.lookups += 1
-        gate = asyncio.Event()
-        self.gates.append(gate)
-        seen = self.last  # what the server holds when the lookup reaches it
-        await gate.wait()
-        return seen
-
-
-async def test_callers_that_arrive_during_a_lookup_wait_for_it_then_share_the_next_one() -> None:
-    stream = Stream()
-    tail = StreamTail(stream.ask)
-    first = asyncio.ensure_future(tail.after_now())
-    await settle()
-    assert stream.lookups == 1
-    stream.last = 11  # a reservation answered `created` after the first lookup read the stream
-    late = [asyncio.ensure_future(tail.after_now()) for _ in range(20)]
-    await settle()
-    assert stream.lookups == 1  # the late ones wait for it to end: its answer may predate them
-    stream.gates[0].set()
-    assert await first == 10
-    await settle()
-    assert stream.lookups == 2  # then the twenty share one more
-    stream.gates[1].set()
-    assert await asyncio.gather(*late) == [11] * 20
-    assert stream.lookups == 2
-
-
-async def test_a_caller_after_a_finished_lookup_asks_again_and_a_failed_lookup_is_its_callers_error() -> None:
-    stream = Stream()
-    tail = StreamTail(stream.ask)
-    first = asyncio.ensure_future(tail.after_now())
-    await settle()
-    stream.gates[0].set()
-    assert await first == 10
-    stream.last = 12
-    second = asyncio.ensure_future(tail.after_now())
-    await settle()
-    assert stream.lookups == 2
-    stream.gates[1].set()
-    assert await second == 12
-
-    async def broken() -> int:
-        raise TimeoutError("no answer from $JS.API.STREAM.INFO")
-
-    with pytest.raises(TimeoutError):
-        await StreamTail(broken).after_now()
-
-
-# -- ReadModel: waits for its fold to reach the stream's end ----------------------------------------
-
-
-@dataclass
-class _State:
-    last_seq: int
-
-
-@dataclass
-class _Info:
-    state: _State
-
-
-class FakeJetStream:
-    def __init__(self, last: int) -> None:
-        self.last = last
-        self.missing = False
-        self.asked: list[str] = []
-
-    async def stream_info(self, name: str) -> _Info:
-        self.asked.append(name)
-        if self.missing:
-            raise NotFoundError()
-        return _Info(_State(self.last))
-
-
-@dataclass
-class _Sequence:
-    stream: int
-
-
-@dataclass
-class _Meta:
-    sequence: _Sequence
-    num_pending: int
-
-
-@dataclass
-class FakeMsg:
-    data: bytes
-    metadata: _Meta
-
-
-def reservation_msg(sequence: int, reservation: Reservation, *, pending: int = 0) -> Any:
-    payload = ReservationEvent(reservation=state_of(reservation), reservation_id=reservation.id)
-    envelope = new_event(
-        type="reservation.created",
-        source="reservation-filler",
-        payload=payload.model_dump(mode="json"),
-        occurred_at=NOW,
-    )
-    return FakeMsg(envelope.model_dump_json().encode(), _Meta(_Sequence(sequence), pending))
-
-
-def read_model(js: FakeJetStream) -> ReadModel:
-    return ReadModel(
-        rpc=None,  # type: ignore[arg-type]  # no sync here: only the reservation fold
-        jetstream=lambda: js,  # type: ignore[arg-type, return-value]
-        subjects=Subjects("t"),
-        stream_prefix="T_",
-        skus={},
-        models={},
-        clock=lambda: NOW,
-        log=logging.getLogger("test.placement"),
-        stale_after_ms=1000,
-    )
-
-
-async def test_the_view_is_current_once_its_fold_has_applied_the_stream_up_to_its_end() -> None:
-    js = FakeJetStream(last=2)
-    model = read_model(js)
-    waiting = asyncio.ensure_future(model.reservations_current(timeout_s=5))
-    await settle()
-    assert js.asked == ["T_RESERVATION"]
-    assert not waiting.done()
-    await model._on_reservation(reservation_msg(1, HARD, pending=1))
-    await settle()
-    assert not waiting.done()  # one event of two
-    second = Reservation(id="res-2", tenant="hooli", policy="soft", accelerators=("n2/gpu0",), created_at=NOW)
-    await model._on_reservation(reservation_msg(2, second))
-    assert await waiting is None
-    assert model.book.get("res-1") is not None and model.book.get("res-2") is not None
-    assert await model.reservations_current(timeout_s=5) is None  # nothing newer: at once
-
-
-async def test_a_view_that_does_not_reach_the_end_in_time_says_so_and_a_missing_stream_means_none() -> None:
-    js = FakeJetStream(last=3)
-    model = read_model(js)
-    await model._on_reservation(reservation_msg(1, HARD))
-    behind = await model.reservations_current(timeout_s=0.05)
-    assert behind == "applied RESERVATION events up to 1 of 3"
-    js.missing = True  # no reservation filler ever created the stream: nothing is reserved
-    assert await model.reservations_current(timeout_s=0.05) is None
 
 
 # -- place: decided only once the view is current ---------------------------------------------------

@@ -1,0 +1,140 @@
+"""What placement follows into memory (the kit's read side, ``shared.infra.follow``) and where each event
+goes: the fleet view (seeded from the owners' snapshots: seed ``view``), admission (engines' status, KV
+holds), the quotas' tally, the queue's wake-up, the reservations and the rebalancer's word."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from services.placement.readmodel import FREEING
+from shared.contracts.ledger import AllocationEvent, LedgerEvent
+from shared.contracts.rebalance import RebalanceEventName
+from shared.contracts.reservation import ReservationEventName
+from shared.contracts.subjects import Context
+from shared.contracts.topology import TelemetryEvent, TopologyEvent
+from shared.infra.follow import EventMeta, Fold, Follow, Seed, Start
+
+# The seed of the fleet view: `fleet.get` and `ledger.snapshot`, loaded again every
+# HETSCHED_PLACEMENT_REFRESH_MS when that is set. Its health check is `view`.
+VIEW = Seed("view", load=lambda ctx: ctx.readmodel.load, every_s=lambda ctx: ctx.readmodel.resync_s)
+
+FoldFactory = Callable[[Any], Fold]
+
+
+def _fleet(name: str) -> FoldFactory:
+    """A TOPOLOGY or TELEMETRY (gpu) event into the view; one that may have freed capacity wakes the queue."""
+
+    def factory(ctx: Any) -> Fold:
+        def fold(payload: Any, meta: EventMeta) -> None:
+            ctx.readmodel.apply(name, payload, meta.occurred_at)
+            if name in FREEING:
+                ctx.handlers.wake_queue()
+
+        return fold
+
+    return factory
+
+
+def _allocation(name: str) -> FoldFactory:
+    """A LEDGER allocation event: a request's KV hold is admission's (it moves no HBM in the view: it lives
+    in its replica's pool); any other goes into the view, then into each tenant's placed-GPU tally."""
+
+    def factory(ctx: Any) -> Fold:
+        def fold(payload: AllocationEvent, meta: EventMeta) -> None:
+            if payload.kind == "request":
+                ctx.admission.on_hold_event(name, payload)
+                return
+            ctx.readmodel.apply(name, payload, meta.occurred_at)
+            ctx.handlers.on_view_allocation(name, payload)
+            if name in FREEING:
+                ctx.handlers.wake_queue()
+
+        return fold
+
+    return factory
+
+
+def _engine_status(ctx: Any) -> Fold:
+    return lambda payload, _meta: ctx.admission.on_engine_status(payload)
+
+
+def _reservation(ctx: Any) -> Fold:
+    def fold(payload: Any, _meta: EventMeta) -> None:
+        if ctx.readmodel.reservation(payload):
+            ctx.handlers.wake_queue()  # an offer or a reclaimed GPU may let a queued one fit
+
+    return fold
+
+
+def _throttle(on: bool) -> FoldFactory:
+    def factory(ctx: Any) -> Fold:
+        def fold(payload: Any, _meta: EventMeta) -> None:
+            ctx.readmodel.throttle(payload, on=on)
+            if not on:
+                ctx.handlers.wake_queue()  # capacity came back: the queue may place now
+
+        return fold
+
+    return factory
+
+
+def _is_admissions(name: str, payload: Any) -> bool:
+    """Events admission takes as they come, the view seeded or not: engines' status and KV holds."""
+    return name == TelemetryEvent.ENGINE_STATUS or (isinstance(payload, AllocationEvent) and payload.kind == "request")
+
+
+FOLLOWS = (
+    Follow(
+        Context.TOPOLOGY,
+        start=Start.NEW,
+        seed=VIEW,
+        on={
+            name: _fleet(name)
+            for name in (
+                TopologyEvent.NODE_PROFILED,
+                TopologyEvent.NODE_CHANGED,
+                TopologyEvent.NODE_LOST,
+                TopologyEvent.NODE_RECOVERED,
+                TopologyEvent.NODE_REMOVED,
+                TopologyEvent.TPU_POD_PROFILED,
+            )
+        },
+    ),
+    Follow(
+        Context.LEDGER,
+        start=Start.NEW,
+        seed=VIEW,
+        on={
+            LedgerEvent.ALLOCATION_COMMITTED: _allocation(LedgerEvent.ALLOCATION_COMMITTED),
+            LedgerEvent.ALLOCATION_RELEASED: _allocation(LedgerEvent.ALLOCATION_RELEASED),
+            LedgerEvent.ALLOCATION_EXPIRED: _allocation(LedgerEvent.ALLOCATION_EXPIRED),
+            LedgerEvent.CAPACITY_CHANGED: _fleet(LedgerEvent.CAPACITY_CHANGED),
+        },
+        live=_is_admissions,
+    ),
+    # GPU telemetry for each node's PCIe utilisation; engines' status for admission's rotation.
+    Follow(
+        Context.TELEMETRY,
+        start=Start.NEW,
+        seed=VIEW,
+        on={TelemetryEvent.GPU: _fleet(TelemetryEvent.GPU), TelemetryEvent.ENGINE_STATUS: _engine_status},
+        live=_is_admissions,
+    ),
+    # Each event carries its reservation's whole state: folded from the first sequence, no seed.
+    Follow(
+        Context.RESERVATION,
+        on=dict.fromkeys(ReservationEventName, _reservation),
+    ),
+    Follow(
+        Context.REBALANCE,
+        on={
+            RebalanceEventName.THROTTLE_STARTED: _throttle(True),
+            RebalanceEventName.THROTTLE_ENDED: _throttle(False),
+            RebalanceEventName.REPLICA_DRAINING: lambda ctx: (
+                lambda payload, _meta: ctx.readmodel.replica_draining(payload)
+            ),
+            RebalanceEventName.PLAN_FINISHED: lambda ctx: lambda payload, _meta: ctx.readmodel.plan_finished(payload),
+        },
+    ),
+)
