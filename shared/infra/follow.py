@@ -262,7 +262,7 @@ class Follower:
             return
         meta = msg.metadata
         sequence = meta.sequence.stream
-        if sequence <= feed.progress.sequence:  # delivered again by a re-created consumer: applied already
+        if sequence <= feed.progress.sequence:  # a re-created consumer delivers again: applied
             return
         feed.progress.sequence = sequence
         feed.progress.pending = meta.num_pending

@@ -27,6 +27,8 @@ RESERVATION_PROBE_IT = "tests/integration/test_reservation_probe.py"
 ROW_10_IT = f"{RESERVATION_PROBE_IT}::test_row_10_a_filler_killed_mid_reclaim_holds_no_answer_and_health_recovers"
 ROW_11_IT = f"{RESERVATION_PROBE_IT}::test_row_11_a_reservation_answered_created_is_in_force_for_the_next_placement"
 QUEUE_QUOTAS_IT = "tests/integration/test_queue_quotas.py"
+FOLLOW_UNIT = "tests/unit/test_follow.py"
+READ_SIDE_IT = "tests/integration/test_read_side.py"
 HTTP_EXPOSURE_IT = "tests/integration/test_http_exposure.py"
 _CROSS_SCHEMA_READ = '        await session.execute(__import__("sqlalchemy").text("SELECT 1 FROM ledger.shares"))\n'
 _LOCK_DOC = (
@@ -429,5 +431,47 @@ MUTANTS: tuple[Mutant, ...] = (
         find="            over = await self._over_quota(uow, request)\n",
         replace="            over = None\n",
         tests=(QUEUE_QUOTAS_IT,),
+    ),
+    Mutant(
+        name="after_commit_runs_inside_the_transaction",
+        what="a change meant for after the commit runs at once, so a batch that rolls back and runs again folds twice",
+        file="shared/infra/uow.py",
+        find="        self.committed.append(change)\n",
+        replace="        change()\n",
+        tests=(
+            f"{READ_SIDE_IT}::test_a_consumer_batch_that_rolls_back_leaves_the_fold_unchanged_and_each_event_folds_once",
+        ),
+    ),
+    Mutant(
+        name="follower_applies_a_sequence_twice",
+        what="a follower applies again the events a re-created consumer delivers again",
+        file="shared/infra/follow.py",
+        find="        if sequence <= feed.progress.sequence:  # a re-created consumer delivers again: applied\n",
+        replace="        if False:\n",
+        tests=(FOLLOW_UNIT,),
+    ),
+    Mutant(
+        name="follower_applies_before_its_seed",
+        what="a seeded follower's feed applies its events before the seed is in (they would land on the old view)",
+        file="shared/infra/follow.py",
+        find="        if feed.buffer is not None and not (live is not None and live(name, payload)):\n",
+        replace="        if False:\n",
+        tests=(FOLLOW_UNIT,),
+    ),
+    Mutant(
+        name="replaced_feed_keeps_applying",
+        what="a feed replaced by a new seed's keeps applying its consumer's events",
+        file="shared/infra/follow.py",
+        find="            old.closed = True\n",
+        replace="            pass\n",
+        tests=(FOLLOW_UNIT,),
+    ),
+    Mutant(
+        name="event_source_not_checked",
+        what="an event from another identity than its context's publisher is trusted (by followers and consumers)",
+        file="shared/infra/trust.py",
+        find="        if event.source != self.publisher:\n",
+        replace="        if False:\n",
+        tests=(FOLLOW_UNIT,),
     ),
 )
