@@ -168,7 +168,8 @@ class RebalanceHandlers:
             self.view.allocated(allocation)
         for node in loaded.nodes.values():
             self.view.profiled(node)
-        self.view.pods = dict(loaded.pods)
+        for pod in loaded.pods.values():
+            self.view.pod_profiled(pod)
 
     async def stop(self) -> None:
         await self.detectors.stop()
