@@ -1,5 +1,6 @@
 """Wiring of the rebalancer service (the shape of docs/SERVICE.md): its routes, consumers and loops,
-and ``wire``, which builds its handlers once. The rules live in `shared/domain/rebalance`."""
+and ``wire``, which builds its handlers once with their store. The rules live in `shared/domain/rebalance`,
+the settings they are built from in `config.py`."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import Any
 
 from faststream import FastStream
 
-from services.rebalancer.handlers import RebalanceConfig, RebalanceHandlers
+from services.rebalancer.config import config_of
+from services.rebalancer.handlers import RebalanceHandlers
 from services.rebalancer.metrics import RebalanceMetrics
+from services.rebalancer.store import RebalanceStore
 from services.rebalancer.tables import SCHEMA
 from shared.contracts.ledger import LedgerEvent
 from shared.contracts.placement_events import PlacementEventName
@@ -17,7 +20,6 @@ from shared.contracts.rebalance import RebalanceStatusRequest
 from shared.contracts.streams import restate_every_s
 from shared.contracts.subjects import Context, Rpc
 from shared.contracts.topology import TelemetryEvent, TopologyEvent
-from shared.domain.rebalance.detect import Rule
 from shared.infra.catalog import load_models, load_skus
 from shared.infra.follow import Follow, Start
 from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
@@ -29,48 +31,11 @@ class Ctx:
     handlers: RebalanceHandlers
 
 
-def config_of(settings: Settings) -> RebalanceConfig:
-    """The detectors' rules from the settings (defaults from the brief)."""
-    hysteresis = settings.rebalance_hysteresis
-    drift_stale = max(settings.rebalance_drift_window_s, settings.rebalance_drift_check_s)
-    return RebalanceConfig(
-        hot=Rule("hbm_hot", settings.rebalance_hot_util, settings.rebalance_hot_window_s, hysteresis=hysteresis),
-        cold=Rule(
-            "hbm_cold",
-            settings.rebalance_cold_util,
-            settings.rebalance_cold_window_s,
-            above=False,
-            hysteresis=hysteresis,
-        ),
-        fragmentation=Rule(
-            "tpu_fragmentation",
-            settings.rebalance_frag_threshold,
-            settings.rebalance_frag_window_s,
-            hysteresis=hysteresis,
-        ),
-        pcie=Rule("pcie_hot", settings.rebalance_pcie_util, settings.rebalance_pcie_window_s, hysteresis=hysteresis),
-        # Drift is sampled every `drift_check_s` on agents that report every 30 s: a target is kept well past
-        # a silent gap, so a drift that lasts fires its alarm once.
-        drift_alarm=Rule(
-            "hbm_drift_alarm", settings.rebalance_drift_ratio, 0, hysteresis=0.02, stale_s=max(300.0, 3 * drift_stale)
-        ),
-        drift=Rule(
-            "hbm_drift",
-            settings.rebalance_drift_ratio,
-            settings.rebalance_drift_window_s,
-            hysteresis=0.02,
-            stale_s=max(300.0, 3 * drift_stale),
-        ),
-        migrations_per_min=settings.rebalance_migrations_per_min,
-        drift_check_s=settings.rebalance_drift_check_s,
-        tick_s=settings.rebalance_tick_s,
-    )
-
-
 def wire(runtime: Runtime) -> Ctx:
     settings = runtime.settings
     handlers = RebalanceHandlers(
         uow=runtime.uow,
+        store=RebalanceStore(),
         rpc=runtime.rpc,
         clock=runtime.clock,
         config=config_of(settings),
@@ -90,7 +55,6 @@ SERVICE = ServiceDefinition(
     wire=wire,
     routes=(Route(Rpc.REBALANCE_STATUS, RebalanceStatusRequest, lambda ctx: ctx.handlers.status),),
     on_start=(lambda ctx: ctx.handlers.start(),),
-    on_stop=(lambda ctx: ctx.handlers.stop(),),
     consumers=(
         Consumer(
             Context.TOPOLOGY,

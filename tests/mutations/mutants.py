@@ -22,6 +22,7 @@ RETENTION_IT = "tests/integration/test_retention.py"
 LEDGER_UNIT = "tests/unit/services/capacity_ledger"
 LEDGER_DOMAIN = "tests/unit/domain/ledger"
 PLACEMENT_UNIT = "tests/unit/services/placement"
+REBALANCER_UNIT = "tests/unit/services/rebalancer"
 PLACEMENT_IT = "tests/integration/test_placement.py"
 RESERVATION_PROBE_IT = "tests/integration/test_reservation_probe.py"
 ROW_10_IT = f"{RESERVATION_PROBE_IT}::test_row_10_a_filler_killed_mid_reclaim_holds_no_answer_and_health_recovers"
@@ -473,5 +474,38 @@ MUTANTS: tuple[Mutant, ...] = (
         find="        if event.source != self.publisher:\n",
         replace="        if False:\n",
         tests=(FOLLOW_UNIT,),
+    ),
+    # Issue 24: the rebalancer's handlers and read model.
+    Mutant(
+        name="rebalancer_folds_before_commit",
+        what="the rebalancer folds a committed allocation into its view inside the consumer's transaction",
+        file="services/rebalancer/handlers.py",
+        find="        uow.after_commit(lambda: self.view.allocated(allocation))\n",
+        replace="        self.view.allocated(allocation)\n",
+        tests=(REBALANCER_UNIT,),
+    ),
+    Mutant(
+        name="rebalancer_hold_never_ends",
+        what="a KV hold that ended stays in the rebalancer's view (its replica never counts as drained)",
+        file="services/rebalancer/readmodel.py",
+        find="            self.holds.get(gone.parent_id, set()).discard(gone.allocation_id)\n",
+        replace="            pass\n",
+        tests=(REBALANCER_UNIT,),
+    ),
+    Mutant(
+        name="rebalancer_releases_with_messages_in_flight",
+        what="a plan releases a replica while it still holds KV for requests in flight",
+        file="services/rebalancer/runner.py",
+        find="                if self._view.holds.get(step.allocation_id):\n",
+        replace="                if False:\n",
+        tests=(REBALANCER_UNIT,),
+    ),
+    Mutant(
+        name="rebalancer_failed_plan_keeps_its_copies",
+        what="a plan whose copy cannot be placed keeps the copies it already placed",
+        file="services/rebalancer/runner.py",
+        find="                    await self._release_copies(failed, copies)\n",
+        replace="                    pass\n",
+        tests=(REBALANCER_UNIT,),
     ),
 )

@@ -1,0 +1,66 @@
+"""The rebalancer's configuration: the detectors' rules and the executor's limits, built from the settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.domain.rebalance.detect import Rule
+from shared.infra.settings import Settings
+
+
+@dataclass(frozen=True)
+class RebalanceConfig:
+    """The detectors' rules and the executor's limits (settings; defaults from the brief)."""
+
+    hot: Rule
+    cold: Rule
+    fragmentation: Rule
+    pcie: Rule
+    drift_alarm: Rule
+    drift: Rule
+    migrations_per_min: float = 2.0
+    drift_check_s: float = 10.0
+    tick_s: float = 1.0
+    defrag_block: tuple[int, ...] = (8, 8)
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        return (self.hot, self.cold, self.fragmentation, self.pcie, self.drift_alarm, self.drift)
+
+
+def config_of(settings: Settings) -> RebalanceConfig:
+    """The detectors' rules from the settings (defaults from the brief)."""
+    hysteresis = settings.rebalance_hysteresis
+    drift_stale = max(settings.rebalance_drift_window_s, settings.rebalance_drift_check_s)
+    return RebalanceConfig(
+        hot=Rule("hbm_hot", settings.rebalance_hot_util, settings.rebalance_hot_window_s, hysteresis=hysteresis),
+        cold=Rule(
+            "hbm_cold",
+            settings.rebalance_cold_util,
+            settings.rebalance_cold_window_s,
+            above=False,
+            hysteresis=hysteresis,
+        ),
+        fragmentation=Rule(
+            "tpu_fragmentation",
+            settings.rebalance_frag_threshold,
+            settings.rebalance_frag_window_s,
+            hysteresis=hysteresis,
+        ),
+        pcie=Rule("pcie_hot", settings.rebalance_pcie_util, settings.rebalance_pcie_window_s, hysteresis=hysteresis),
+        # Drift is sampled every `drift_check_s` on agents that report every 30 s: a target is kept well past
+        # a silent gap, so a drift that lasts fires its alarm once.
+        drift_alarm=Rule(
+            "hbm_drift_alarm", settings.rebalance_drift_ratio, 0, hysteresis=0.02, stale_s=max(300.0, 3 * drift_stale)
+        ),
+        drift=Rule(
+            "hbm_drift",
+            settings.rebalance_drift_ratio,
+            settings.rebalance_drift_window_s,
+            hysteresis=0.02,
+            stale_s=max(300.0, 3 * drift_stale),
+        ),
+        migrations_per_min=settings.rebalance_migrations_per_min,
+        drift_check_s=settings.rebalance_drift_check_s,
+        tick_s=settings.rebalance_tick_s,
+    )

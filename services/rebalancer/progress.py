@@ -1,0 +1,29 @@
+"""What the rebalancer itself has under way (not told by events): targets with a plan, replicas it told
+draining, nodes it throttled, and what the next tick is to plan again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from shared.domain.rebalance.detect import Transition
+
+
+@dataclass
+class Progress:
+    active: set[str] = field(default_factory=set)  # targets with a plan open or running
+    draining: set[str] = field(default_factory=set)  # replicas told draining
+    throttled: set[str] = field(default_factory=set)  # nodes whose cold starts are throttled
+    replace_tried: dict[str, datetime] = field(default_factory=dict)  # TP group -> when its re-placement was tried
+    # Planned on the next tick, outside any transaction (planning may read the fleet over RPC):
+    changed_nodes: set[str] = field(default_factory=set)  # nodes whose NVLink graph changed
+    retry: list[Transition] = field(default_factory=list)  # fired, announced, not planned yet
+
+    def forget(self, allocation_id: str) -> None:
+        """A replica released: nothing of it is under way any more."""
+        self.replace_tried.pop(allocation_id, None)
+        self.draining.discard(allocation_id)
+
+    def throttling(self, nodes: set[str]) -> None:
+        """The nodes throttled now (a committed throttle change)."""
+        self.throttled = set(nodes)

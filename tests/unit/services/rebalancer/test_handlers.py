@@ -1,0 +1,462 @@
+"""RebalanceHandlers with fakes: an in-memory store, the shared ``FakeUnitOfWork`` (its events, its
+after-commit changes) and ``FakeRpc`` (fleet.get, ledger.snapshot, placement.place/release). No servers:
+what is checked is the handlers' part (what they fold and when, what they plan, ask and emit)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+
+import pytest
+
+from services.rebalancer.config import RebalanceConfig
+from services.rebalancer.handlers import RebalanceHandlers
+from services.rebalancer.readmodel import Allocation
+from shared.contracts.envelope import EventEnvelope, new_event
+from shared.contracts.fleet import FleetGetReply, NodeView
+from shared.contracts.ledger import AcceleratorLedgerView, AllocationEvent, ShareOut, SnapshotReply
+from shared.contracts.placement import AcceleratorShare, NodePlacement, PlaceReply, PlaceRequest, ReleaseReply
+from shared.contracts.placement_events import PlacementEvent, PlacementReleasedEvent
+from shared.contracts.rebalance import RebalanceStatusReply, RebalanceStatusRequest
+from shared.contracts.subjects import Rpc
+from shared.contracts.topology import GpuSample, GpuTelemetryEvent, NodeProfileEvent
+from shared.domain.fleet import Accelerator, NodeProfile
+from shared.domain.rebalance.detect import Rule
+from shared.domain.topology import LinkMatrix
+from shared.infra.catalog import load_models, load_skus
+from shared.infra.profiles import profile_to_payload
+from shared.infra.uow import UnitOfWork
+from tests.fakes import NOW, FakeRpc, FakeUnitOfWork
+from tests.unit.services.rebalancer.fake_store import FakeRebalanceStore
+
+pytestmark = pytest.mark.asyncio
+
+GB = 10**9
+H100 = "H100-SXM-80GB"
+GPU_BYTES = 80 * GB
+SHARE_BYTES = 20 * GB  # what each replica holds per GPU (the ledger's figure too)
+SKUS = load_skus()
+MODELS = load_models()
+WINDOW_S = 60.0
+CONFIG = RebalanceConfig(
+    hot=Rule("hbm_hot", 0.85, WINDOW_S),
+    cold=Rule("hbm_cold", 0.30, WINDOW_S, above=False),
+    fragmentation=Rule("tpu_fragmentation", 0.3, WINDOW_S),
+    pcie=Rule("pcie_hot", 0.7, WINDOW_S),
+    drift_alarm=Rule("hbm_drift_alarm", 0.1, 0),
+    drift=Rule("hbm_drift", 0.1, 600.0),
+    migrations_per_min=60.0,
+)
+
+
+# -- builders ------------------------------------------------------------------------------------
+
+
+def node(name: str, *, gpus: int = 2) -> NodeProfile:
+    codes = [["X" if i == j else "NV18" for j in range(gpus)] for i in range(gpus)]
+    return NodeProfile(
+        name=name,
+        region="r1",
+        cluster="c1",
+        rack="k1",
+        sku=H100,
+        accelerators=tuple(Accelerator(index=i, sku=H100, hbm_bytes=GPU_BYTES) for i in range(gpus)),
+        links=LinkMatrix.from_codes(codes),
+        source="inventory",
+    )
+
+
+def profiled(profile: NodeProfile) -> NodeProfileEvent:
+    return NodeProfileEvent(
+        node=profile.name, region=profile.region, kind="x", fingerprint="f", profile=profile_to_payload(profile)
+    )
+
+
+def request(allocation_id: str, *, tenant: str = "acme") -> PlaceRequest:
+    return PlaceRequest(
+        request_id=f"req-{allocation_id}",
+        tenant=tenant,
+        model="llama3.1-8b",
+        context_tokens=8192,
+        tp=1,
+        region="r1",
+        skus=[H100],
+        backend="gpu",
+        fallbacks=[],
+    )
+
+
+def place_reply(allocation_id: str, host: str, *gpus: int, request_id: str = "r") -> PlaceReply:
+    """Placed on ``gpus`` of ``host``, ``SHARE_BYTES`` on each."""
+    return PlaceReply(
+        status="placed",
+        request_id=request_id,
+        allocation_id=allocation_id,
+        region="r1",
+        cluster="c1",
+        backend="gpu",
+        sku=H100,
+        tp=len(gpus),
+        placements=[NodePlacement(node=host, accelerators=[f"{host}/gpu{i}" for i in gpus])],
+        hbm_per_accelerator=AcceleratorShare(weights=SHARE_BYTES, kv=0, activation=0, workspace=0, total=SHARE_BYTES),
+    )
+
+
+def placed(allocation_id: str, host: str, *gpus: int, tenant: str = "acme") -> PlacementEvent:
+    ask = request(allocation_id, tenant=tenant)
+    reply = place_reply(allocation_id, host, *gpus, request_id=ask.request_id)
+    return PlacementEvent(
+        request_id=ask.request_id, tenant=tenant, model=ask.model, reply=reply, decision_ms=0.1, request=ask
+    )
+
+
+def committed(allocation_id: str, shares: dict[str, int], *, parent: str | None = None) -> AllocationEvent:
+    return AllocationEvent(
+        allocation_id=allocation_id,
+        request_id=f"req-{allocation_id}",
+        tenant="acme",
+        kind="request" if parent else "replica",
+        parent_id=parent,
+        shares=[
+            ShareOut(accelerator_id=a, weights=b, kv=0, activation=0, workspace=0, total=b) for a, b in shares.items()
+        ],
+    )
+
+
+def sample(host: str, used: dict[int, float], *, gpus: int = 2, pcie: float = 0.0) -> GpuTelemetryEvent:
+    """HBM used per GPU index, a fraction (others 2%); PCIe traffic as a fraction of a Gen5 x16 link."""
+    link = 4.0e9 * 16
+    return GpuTelemetryEvent(
+        node=host,
+        gpus=[
+            GpuSample(
+                index=i,
+                memory_used_bytes=int(GPU_BYTES * used.get(i, 0.02)),
+                memory_free_bytes=GPU_BYTES - int(GPU_BYTES * used.get(i, 0.02)),
+                pcie_rx_bytes_per_s=pcie * link,
+                pcie_tx_bytes_per_s=0.0,
+            )
+            for i in range(gpus)
+        ],
+    )
+
+
+def fleet(*profiles: NodeProfile) -> FleetGetReply:
+    nodes = [
+        NodeView(name=p.name, region=p.region, cluster=p.cluster, rack=p.rack, sku=p.sku, profile=profile_to_payload(p))
+        for p in profiles
+    ]
+    return FleetGetReply(nodes=nodes, total_nodes=len(nodes))
+
+
+def ledger(profiles: list[NodeProfile], held: dict[str, list[str]]) -> SnapshotReply:
+    """Every GPU of ``profiles``; ``held``: accelerator -> the replicas on it (each ``SHARE_BYTES``)."""
+    return SnapshotReply(
+        accelerators=[
+            AcceleratorLedgerView(
+                id=acc,
+                node=p.name,
+                hbm_usable=76 * GB,
+                hbm_reserved=SHARE_BYTES * len(held.get(acc, [])),
+                allocations=held.get(acc, []),
+            )
+            for p in profiles
+            for acc in (p.accelerator_id(a.index) for a in p.accelerators)
+        ]
+    )
+
+
+def envelope() -> EventEnvelope:
+    return new_event(type="x.y", source="test", payload={}, occurred_at=NOW)
+
+
+class Rig:
+    """The handlers with fakes, a clock the test moves, and helpers that deliver events as a consumer
+    does (each in its own unit of work unless given one)."""
+
+    def __init__(self, rpc: FakeRpc | None = None, store: FakeRebalanceStore | None = None) -> None:
+        self.now = NOW
+        self.rpc = rpc or FakeRpc()
+        self.store = store or FakeRebalanceStore()
+        self.uow = FakeUnitOfWork(lambda: self.now)
+        self.handlers = RebalanceHandlers(
+            uow=self.uow,  # type: ignore[arg-type]
+            store=self.store,
+            rpc=self.rpc,
+            clock=lambda: self.now,
+            config=CONFIG,
+            skus=SKUS,
+            models=MODELS,
+        )
+        self.view = self.handlers.view
+
+    async def deliver(self, *handled: Callable[[UnitOfWork], Awaitable[None]]) -> None:
+        """Events handled in one transaction (a consumer batch)."""
+
+        async def work(uow: UnitOfWork) -> None:
+            for handle in handled:
+                await handle(uow)
+
+        await self.uow.run(work)
+
+    def placed(self, event: PlacementEvent) -> Callable[[UnitOfWork], Awaitable[None]]:
+        return lambda uow: self.handlers.on_placement_decided(uow=uow, event=envelope(), payload=event)
+
+    def committed(self, event: AllocationEvent) -> Callable[[UnitOfWork], Awaitable[None]]:
+        return lambda uow: self.handlers.on_allocation_committed(uow=uow, event=envelope(), payload=event)
+
+    def ended(self, event: AllocationEvent) -> Callable[[UnitOfWork], Awaitable[None]]:
+        return lambda uow: self.handlers.on_allocation_ended(uow=uow, event=envelope(), payload=event)
+
+    def profiled(self, profile: NodeProfile) -> Callable[[UnitOfWork], Awaitable[None]]:
+        return lambda uow: self.handlers.on_node_profiled(uow=uow, event=envelope(), payload=profiled(profile))
+
+    def sustained(self, telemetry: GpuTelemetryEvent) -> None:
+        """The same sample now and a window later: what is over a threshold fires."""
+        self.handlers.observe(telemetry, self.now)
+        self.now += timedelta(seconds=WINDOW_S)
+        self.handlers.observe(telemetry, self.now)
+
+
+def step_names(rig: Rig) -> list[str]:
+    return rig.uow.names()
+
+
+# -- events fold the view only once their transaction commits -------------------------------------
+
+
+async def test_a_placement_and_its_allocations_fold_into_the_view_after_commit() -> None:
+    rig = Rig()
+    await rig.deliver(rig.profiled(node("a")))
+    await rig.deliver(rig.placed(placed("r1", "a", 0)))
+    await rig.deliver(rig.committed(committed("r1", {"a/gpu0": 20 * GB})))
+    await rig.deliver(rig.committed(committed("k1", {"a/gpu0": GB}, parent="r1")))
+
+    assert set(rig.view.replicas) == {"r1"} and rig.view.requests["r1"].request_id == "req-r1"
+    assert rig.view.by_node == {"a": {"r1"}} and rig.view.holds == {"r1": {"k1"}}
+    assert set(rig.store.replicas) == {"r1"} and set(rig.store.allocations) == {"r1", "k1"}
+
+    await rig.deliver(rig.ended(committed("k1", {"a/gpu0": GB}, parent="r1")))
+    assert rig.view.holds == {"r1": set()} and set(rig.view.allocations) == {"r1"}
+
+
+async def test_a_consumer_batch_that_rolls_back_leaves_the_view_unchanged_and_its_rerun_folds_once() -> None:
+    rig = Rig()
+    batch = (
+        rig.placed(placed("r1", "a", 0)),
+        rig.committed(committed("r1", {"a/gpu0": 20 * GB})),
+        rig.committed(committed("k1", {"a/gpu0": GB}, parent="r1")),
+    )
+    rig.uow.fail_next = RuntimeError("the batch's commit failed")
+
+    with pytest.raises(RuntimeError):
+        await rig.deliver(*batch)
+
+    assert rig.view.replicas == {} and rig.view.allocations == {} and rig.view.holds == {}
+    assert rig.view.by_node == {}
+
+    await rig.deliver(*batch)  # the consumer runs the batch again
+    assert set(rig.view.replicas) == {"r1"} and set(rig.view.allocations) == {"r1", "k1"}
+    assert rig.view.holds == {"r1": {"k1"}} and rig.view.by_node == {"a": {"r1"}}
+
+
+async def test_a_release_that_rolls_back_keeps_the_replica_and_its_targets() -> None:
+    rig = Rig()
+    await rig.deliver(rig.profiled(node("a")), rig.placed(placed("r1", "a", 0)))
+    rig.sustained(sample("a", {0: 0.95}))
+    assert sorted(rig.handlers.detectors.by_rule["hbm_hot"].firing()) == ["r1"]
+    released = PlacementReleasedEvent(allocation_id="r1", tenant="acme")
+
+    async def release(uow: UnitOfWork) -> None:
+        await rig.handlers.on_placement_released(uow=uow, event=envelope(), payload=released)
+
+    rig.uow.fail_next = RuntimeError("refused")
+    with pytest.raises(RuntimeError):
+        await rig.deliver(release)
+    assert set(rig.view.replicas) == {"r1"} and set(rig.view.requests) == {"r1"}
+    assert sorted(rig.handlers.detectors.by_rule["hbm_hot"].firing()) == ["r1"]
+
+    await rig.deliver(release)
+    assert rig.view.replicas == {} and rig.view.requests == {}
+    assert rig.handlers.detectors.by_rule["hbm_hot"].firing() == []
+
+
+async def test_start_rebuilds_the_view_from_the_tables_and_ends_the_throttles_left() -> None:
+    store = FakeRebalanceStore(
+        replicas={"r1": placed("r1", "a", 0)},
+        allocations={"r1": Allocation("r1", "replica", None, {"a/gpu0": 20 * GB})},
+        nodes={"a": profiled(node("a"))},
+        throttles={"a": NOW},
+    )
+    rig = Rig(store=store)
+
+    await rig.handlers.start()
+
+    assert set(rig.view.replicas) == {"r1"} and rig.view.by_node == {"a": {"r1"}} and "a" in rig.view.profiles
+    assert rig.uow.names() == ["throttle_ended"] and store.throttles == {}
+
+
+# -- detectors -> plans ---------------------------------------------------------------------------
+
+
+async def test_a_hot_replica_is_replicated_through_placement() -> None:
+    copy = place_reply("r1-copy", "a", 1)
+    rig = Rig(FakeRpc(placement_place=[copy]))
+    await rig.deliver(rig.profiled(node("a")), rig.placed(placed("r1", "a", 0)))
+
+    rig.sustained(sample("a", {0: 0.95}))  # 0.95 > 0.85 for the whole 60 s window
+    await rig.handlers.tick_once()
+
+    (ask,) = rig.rpc.requests(Rpc.PLACEMENT_PLACE)
+    assert ask.model == "llama3.1-8b" and ask.tenant == "acme" and ask.request_id.endswith("/0")
+    (plan,) = rig.store.plan_list()
+    assert (plan.kind, plan.target, plan.state) == ("replicate", "r1", "done")
+    assert plan.steps[0].new_allocation_id == "r1-copy"
+    assert rig.uow.names() == ["detector_fired", "plan_created", "plan_step", "plan_finished"]
+    assert rig.handlers.progress.active == set()  # finished: the target may be planned again
+
+
+async def test_a_cold_node_is_consolidated_onto_a_node_in_use() -> None:
+    a, b = node("a"), node("b")
+    snapshot = ledger([a, b], {"a/gpu0": ["r1"], "b/gpu0": ["r2"]})
+    rig = Rig(
+        FakeRpc(
+            fleet_get=[fleet(a, b)],
+            ledger_snapshot=[snapshot],
+            placement_place=[place_reply("r1-copy", "b", 1)],
+            placement_release=[ReleaseReply(status="released")],
+        )
+    )
+    await rig.deliver(
+        rig.profiled(a), rig.profiled(b), rig.placed(placed("r1", "a", 0)), rig.placed(placed("r2", "b", 0))
+    )
+
+    rig.sustained(sample("a", {0: 0.05}))  # node a: 0.035 of its HBM used < 0.30 for 60 s
+    await rig.handlers.tick_once()
+
+    (plan,) = rig.store.plan_list()
+    assert (plan.kind, plan.target) == ("consolidate", "a")
+    (ask,) = rig.rpc.requests(Rpc.PLACEMENT_PLACE)
+    assert {"a/gpu0", "a/gpu1"} <= set(ask.avoid_accelerators)  # the copy never lands on the node drained
+    # Make-before-break: the copy was placed, then the old replica told draining and released.
+    (release,) = rig.rpc.requests(Rpc.PLACEMENT_RELEASE)
+    assert release.allocation_id == "r1"
+    assert "replica_draining" in rig.uow.names() and plan.state == "done"
+
+
+async def test_a_replica_with_messages_in_flight_is_released_only_once_they_are_done() -> None:
+    a, b = node("a"), node("b")
+    rig = Rig(
+        FakeRpc(
+            fleet_get=[fleet(a, b)],
+            ledger_snapshot=[ledger([a, b], {"a/gpu0": ["r1"], "b/gpu0": ["r2"]})],
+            placement_place=[place_reply("r1-copy", "b", 1)],
+            placement_release=[ReleaseReply(status="released")],
+        )
+    )
+    await rig.deliver(
+        rig.profiled(a), rig.profiled(b), rig.placed(placed("r1", "a", 0)), rig.placed(placed("r2", "b", 0))
+    )
+    await rig.deliver(rig.committed(committed("k1", {"a/gpu0": GB}, parent="r1")))  # a request in flight
+
+    rig.sustained(sample("a", {0: 0.05}))
+    await rig.handlers.tick_once()
+    assert rig.rpc.requests(Rpc.PLACEMENT_RELEASE) == [] and rig.uow.names().count("replica_draining") == 1
+
+    await rig.deliver(rig.ended(committed("k1", {"a/gpu0": GB}, parent="r1")))
+    await rig.handlers.tick_once()
+    assert [r.allocation_id for r in rig.rpc.requests(Rpc.PLACEMENT_RELEASE)] == ["r1"]
+    assert rig.uow.names().count("replica_draining") == 1  # told once
+
+
+async def test_a_copy_that_cannot_be_placed_rolls_the_plan_back_and_releases_the_copies_placed() -> None:
+    a, b = node("a"), node("b", gpus=4)  # b has room for both copies when the plan is made
+    refused = PlaceReply(status="rejected", request_id="x")  # ... not when it runs
+    rig = Rig(
+        FakeRpc(
+            fleet_get=[fleet(a, b)],
+            ledger_snapshot=[ledger([a, b], {"a/gpu0": ["r1"], "a/gpu1": ["r3"], "b/gpu0": ["r2"]})],
+            placement_place=[place_reply("r1-copy", "b", 1), refused],
+            placement_release=[ReleaseReply(status="released")],
+        )
+    )
+    await rig.deliver(
+        rig.profiled(a),
+        rig.profiled(b),
+        rig.placed(placed("r1", "a", 0)),
+        rig.placed(placed("r3", "a", 1)),
+        rig.placed(placed("r2", "b", 0)),
+    )
+
+    rig.sustained(sample("a", {0: 0.05, 1: 0.05}))
+    await rig.handlers.tick_once()
+
+    (plan,) = rig.store.plan_list()
+    assert plan.kind == "consolidate" and len(rig.rpc.requests(Rpc.PLACEMENT_PLACE)) == 2
+    assert [r.allocation_id for r in rig.rpc.requests(Rpc.PLACEMENT_RELEASE)] == ["r1-copy"]  # not r1, r3
+    assert plan.state == "rolled_back"
+    assert rig.uow.named("plan_finished")[-1]["note"] == "rolled_back"
+
+
+async def test_a_pcie_hot_node_is_throttled_and_the_throttle_ends_when_it_clears() -> None:
+    rig = Rig()
+    await rig.deliver(rig.profiled(node("a")))
+
+    rig.sustained(sample("a", {}, pcie=0.9))  # 0.9 of the link > 0.7 for 60 s
+    await rig.handlers.tick_once()
+
+    (started,) = rig.uow.named("throttle_started")
+    assert started["node"] == "a" and started["value"] > 0.7
+    assert rig.handlers.progress.throttled == {"a"} and set(rig.store.throttles) == {"a"}
+    (plan,) = rig.store.plan_list()
+    assert (plan.kind, plan.state) == ("throttle", "running")
+
+    rig.sustained(sample("a", {}, pcie=0.1))
+    await rig.handlers.tick_once()
+    assert len(rig.uow.named("throttle_ended")) == 1 and rig.handlers.progress.throttled == set()
+    assert rig.store.plan_list()[0].state == "done"
+
+
+async def test_a_throttle_whose_transaction_fails_is_not_remembered_and_is_tried_again() -> None:
+    rig = Rig()
+    await rig.deliver(rig.profiled(node("a")))
+    rig.sustained(sample("a", {}, pcie=0.9))
+    rig.uow.fail_next = RuntimeError("the plan's transaction failed")
+
+    with pytest.raises(RuntimeError):
+        await rig.handlers.tick_once()
+    assert rig.handlers.progress.throttled == set()
+
+
+async def test_a_replica_holding_more_than_it_reserved_raises_a_drift_alarm_at_once() -> None:
+    rig = Rig()
+    await rig.deliver(rig.profiled(node("a")), rig.placed(placed("r1", "a", 0)))
+    await rig.deliver(rig.committed(committed("r1", {"a/gpu0": 20 * GB})))
+
+    rig.handlers.observe(sample("a", {0: 0.40}), rig.now)  # 32 GB used of 20 GB reserved: 0.6 > 0.1
+    await rig.handlers.tick_once()
+
+    (alarm,) = rig.uow.named("drift_alarm")
+    assert alarm["allocation_id"] == "r1"
+    assert (alarm["observed_bytes"], alarm["reserved_bytes"]) == (32 * GB, 20 * GB)
+    assert alarm["ratio"] == pytest.approx(0.6)
+    assert rig.store.plan_list() == []  # a replace only once the drift lasts its window
+
+
+# -- status ---------------------------------------------------------------------------------------
+
+
+async def test_status_shows_every_detector_the_plans_and_the_actions_newest_first() -> None:
+    rig = Rig(FakeRpc(placement_place=[place_reply("r1-copy", "a", 1)]))
+    await rig.deliver(rig.profiled(node("a")), rig.placed(placed("r1", "a", 0)))
+    rig.sustained(sample("a", {0: 0.95}))
+    await rig.handlers.tick_once()
+
+    reply = await rig.handlers.status(RebalanceStatusRequest())
+
+    assert isinstance(reply, RebalanceStatusReply)
+    assert sorted(d.name for d in reply.detectors) == sorted(r.name for r in CONFIG.rules)
+    hot = next(d for d in reply.detectors if d.name == "hbm_hot")
+    assert [(t.key, t.phase) for t in hot.targets] == [("r1", "firing")]
+    assert [(p.kind, p.state) for p in reply.plans] == [("replicate", "done")]
+    assert reply.recent[0].what == "replicate done" and reply.recent[-1].what.startswith("hbm_hot fired on r1")
