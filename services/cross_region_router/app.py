@@ -3,21 +3,20 @@ and ``wire``, which builds its handlers once. The rules live in `shared/domain/r
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from faststream import FastStream
 
 from services.cross_region_router.handlers import RoutingHandlers
 from services.cross_region_router.metrics import RouterMetrics
+from services.cross_region_router.store import RoutingStore
 from services.cross_region_router.tables import SCHEMA
 from shared.contracts.placement_events import PlacementEventName
 from shared.contracts.routing import RouteRegionRequest, RouteSelectRequest
 from shared.contracts.subjects import Context, Rpc
-from shared.domain.routing import AffinityRule, Region, RoutePolicy, Weights
-from shared.infra.catalog import load_model_groups, load_models, load_regions
+from shared.domain.routing import AffinityRule, RoutePolicy, Weights
+from shared.infra.catalog import load_model_groups, load_models, load_regions, watch_regions
 from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
 
@@ -25,23 +24,6 @@ from shared.infra.settings import Settings
 @dataclass(frozen=True)
 class Ctx:
     handlers: RoutingHandlers
-
-
-def _watch(path: Path | None) -> Callable[[], dict[str, Region] | None]:
-    """The regions file's contents each time its modification time changes (prices move: operators edit
-    it); None while it has not. The shipped file never changes."""
-    if path is None:
-        return lambda: None
-    seen = [path.stat().st_mtime_ns if path.exists() else 0]
-
-    def changed() -> dict[str, Region] | None:
-        mtime = path.stat().st_mtime_ns
-        if mtime == seen[0]:
-            return None
-        seen[0] = mtime
-        return load_regions(path)
-
-    return changed
 
 
 def wire(runtime: Runtime) -> Ctx:
@@ -55,6 +37,7 @@ def wire(runtime: Runtime) -> Ctx:
     handlers = RoutingHandlers(
         uow=runtime.uow,
         rpc=runtime.rpc,
+        store=RoutingStore(),
         clock=runtime.clock,
         regions=load_regions(settings.regions_file),
         models=models,
@@ -62,7 +45,7 @@ def wire(runtime: Runtime) -> Ctx:
         policy=policy,
         log=runtime.log,
         flush_s=settings.route_flush_ms / 1000,
-        regions_changed=_watch(settings.regions_file),
+        regions_changed=watch_regions(settings.regions_file),
         metrics=RouterMetrics(runtime.metrics),
     )
     return Ctx(handlers=handlers)

@@ -11,7 +11,8 @@ sessions' regions before the reply (group commit; a request whose region did not
 traffic counts every ``HETSCHED_ROUTE_FLUSH_MS`` (statistics for affinity: a crash loses at most that
 much of them). Capacity per region is learnt from events, never from another service's tables: the
 replicas placement announces (PLACEMENT ``placement_decided``, and ``placement_released`` when one is
-released or its lease expires), kept in ``routing.replicas``.
+released or its lease expires), kept in ``routing.replicas`` and folded into ``ReplicaRegions`` once the
+consumer's transaction commits. Memory changes only after the transaction that writes it commits.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from datetime import UTC, datetime, timedelta
 
 from pydantic import BaseModel
 
-from services.cross_region_router import store
 from services.cross_region_router.metrics import RouterMetrics
+from services.cross_region_router.readmodel import ReplicaRegions
+from services.cross_region_router.store import RoutingStore, StoredReplica
 from shared.contracts.base import ErrorCode, Rejected, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.placement import AdmitReply, AdmitRequest, Slo
@@ -93,6 +95,7 @@ class RoutingHandlers:
         *,
         uow: UnitOfWorkFactory,
         rpc: RpcClient,
+        store: RoutingStore,
         clock: Clock,
         regions: Mapping[str, Region],
         models: Mapping[str, ModelSpec],
@@ -107,6 +110,7 @@ class RoutingHandlers:
         self._regions_changed = regions_changed
         self._uow = uow
         self._rpc = rpc
+        self._store = store
         self._clock = clock
         self._regions = dict(regions)
         self._models = models
@@ -120,10 +124,14 @@ class RoutingHandlers:
         self._seen: dict[tuple[str, str], float] = {}  # session -> last routed (epoch s)
         self._traffic: dict[str, Traffic] = {}
         self._pending: Counter[tuple[str, str, int]] = Counter()
-        self._replicas: dict[str, tuple[str, str]] = {}  # allocation id -> (region, model)
-        self._serving: dict[str, Counter[str]] = {}  # model -> replicas per region
+        self._replicas = ReplicaRegions()
         self._tenants_busy = KeyedLocks()  # one route at a time per tenant: its damping sees the last switch
         self._loaded = False
+
+    @property
+    def replicas(self) -> ReplicaRegions:
+        """Where replicas are, as the committed events left it (read it, never change it)."""
+        return self._replicas
 
     # -- start -------------------------------------------------------------------------------------------
 
@@ -137,18 +145,16 @@ class RoutingHandlers:
         now = self._clock()
         since_day = day_of(now.timestamp()) - self._policy.affinity.window_days
         loaded = await self._uow.run(
-            lambda uow: store.load(
+            lambda uow: self._store.load(
                 session=uow.session, since_day=since_day, sessions_since=now - timedelta(seconds=SESSION_KEPT_S)
             )
         )
-        self._tenants = {t: TenantRoute(region, at.timestamp()) for t, (region, at) in loaded.tenants.items()}
+        self._tenants = {t: TenantRoute(s.region, s.switched_at.timestamp()) for t, s in loaded.tenants.items()}
         self._sessions = dict(loaded.sessions)
         self._seen = dict.fromkeys(self._sessions, now.timestamp())
         self._traffic = {t: Traffic(counts) for t, counts in loaded.traffic.items()}
         self._states = {r: RegionState(s) for r, s in loaded.regions.items() if r in self._regions}
-        self._replicas, self._serving = {}, {}
-        for allocation_id, (region, model, _sku) in loaded.replicas.items():
-            self._add_replica(allocation_id, region, model)
+        self._replicas = ReplicaRegions((r.allocation_id, r.region, r.model) for r in loaded.replicas)
         self._loaded = True
 
     # -- route.select ------------------------------------------------------------------------------------
@@ -178,7 +184,7 @@ class RoutingHandlers:
                 RouteAsk(tenant=request.tenant, origin=request.origin_region, sku=None, in_flight=request.in_flight),
                 regions=self._regions,
                 states=self._states,
-                capacity=lambda region: region not in full and self._serves(region, names),
+                capacity=lambda region: region not in full and self._replicas.serves(region, names),
                 tenant=previous,
                 session=session,
                 traffic=traffic,
@@ -211,9 +217,6 @@ class RoutingHandlers:
             explanation=decision.reason,
             admission=admission,
         )
-
-    def _serves(self, region: str, names: tuple[str, ...]) -> bool:
-        return any(self._serving.get(name, Counter()).get(region, 0) > 0 for name in names)
 
     async def _admit(self, request: RouteSelectRequest, decision: RouteDecision) -> AdmitReply:
         slo = request.slo
@@ -259,7 +262,7 @@ class RoutingHandlers:
 
             async def work(uow: UnitOfWork) -> None:
                 if tenant_changed and tenant_route is not None:
-                    await store.save_tenant(
+                    await self._store.save_tenant(
                         session=uow.session,
                         tenant=request.tenant,
                         region=tenant_route.region,
@@ -283,20 +286,26 @@ class RoutingHandlers:
                             correlation_id=request.request_id,
                         )
                 if session_changed and session_key is not None:
-                    await store.save_session(
+                    await self._store.save_session(
                         session=uow.session, tenant=session_key[0], session_id=session_key[1], region=region, now=now
                     )
+                uow.after_commit(lambda: self._routed(request.tenant, tenant_route, session_key, region))
 
             await self._uow.run_grouped(work)
-            if tenant_route is not None:
-                self._tenants[request.tenant] = tenant_route
-            if session_key is not None:
-                self._sessions[session_key] = region
         if session_key is not None:
             self._seen[session_key] = now_s
         self._traffic.setdefault(request.tenant, Traffic()).add(region, now_s)
         self._pending[(request.tenant, region, day_of(now_s))] += 1
         return moved
+
+    def _routed(
+        self, tenant: str, tenant_route: TenantRoute | None, session_key: tuple[str, str] | None, region: str
+    ) -> None:
+        """The tenant's and the session's regions, as the transaction that wrote them committed."""
+        if tenant_route is not None:
+            self._tenants[tenant] = tenant_route
+        if session_key is not None:
+            self._sessions[session_key] = region
 
     # -- route.region (operators) ------------------------------------------------------------------------
 
@@ -307,16 +316,16 @@ class RoutingHandlers:
         previous = self._states.get(request.region, RegionState.UP)
 
         async def work(uow: UnitOfWork) -> None:
-            await store.save_region(session=uow.session, region=request.region, state=state.value, now=uow.now)
+            await self._store.save_region(session=uow.session, region=request.region, state=state.value, now=uow.now)
             if state is not previous:
                 uow.emit(
                     Context.ROUTING,
                     RoutingEvent.REGION_STATE_CHANGED,
                     RegionStateEvent(region=request.region, state=state.value, previous=previous.value),
                 )
+            uow.after_commit(lambda: self._states.update({request.region: state}))
 
         await self._uow.run(work)
-        self._states[request.region] = state
         return RouteRegionReply(status="ok", region=request.region, state=state.value, previous=previous.value)
 
     # -- events: where replicas are --------------------------------------------------------------------
@@ -325,32 +334,16 @@ class RoutingHandlers:
         reply = payload.reply
         if reply.status != "placed" or reply.allocation_id is None or reply.region is None:
             return
-        await store.add_replica(
-            session=uow.session,
-            allocation_id=reply.allocation_id,
-            region=reply.region,
-            model=payload.model,
-            sku=reply.sku,
-        )
-        self._add_replica(reply.allocation_id, reply.region, payload.model)
+        replica = StoredReplica(reply.allocation_id, reply.region, payload.model, reply.sku)
+        await self._store.add_replica(session=uow.session, replica=replica)
+        uow.after_commit(lambda: self._replicas.add(replica.allocation_id, replica.region, replica.model))
 
     async def on_placement_released(
         self, *, uow: UnitOfWork, event: EventEnvelope, payload: PlacementReleasedEvent
     ) -> None:
-        await self._remove_replica(uow, payload.allocation_id)
-
-    def _add_replica(self, allocation_id: str, region: str, model: str) -> None:
-        if allocation_id in self._replicas:
-            return
-        self._replicas[allocation_id] = (region, model)
-        self._serving.setdefault(model, Counter())[region] += 1
-
-    async def _remove_replica(self, uow: UnitOfWork, allocation_id: str) -> None:
-        await store.remove_replicas(session=uow.session, allocation_ids=[allocation_id])
-        found = self._replicas.pop(allocation_id, None)
-        if found is not None:
-            region, model = found
-            self._serving[model][region] -= 1
+        allocation_id = payload.allocation_id
+        await self._store.remove_replicas(session=uow.session, allocation_ids=[allocation_id])
+        uow.after_commit(lambda: self._replicas.remove(allocation_id))
 
     # -- the traffic flush and the forgetting --------------------------------------------------------------
 
@@ -384,11 +377,11 @@ class RoutingHandlers:
         now = self._clock()
 
         async def work(uow: UnitOfWork) -> None:
-            await store.add_traffic(session=uow.session, counts=pending)
+            await self._store.add_traffic(session=uow.session, counts=pending)
             if sweep:
-                await store.forget_sessions(session=uow.session, before=now - timedelta(seconds=SESSION_KEPT_S))
+                await self._store.forget_sessions(session=uow.session, before=now - timedelta(seconds=SESSION_KEPT_S))
                 first_day = day_of(now.timestamp()) - self._policy.affinity.window_days
-                await store.forget_traffic(session=uow.session, before_day=first_day)
+                await self._store.forget_traffic(session=uow.session, before_day=first_day)
 
         if not pending and not sweep:
             return 0

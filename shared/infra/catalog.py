@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -18,6 +18,8 @@ from shared.domain.models import ModelSpec, merge_model_catalogs, parse_model_ca
 from shared.domain.routing import Region, parse_regions
 
 CATALOG_PACKAGE = "shared.catalog"
+
+T = TypeVar("T")
 
 
 def packaged_file(name: str) -> Path:
@@ -86,6 +88,29 @@ def load_model_groups(path: Path | None, models: Mapping[str, ModelSpec]) -> dic
 def load_regions(path: Path | None = None) -> dict[str, Region]:
     """Regions with their RTTs, prices, power and PUE: the shipped file, or ``path`` instead of it."""
     return parse_regions(_yaml(path if path is not None else packaged_file("regions.yaml")))
+
+
+def watch_file(path: Path, read: Callable[[Path], T]) -> Callable[[], T | None]:
+    """A poll of ``path``: ``read(path)`` each time its modification time changed since the last poll (or
+    since this call, for the first), None while it has not. A file that is gone raises ``OSError``."""
+    seen = [path.stat().st_mtime_ns if path.exists() else 0]
+
+    def changed() -> T | None:
+        mtime = path.stat().st_mtime_ns
+        if mtime == seen[0]:
+            return None
+        seen[0] = mtime
+        return read(path)
+
+    return changed
+
+
+def watch_regions(path: Path | None) -> Callable[[], dict[str, Region] | None]:
+    """The regions file's contents each time it changes (prices move: operators edit it); None while it has
+    not. The shipped file (``path`` None) never changes."""
+    if path is None:
+        return lambda: None
+    return watch_file(path, load_regions)
 
 
 def load_models(extra: Path | None = None) -> dict[str, ModelSpec]:

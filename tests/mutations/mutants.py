@@ -31,6 +31,7 @@ QUEUE_QUOTAS_IT = "tests/integration/test_queue_quotas.py"
 FOLLOW_UNIT = "tests/unit/test_follow.py"
 READ_SIDE_IT = "tests/integration/test_read_side.py"
 HTTP_EXPOSURE_IT = "tests/integration/test_http_exposure.py"
+ROUTER_UNIT = "tests/unit/services/cross_region_router"
 _CROSS_SCHEMA_READ = '        await session.execute(__import__("sqlalchemy").text("SELECT 1 FROM ledger.shares"))\n'
 _LOCK_DOC = (
     '        """The intent of this (tenant, request id), locked for this transaction; None if there is none."""\n'
@@ -507,5 +508,44 @@ MUTANTS: tuple[Mutant, ...] = (
         find="                    await self._release_copies(failed, copies)\n",
         replace="                    pass\n",
         tests=(REBALANCER_UNIT,),
+    ),
+    Mutant(
+        name="router_replica_fold_in_transaction",
+        what="the router's replica fold changes inside the consumer's transaction (a rolled-back batch still "
+        "adds capacity)",
+        file="services/cross_region_router/handlers.py",
+        find=(
+            "        uow.after_commit(lambda: self._replicas.add(replica.allocation_id, replica.region, "
+            "replica.model))\n"
+        ),
+        replace="        self._replicas.add(replica.allocation_id, replica.region, replica.model)\n",
+        tests=(ROUTER_UNIT,),
+    ),
+    Mutant(
+        name="router_released_replica_still_serves",
+        what="a released replica still counts as capacity in its region",
+        file="services/cross_region_router/readmodel.py",
+        find="        self._serving[model][region] -= 1\n",
+        replace="        pass\n",
+        tests=(ROUTER_UNIT,),
+    ),
+    Mutant(
+        name="router_route_remembered_before_commit",
+        what="the router remembers a tenant's and a session's region even when writing them rolled back",
+        file="services/cross_region_router/handlers.py",
+        find=(
+            "                uow.after_commit(lambda: self._routed(request.tenant, tenant_route, session_key, "
+            "region))\n"
+        ),
+        replace="                self._routed(request.tenant, tenant_route, session_key, region)\n",
+        tests=(ROUTER_UNIT,),
+    ),
+    Mutant(
+        name="router_full_region_not_passed_over",
+        what="a region whose admission answers no_capacity ends the route instead of trying the next tier",
+        file="services/cross_region_router/handlers.py",
+        find="                full.add(decision.region)  # full there for this request: the next tier decides\n",
+        replace="                break\n",
+        tests=(ROUTER_UNIT,),
     ),
 )
