@@ -11,25 +11,21 @@ from typing import Annotated, TypeVar
 import nats
 import typer
 from nats.js import JetStreamContext
-from rich.console import Console
 from rich.table import Table
 
-from hetsched.stack import operator_options, read_state
+from hetsched.cli.common import DataDirOption, console, endpoints, err, settings_of
+from hetsched.stack import operator_options
 from shared.contracts.streams import deadletter_stream_name
 from shared.infra import deadletter
-from shared.infra.settings import load_settings, nats_servers
+from shared.infra.settings import nats_servers
 
 app = typer.Typer(help="Events consumers gave up on (the DEADLETTER stream): list them, replay one.")
-console = Console()
-err = Console(stderr=True)
 T = TypeVar("T")
-
-DataDirOption = Annotated[Path | None, typer.Option(help="Data dir of a running `hetsched up` (to find its NATS).")]
 
 
 def _run(data_dir: Path | None, work: Callable[[JetStreamContext, str], Awaitable[T]]) -> T:
-    settings = load_settings(data_dir=data_dir) if data_dir else load_settings()
-    nats_url = settings.nats_url or (read_state(settings) or {}).get("nats_url") or "nats://127.0.0.1:4222"
+    settings = settings_of(data_dir)
+    nats_url, _db, _prefix = endpoints(settings)
     stream = deadletter_stream_name(stream_prefix=settings.stream_prefix)
 
     async def session() -> T:
