@@ -168,9 +168,13 @@ def ask(
 ) -> Any:
     """One call: the reply (a ``Rejected`` where the reply type has no room for a refusal, without
     ``rejection_as_reply``); the service refusing the body as ``invalid_request`` is bad input (exit 2)."""
-    # Without rejection_as_reply the client's own default holds: a refusal comes back as ``Rejected``.
-    options = {"rejection_as_reply": True} if rejection_as_reply else {}
-    reply = with_rpc(data_dir, rpc.value, lambda client: client.ask(rpc, request, reply_type, **options))
+
+    async def work(client: RpcClient) -> Any:
+        if rejection_as_reply:
+            return await client.ask(rpc, request, reply_type, rejection_as_reply=True)
+        return await client.ask(rpc, request, reply_type)  # the client's default: a refusal comes as Rejected
+
+    reply = with_rpc(data_dir, rpc.value, work)
     refused_input(reply)
     return reply
 
