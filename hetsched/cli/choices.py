@@ -1,12 +1,27 @@
 """The fixed choices of `hetsched` options, as Enums: Typer checks them and lists them in `--help`.
 
-Each one that a contract also names has the contract's values (tests/unit/test_cli_input.py holds
-them equal), so a value the CLI accepts is one the service accepts.
+The domain's own Enums where it has one (dtypes, engine hints). Each one that a contract also names has
+the contract's values (tests/unit/test_cli_input.py holds them equal), so a value the CLI accepts is one
+the service accepts.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+
+from shared.domain.admission.select import Hint as EngineHint  # ``AdmitRequest.hint``
+from shared.domain.dtypes import Dtype  # ``PlaceRequest.dtype`` and ``kv_dtype``
+
+__all__ = [
+    "Backend",
+    "BadRows",
+    "Dtype",
+    "EngineHint",
+    "RegionState",
+    "ReservationPolicy",
+    "SimPolicy",
+    "SimSharing",
+]
 
 
 class Backend(StrEnum):
@@ -15,27 +30,6 @@ class Backend(StrEnum):
     GPU = "gpu"
     TPU = "tpu"
     ANY = "any"
-
-
-class Dtype(StrEnum):
-    """``PlaceRequest.dtype`` and ``kv_dtype``."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP8 = "fp8"
-    INT8 = "int8"
-    INT4 = "int4"
-    FP4 = "fp4"
-
-
-class EngineHint(StrEnum):
-    """``AdmitRequest.hint``."""
-
-    AUTO = "auto"
-    TRANSFORMER = "transformer"
-    SSM = "ssm"
-    MOE = "moe"
 
 
 class RegionState(StrEnum):

@@ -2,46 +2,28 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, TypeVar
 
-import nats
 import typer
 from nats.js import JetStreamContext
 from rich.table import Table
 
-from hetsched.cli.common import DataDirOption, console, endpoints, err, settings_of
-from hetsched.stack import operator_options
+from hetsched.cli import common
+from hetsched.cli.common import DataDirOption, console, settings_of
 from shared.contracts.streams import deadletter_stream_name
 from shared.infra import deadletter
-from shared.infra.settings import nats_servers
 
 app = typer.Typer(help="Events consumers gave up on (the DEADLETTER stream): list them, replay one.")
 T = TypeVar("T")
 
 
 def _run(data_dir: Path | None, work: Callable[[JetStreamContext, str], Awaitable[T]]) -> T:
-    settings = settings_of(data_dir)
-    nats_url, _db, _prefix = endpoints(settings)
-    stream = deadletter_stream_name(stream_prefix=settings.stream_prefix)
-
-    async def session() -> T:
-        nc = await nats.connect(
-            nats_servers(nats_url), name="hetsched-cli", max_reconnect_attempts=0, **operator_options(settings)
-        )
-        try:
-            return await work(nc.jetstream(), stream)
-        finally:
-            await nc.close()
-
-    try:
-        return asyncio.run(session())
-    except Exception as exc:
-        err.print(f"[red]{stream} at {nats_url}: {type(exc).__name__} {exc}[/red]")
-        raise typer.Exit(2) from exc
+    """``work`` on the stack's JetStream and the DEADLETTER stream's name (no answer exits 2)."""
+    stream = deadletter_stream_name(stream_prefix=settings_of(data_dir).stream_prefix)
+    return common.with_rpc(data_dir, f"the {stream} stream", lambda client: work(client.nc.jetstream(), stream))
 
 
 @app.command("list")
