@@ -11,7 +11,7 @@ import math
 import time
 from pathlib import Path
 
-from hetsched.sim_cli import DEFAULT_MODEL_MIX, DEFAULT_TENANTS
+from hetsched.cli.sim.run import DEFAULT_MODEL_MIX, DEFAULT_TENANTS
 from shared.domain.placement import FleetSnapshot
 from shared.domain.sim import make_policy, simulate
 from shared.domain.traces import TraceRequest, assign_workload, detect_format, read_trace, seeded_uniform

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from hetsched.sim_cli import run_sim
+from hetsched.cli.sim.run import run_sim
 from hetsched.sim_live import LivePolicy
 from hetsched.stack import wait_healthy
 from shared.contracts.base import Rejected

@@ -1,4 +1,4 @@
-"""Running a CLI command with no servers: ``_with_rpc`` hands the command's work a fake client that
+"""Running a CLI command with no servers: ``common.with_rpc`` hands the command's work a fake client that
 records every ``ask`` and answers one reply (the CLI tests of reservations and the rebalancer)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from typer.testing import CliRunner, Result
 
 import hetsched.cli as cli
+from hetsched.cli import common
 from shared.contracts.subjects import Rpc
 
 
@@ -29,11 +30,11 @@ class FakeClient:
 
 
 def run_cli(monkeypatch: pytest.MonkeyPatch, reply: BaseModel, *args: str) -> tuple[Result, FakeClient]:
-    """Run `hetsched ARGS` with ``_with_rpc`` handing ``work`` a fake client."""
+    """Run `hetsched ARGS` with ``common.with_rpc`` handing ``work`` a fake client."""
     client = FakeClient(reply)
 
     def with_rpc(_data_dir: Path | None, _what: str, work: Callable[[Any], Coroutine[Any, Any, Any]]) -> Any:
         return asyncio.run(work(client))
 
-    monkeypatch.setattr(cli, "_with_rpc", with_rpc)
+    monkeypatch.setattr(common, "with_rpc", with_rpc)
     return CliRunner().invoke(cli.app, list(args)), client

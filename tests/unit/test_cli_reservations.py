@@ -67,15 +67,22 @@ def test_reserve_refuses_bad_options_before_asking(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--policy", "premium"], "expected soft, hard or spot, got 'premium'"),
-        (["--policy", "spot", "--spot-eviction-s", "60"], "spot_eviction_s"),  # the contract's 5-30 s
-        (["--policy", "spot", "--spot-eviction-s", "4"], "spot_eviction_s"),
+        (["--policy", "premium"], "'premium' is not one of 'soft', 'hard', 'spot'"),  # Typer checks the Enum
+        (
+            ["--policy", "spot", "--spot-eviction-s", "60"],
+            "--spot-eviction-s: Input should be less than or equal to 30",
+        ),
+        (
+            ["--policy", "spot", "--spot-eviction-s", "4"],
+            "--spot-eviction-s: Input should be greater than or equal to 5",
+        ),
     ],
 )
 def test_reserve_refuses_a_bad_policy_or_notice(monkeypatch: pytest.MonkeyPatch, args: list[str], says: str) -> None:
     result, client = _cli(monkeypatch, CREATED, "reserve", "--tenant", "acme", "--accelerator", "a", *args)
     assert result.exit_code == 2, result.output
     assert says in result.stderr
+    assert len(result.stderr.splitlines()) == 1  # one line, whoever refused it (Typer, the CLI, the contract)
     assert client.calls == []
 
 

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 import hetsched.cli as cli
+from hetsched.cli import common
 from hetsched.emit import EmitKind, NothingToEmit, emit_note, emit_text
 from shared.contracts.base import ErrorBody, Rejected
 from shared.contracts.placement import EngineLaunch, NodeBinding, PlaceReply
@@ -137,7 +138,7 @@ PLACE = ["place", "--model", "llama3-70b", "--tenant", "acme", "--context-tokens
 
 
 def _run(reply: PlaceReply, monkeypatch: pytest.MonkeyPatch, *args: str) -> Any:
-    monkeypatch.setattr(cli, "_with_rpc", lambda _data_dir, _what, _work: reply)
+    monkeypatch.setattr(common, "with_rpc", lambda _data_dir, _what, _work: reply)
     return CliRunner().invoke(cli.app, [*PLACE, *args])
 
 

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from hetsched.cli import app
-from hetsched.sim_cli import parse_owner_models, parse_reservations, parse_reserve
+from hetsched.cli.sim.run import parse_owner_models, parse_reservations, parse_reserve
 from shared.domain.sim import SimReservation
 from shared.infra.catalog import demo_fleet_path
 

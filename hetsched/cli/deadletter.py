@@ -2,50 +2,28 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, TypeVar
 
-import nats
 import typer
 from nats.js import JetStreamContext
-from rich.console import Console
 from rich.table import Table
 
-from hetsched.stack import operator_options, read_state
+from hetsched.cli import common
+from hetsched.cli.common import DataDirOption, console, settings_of
 from shared.contracts.streams import deadletter_stream_name
 from shared.infra import deadletter
-from shared.infra.settings import load_settings, nats_servers
 
 app = typer.Typer(help="Events consumers gave up on (the DEADLETTER stream): list them, replay one.")
-console = Console()
-err = Console(stderr=True)
 T = TypeVar("T")
-
-DataDirOption = Annotated[Path | None, typer.Option(help="Data dir of a running `hetsched up` (to find its NATS).")]
 
 
 def _run(data_dir: Path | None, work: Callable[[JetStreamContext, str], Awaitable[T]]) -> T:
-    settings = load_settings(data_dir=data_dir) if data_dir else load_settings()
-    nats_url = settings.nats_url or (read_state(settings) or {}).get("nats_url") or "nats://127.0.0.1:4222"
-    stream = deadletter_stream_name(stream_prefix=settings.stream_prefix)
-
-    async def session() -> T:
-        nc = await nats.connect(
-            nats_servers(nats_url), name="hetsched-cli", max_reconnect_attempts=0, **operator_options(settings)
-        )
-        try:
-            return await work(nc.jetstream(), stream)
-        finally:
-            await nc.close()
-
-    try:
-        return asyncio.run(session())
-    except Exception as exc:
-        err.print(f"[red]{stream} at {nats_url}: {type(exc).__name__} {exc}[/red]")
-        raise typer.Exit(2) from exc
+    """``work`` on the stack's JetStream and the DEADLETTER stream's name (no answer exits 2)."""
+    stream = deadletter_stream_name(stream_prefix=settings_of(data_dir).stream_prefix)
+    return common.with_rpc(data_dir, f"the {stream} stream", lambda client: work(client.nc.jetstream(), stream))
 
 
 @app.command("list")

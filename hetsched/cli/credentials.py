@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from hetsched.cli.common import DataDirOption, JsonOption, bad_input, console, settings_of
 from hetsched.stack import read_state, service_permission_map, write_identities
 from services.registry import SERVICES
 from shared.contracts.permissions import agent_identity, gateway_identity, inbox_prefix, service_identity
@@ -22,17 +22,9 @@ from shared.contracts.subjects import token
 from shared.infra import identity as identities
 from shared.infra.identity import Registry, reload_server, write_auth_conf
 from shared.infra.identity import nats_dir as identity_dir
-from shared.infra.settings import Settings, load_settings
+from shared.infra.settings import Settings
 
 app = typer.Typer(help="NATS credentials: gateways (tenants) and agents (nodes).", no_args_is_help=True)
-console = Console()
-err = Console(stderr=True)
-
-DataDirOption = Annotated[Path | None, typer.Option(help="Data dir of `hetsched up` (where identities live).")]
-
-
-def _settings(data_dir: Path | None) -> Settings:
-    return load_settings(data_dir=data_dir) if data_dir else load_settings()
 
 
 def _apply(settings: Settings, registry: Registry) -> str:
@@ -53,8 +45,7 @@ def _apply(settings: Settings, registry: Registry) -> str:
 def _load(settings: Settings) -> Registry:
     directory = identity_dir(settings.data_dir)
     if not (directory / "identities.json").exists():
-        err.print(f"[red]no identities under {directory}: run `hetsched up` there first (or pass --data-dir)[/red]")
-        raise typer.Exit(2)
+        bad_input(f"no identities under {directory}: run `hetsched up` there first (or pass --data-dir)")
     return Registry.load(directory)
 
 
@@ -71,7 +62,7 @@ def init(
     """Make the operator's and every service's NKey (once; kept) and auth.conf, for a NATS server run
     outside `hetsched up` (docker compose, Kubernetes): the server includes auth.conf, each service gets
     its seed (``identities/svc_<schema>.nk``) as HETSCHED_NATS_NKEY_SEED_FILE and its inbox prefix."""
-    settings = _settings(data_dir)
+    settings = settings_of(data_dir)
     written = write_identities(settings)
     if server_config is not None:
         lines = [
@@ -96,18 +87,16 @@ def issue(
     tenant: Annotated[list[str] | None, typer.Option(help="A tenant this gateway acts for (repeatable).")] = None,
     agent: Annotated[str | None, typer.Option(help="Instead of tenants: an agent credential for this node.")] = None,
     name: Annotated[str | None, typer.Option(help="Gateway name (default: the --out file's stem).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: JsonOption = False,
     data_dir: DataDirOption = None,
 ) -> None:
     """Write a gateway credential for --tenant T [--tenant U ...], or an agent credential for --agent NODE."""
     if bool(tenant) == bool(agent):
-        err.print("[red]give --tenant (a gateway) or --agent (a node), not both and not neither[/red]")
-        raise typer.Exit(2)
-    settings = _settings(data_dir)
+        bad_input("give --tenant (a gateway) or --agent (a node), not both and not neither")
+    settings = settings_of(data_dir)
     registry = _load(settings)
     if out.exists():
-        err.print(f"[red]{out} exists: a credential is never overwritten (revoke it, then issue a new one)[/red]")
-        raise typer.Exit(2)
+        bad_input(f"{out} exists: a credential is never overwritten (revoke it, then issue a new one)")
     kind, name_ = ("agent", agent) if agent else ("gateway", name or out.stem)
     replaced = registry.identities.get(agent_identity(name_) if agent else gateway_identity(name_))
     identity = identities.issue(registry, kind=kind, name=name_, out=out, tenants=tenant or ())
@@ -139,11 +128,11 @@ def issue(
 
 @app.command("list")
 def list_(
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: JsonOption = False,
     data_dir: DataDirOption = None,
 ) -> None:
     """Every identity the NATS server admits (public keys only)."""
-    registry = _load(_settings(data_dir))
+    registry = _load(settings_of(data_dir))
     rows = [
         {"id": i.id, "kind": i.kind, "public_key": i.public_key, "tenants": i.tenants, "node": i.node or None}
         for i in registry.identities.values()
@@ -163,11 +152,10 @@ def revoke(
     data_dir: DataDirOption = None,
 ) -> None:
     """Remove an identity: the server drops its connections when it reloads (at once under `hetsched up`)."""
-    settings = _settings(data_dir)
+    settings = settings_of(data_dir)
     registry = _load(settings)
     found = registry.identities.get(identity)
     if found is None or found.kind in ("operator", "service"):
-        err.print(f"[red]{identity}: no such gateway or agent credential[/red]")
-        raise typer.Exit(2)
+        bad_input(f"{identity}: no such gateway or agent credential")
     del registry.identities[identity]
     console.print(f"revoked {identity} ({found.public_key}); {_apply(settings, registry)}")

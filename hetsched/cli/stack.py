@@ -1,0 +1,121 @@
+"""`hetsched up` and `hetsched status`: the local stack, started in the foreground, and its health."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from hetsched.cli.common import DataDirOption, JsonOption, console, endpoints, err, settings_of
+from hetsched.stack import ServerDied, Stack, operator_options, read_state, server_liveness, wait_healthy
+from services.registry import SERVICES
+from shared.contracts.subjects import Subjects
+
+app = typer.Typer()
+
+
+@app.command()
+def up(
+    fleet: Annotated[Path | None, typer.Option(help="Fleet inventory file (YAML); a demo fleet by default.")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Where embedded servers keep their data.")] = None,
+    health_timeout_s: Annotated[float, typer.Option(help="How long to wait for six healthy services.")] = 60.0,
+) -> None:
+    """Start the local stack in the foreground; SIGINT/SIGTERM stops everything cleanly."""
+    settings = settings_of(data_dir)
+    stack = Stack(settings, echo=console.print, fleet_file=fleet)
+    stop_requested = False
+
+    def _on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    started = time.monotonic()
+    died: ServerDied | None = None
+    try:
+        stack.start_servers()
+        if stop_requested:
+            return
+        console.print(f"NATS      {stack.nats_url}{'  (embedded)' if stack.nats else ''}")
+        console.print(f"Postgres  {stack.database_url}{'  (embedded)' if stack.postgres else ''}", soft_wrap=True)
+        stack.migrate()
+        console.print("migrations at head")
+        console.print(f"fleet     {fleet or settings.topology_inventory or 'built-in demo fleet'}")
+        stack.create_streams()
+        stack.start_services()
+        stack.write_state()
+        if stack.operator_seed is not None:
+            console.print(f"operator  NKey seed {stack.operator_seed} (NATS requires authentication)")
+        health = asyncio.run(
+            wait_healthy(
+                nats_url=stack.nats_url,
+                subjects=Subjects(settings.subject_prefix),
+                deadline_s=health_timeout_s,
+                **stack.nats_options(),
+            )
+        )
+        for package, reply in health.items():
+            console.print(f"  {SERVICES[package].name:<22} {reply.get('status')}")
+        ok = all(r.get("status") == "ok" for r in health.values())
+        console.print(
+            f"{'ready' if ok else 'NOT ready'} in {time.monotonic() - started:.1f}s; state in {settings.data_dir}; "
+            "Ctrl-C stops everything"
+        )
+        while not stop_requested:
+            stack.supervise_once()
+            time.sleep(0.2)
+    except ServerDied as exc:
+        died = exc
+        err.print(f"[bold red]!!! {exc}: stopping the stack[/bold red]")
+    finally:
+        console.print("stopping...")
+        stack.stop()
+        console.print("stopped")
+    if died is not None:
+        err.print(f"[bold red]hetsched up exits: embedded {died.server} died[/bold red]")
+        raise typer.Exit(3)
+
+
+@app.command()
+def status(
+    as_json: JsonOption = False,
+    data_dir: DataDirOption = None,
+) -> None:
+    """Health of each service and the NATS and Postgres endpoints in use."""
+    settings = settings_of(data_dir)
+    nats_url, database_url, prefix = endpoints(settings)
+    try:
+        health = asyncio.run(
+            wait_healthy(nats_url=nats_url, subjects=Subjects(prefix), deadline_s=0, **operator_options(settings))
+        )
+    except Exception as exc:
+        health = {p: {"status": "down", "error": f"NATS unreachable: {type(exc).__name__}"} for p in SERVICES}
+    services = {SERVICES[p].name: r for p, r in health.items()}
+    report: dict[str, Any] = {
+        "nats_url": nats_url,
+        "database_url": database_url,
+        "nats_nkey_seed_file": (read_state(settings) or {}).get("nats_nkey_seed_file"),
+        "servers": server_liveness(read_state(settings) or {}),
+        "services": services,
+    }
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        console.print(f"NATS      {nats_url}\nPostgres  {database_url}", soft_wrap=True)  # a URL is not folded
+        for server, live in report["servers"].items():
+            console.print(f"embedded {server}: pid {live['pid']} {'running' if live['running'] else 'NOT RUNNING'}")
+        table = Table("service", "status", "version", "checks")
+        for name, reply in services.items():
+            table.add_row(
+                name, str(reply.get("status")), str(reply.get("version", "")), json.dumps(reply.get("checks", {}))
+            )
+        console.print(table)
+    if not all(r.get("status") == "ok" for r in health.values()):
+        raise typer.Exit(1)
