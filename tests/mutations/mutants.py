@@ -28,6 +28,7 @@ ROW_10_IT = f"{RESERVATION_PROBE_IT}::test_row_10_a_filler_killed_mid_reclaim_ho
 ROW_11_IT = f"{RESERVATION_PROBE_IT}::test_row_11_a_reservation_answered_created_is_in_force_for_the_next_placement"
 QUEUE_QUOTAS_IT = "tests/integration/test_queue_quotas.py"
 HTTP_EXPOSURE_IT = "tests/integration/test_http_exposure.py"
+GROUPING_UNIT = "tests/unit/test_grouping.py"
 _CROSS_SCHEMA_READ = '        await session.execute(__import__("sqlalchemy").text("SELECT 1 FROM ledger.shares"))\n'
 _LOCK_DOC = (
     '        """The intent of this (tenant, request id), locked for this transaction; None if there is none."""\n'
@@ -429,5 +430,30 @@ MUTANTS: tuple[Mutant, ...] = (
         find="            over = await self._over_quota(uow, request)\n",
         replace="            over = None\n",
         tests=(QUEUE_QUOTAS_IT,),
+    ),
+    Mutant(
+        name="group_failure_fails_all",
+        what="a group whose apply raised hands its exception to every caller instead of applying each alone",
+        file="shared/infra/grouping.py",
+        find=(
+            "            except Exception:  # the group failed as a whole: "
+            "each item runs alone and meets its own outcome\n"
+            "                pass\n"
+        ),
+        replace=(
+            "            except Exception as exc:\n"
+            "                for _, future in group:\n"
+            "                    future.set_exception(exc)\n"
+            "                return\n"
+        ),
+        tests=(GROUPING_UNIT,),
+    ),
+    Mutant(
+        name="group_cancelled_callers_applied",
+        what="an item whose caller was cancelled before its turn is still applied",
+        file="shared/infra/grouping.py",
+        find="live = [(item, future) for item, future in group if not future.cancelled()]",
+        replace="live = group",
+        tests=(GROUPING_UNIT,),
     ),
 )
