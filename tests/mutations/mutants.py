@@ -155,7 +155,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="snapshot_paging_broken",
         what="ledger.snapshot ignores its cursor",
-        file="services/capacity_ledger/store.py",
+        file="services/capacity_ledger/store/reads.py",
         find='"AND (CAST(:after AS text) IS NULL OR a.id > :after) "',
         replace='"AND (CAST(:after AS text) IS NULL OR a.id IS NOT NULL) "',
         tests=(LEDGER_IT,),
