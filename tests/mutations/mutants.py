@@ -127,7 +127,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="release_tells_forbidden",
         what="ledger.release tells another tenant's allocation (forbidden) from an unknown one",
-        file="services/capacity_ledger/handlers.py",
+        file="services/capacity_ledger/lifecycle.py",
         find="        access = await self._end(request.allocation_id, tenant=request.tenant, "
         "state=AllocationState.RELEASED)\n",
         replace="        access = await self._end(request.allocation_id, tenant=request.tenant, "
@@ -139,7 +139,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="node_removed_ignored",
         what="the ledger ignores node_removed",
-        file="services/capacity_ledger/handlers.py",
+        file="services/capacity_ledger/fleet.py",
         find='await self._availability(uow, event, node=payload.node, available=False, reason="removed")',
         replace="return None",
         tests=(LEDGER_UNIT, LEDGER_IT),
@@ -147,7 +147,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="capacity_changed_not_published",
         what="the ledger stops publishing capacity_changed",
-        file="services/capacity_ledger/handlers.py",
+        file="services/capacity_ledger/fleet.py",
         find="        if not accelerators:\n            return  # a node the ledger never knew\n",
         replace="        return\n",
         tests=(LEDGER_UNIT, LEDGER_IT),
@@ -163,7 +163,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="commit_batch_reordered",
         what="commit_batch answers its results in another order",
-        file="services/capacity_ledger/handlers.py",
+        file="services/capacity_ledger/commits.py",
         find="return CommitBatchReply(results=await self.apply_commits(request.commits, deadlines=until))",
         replace="return CommitBatchReply(results=list(reversed(await self.apply_commits(request.commits, "
         "deadlines=until))))",
