@@ -456,4 +456,15 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="live = group",
         tests=(GROUPING_UNIT,),
     ),
+    Mutant(
+        name="group_commit_changes_before_commit",
+        what="run_grouped runs each work's after_commit changes before its group commits (a failed group's too)",
+        file="shared/infra/uow.py",
+        find="                committed.extend(unit.committed)\n",
+        replace="                run_committed(unit.committed)\n",
+        tests=(
+            "tests/integration/test_outbox.py::"
+            "test_grouped_units_of_work_share_transactions_and_one_failure_fails_only_its_caller",
+        ),
+    ),
 )
