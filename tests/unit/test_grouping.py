@@ -12,6 +12,19 @@ import pytest
 from shared.infra.grouping import Grouped
 
 
+class Gate:
+    """An ``apply`` that records each group and holds it until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+        self.release = asyncio.Event()
+
+    async def apply(self, items: list[int]) -> list[int]:
+        self.calls.append(items)
+        await self.release.wait()
+        return items
+
+
 async def test_calls_that_come_meanwhile_go_together_each_answered_in_order() -> None:
     calls: list[list[int]] = []
 
@@ -31,15 +44,10 @@ async def test_calls_that_come_meanwhile_go_together_each_answered_in_order() ->
 
 
 async def test_items_submitted_while_a_group_runs_form_the_next_group() -> None:
-    calls: list[list[int]] = []
-    release = asyncio.Event()
+    gate = Gate()
+    calls, release = gate.calls, gate.release
 
-    async def apply(items: list[int]) -> list[int]:
-        calls.append(items)
-        await release.wait()
-        return items
-
-    grouped: Grouped[int, int] = Grouped(apply, max_group=100)
+    grouped: Grouped[int, int] = Grouped(gate.apply, max_group=100)
     first = asyncio.ensure_future(grouped.submit(0))
     await asyncio.sleep(0)
     await asyncio.sleep(0)
@@ -111,15 +119,10 @@ async def test_each_caller_gets_its_own_exception_from_alone() -> None:
 
 
 async def test_a_cancelled_caller_is_skipped() -> None:
-    calls: list[list[int]] = []
-    release = asyncio.Event()
+    gate = Gate()
+    calls, release = gate.calls, gate.release
 
-    async def apply(items: list[int]) -> list[int]:
-        calls.append(items)
-        await release.wait()
-        return items
-
-    grouped: Grouped[int, int] = Grouped(apply)
+    grouped: Grouped[int, int] = Grouped(gate.apply)
     first = asyncio.ensure_future(grouped.submit(0))
     await asyncio.sleep(0)
     await asyncio.sleep(0)
