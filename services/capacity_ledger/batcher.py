@@ -4,12 +4,12 @@ flush, fewer round trips), which is what lets one ledger sustain thousands of co
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
 from shared.contracts.ledger import CommitReply, CommitRequest
 from shared.infra import deadline, tracing
+from shared.infra.grouping import Grouped
 
 
 class ApplyBatch(Protocol):
@@ -20,74 +20,52 @@ class ApplyBatch(Protocol):
     ) -> list[CommitReply]: ...
 
 
-# A queued commit: the request, its caller's future, deadline (epoch ms) and trace (a traceparent).
-_Item = tuple[CommitRequest, asyncio.Future[CommitReply], float | None, str | None]
+# A queued commit: the request, its caller's deadline (epoch ms) and trace (a traceparent).
+_Item = tuple[CommitRequest, float | None, str | None]
 
 
 class CommitBatcher:
-    """Feeds ``apply`` (given at ``start``) with up to ``max_batch`` queued commits at a time, from
-    ``lanes`` concurrent loops.
+    """Feeds ``apply`` (given at ``start``) with up to ``max_batch`` queued commits at a time, on at most
+    ``lanes`` concurrent transactions: the kit's group commit (``shared.infra.grouping.Grouped``).
 
-    If a batch fails as a whole (an unexpected database error), each of its commits is retried alone,
+    If a batch fails as a whole (an unexpected database error), each of its commits is applied alone,
     so one bad commit cannot take others down with it. Each commit carries its caller's deadline and
-    trace (the lanes run outside the request's task, so the context variables do not reach them): the
-    events a commit causes continue the trace of its request (``shared.infra.tracing.serving``).
+    trace (the lanes run outside the request's task, in a context of their own): the events a commit
+    causes continue the trace of its request (``shared.infra.tracing.serving``).
     """
 
     def __init__(self, *, max_batch: int = 256, lanes: int = 2) -> None:
-        self._apply: ApplyBatch | None = None
         self._max = max_batch
         self._lanes = lanes
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-        self.batches = 0
-        self.commits = 0
+        self._grouped: Grouped[_Item, CommitReply] | None = None
+
+    @property
+    def batches(self) -> int:
+        """Transactions of commits applied so far (one commit alone included)."""
+        return self._grouped.groups if self._grouped is not None else 0
+
+    @property
+    def commits(self) -> int:
+        return self._grouped.items if self._grouped is not None else 0
 
     def start(self, apply: ApplyBatch) -> None:
-        self._apply = apply
-        self._tasks = [asyncio.create_task(self._lane(), name=f"commit-lane-{i}") for i in range(self._lanes)]
+        async def together(items: list[_Item]) -> list[CommitReply]:
+            with tracing.serving({request.request_id: trace for request, _until, trace in items}):
+                return await apply([item[0] for item in items], deadlines=[item[1] for item in items])
+
+        async def alone(item: _Item) -> CommitReply:
+            request, until, trace = item
+            with tracing.serving({request.request_id: trace}):
+                (reply,) = await apply([request], deadlines=[until])
+            return reply
+
+        self._grouped = Grouped(together, alone=alone, max_group=self._max, lanes=self._lanes, fresh_context=True)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._grouped is not None:
+            await self._grouped.stop()
 
     async def submit(self, request: CommitRequest) -> CommitReply:
-        if self._apply is None:
+        if self._grouped is None:
             raise RuntimeError("the commit batcher has not been started")
-        future: asyncio.Future[CommitReply] = asyncio.get_running_loop().create_future()
-        await self._queue.put((request, future, deadline.current(), tracing.traceparent()))
-        return await future
-
-    async def _lane(self) -> None:
-        apply = self._apply
-        assert apply is not None  # start() set it before creating the lanes
-        while True:
-            items = [await self._queue.get()]
-            while len(items) < self._max and not self._queue.empty():
-                items.append(self._queue.get_nowait())
-            self.batches += 1
-            self.commits += len(items)
-            with tracing.serving({item[0].request_id: item[3] for item in items}):
-                await self._apply_batch(apply, items)
-
-    @staticmethod
-    async def _apply_batch(apply: ApplyBatch, items: list[_Item]) -> None:
-        """``items`` in one ``apply``; each alone when that fails as a whole."""
-        try:
-            replies = await apply([item[0] for item in items], deadlines=[item[2] for item in items])
-        except Exception:
-            replies = None
-        if replies is not None:
-            for (_, future, _until, _trace), reply in zip(items, replies, strict=True):
-                if not future.done():
-                    future.set_result(reply)
-            return
-        for request, future, until, _trace in items:
-            try:
-                (reply,) = await apply([request], deadlines=[until])
-                if not future.done():
-                    future.set_result(reply)
-            except Exception as exc:
-                if not future.done():
-                    future.set_exception(exc)
+        return await self._grouped.submit((request, deadline.current(), tracing.traceparent()))

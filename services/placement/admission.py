@@ -151,7 +151,7 @@ class AdmissionHandlers:
         self._moving = draining  # replicas the rebalancer is moving: no new request goes to them
         # The holds of concurrent admissions go to the ledger together.
         self._holds: Grouped[CommitRequest, CommitReply | Rejected | None] = Grouped(
-            lambda commits: _ask_ledger(rpc, commits), max_group=64, in_flight=4
+            lambda commits: _ask_ledger(rpc, commits), max_group=64, lanes=4
         )
         self._book = book
         self._rpc = rpc

@@ -31,6 +31,7 @@ from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.subjects import Context, Subjects
 from shared.infra import tracing
 from shared.infra.clock import Clock, system_clock
+from shared.infra.grouping import Grouped
 from shared.infra.outbox import DEFAULT_EVENT_MAX_BYTES, check_event_size, enqueue_many
 from shared.infra.outbox import EventTooLarge as EventTooLarge  # handlers catch it from here
 
@@ -227,67 +228,33 @@ _Work = Callable[[UnitOfWork], Awaitable[object]]
 
 
 class _GroupCommit:
-    """``UnitOfWorkFactory.run_grouped``: works queue while a group's transaction runs; up to
-    ``max_group`` of them form the next group, on at most ``lanes`` concurrent transactions (a lane
-    lives while there is work for it)."""
+    """``UnitOfWorkFactory.run_grouped`` on the kit's group commit (``Grouped``): up to ``max_group``
+    works share a transaction, on at most ``lanes`` concurrent ones; a work alone, or of a group that
+    failed, runs with ``factory.run``."""
 
     def __init__(self, factory: UnitOfWorkFactory, *, max_group: int = 16, lanes: int = 6) -> None:
         self._factory = factory
-        self._max = max_group
-        self._lanes = lanes
-        self._running = 0
-        self._queue: list[tuple[_Work, asyncio.Future[object]]] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._grouped: Grouped[_Work, object] = Grouped(
+            self._together, alone=factory.run, max_group=max_group, lanes=lanes
+        )
 
     async def submit(self, work: Callable[[UnitOfWork], Awaitable[T]]) -> T:
-        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        self._queue.append((work, future))
-        if self._running < self._lanes:
-            self._running += 1
-            task = asyncio.ensure_future(self._lane())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        return await future  # type: ignore[return-value]  # the lane sets what `work` returned
+        return await self._grouped.submit(work)  # type: ignore[return-value]  # the group hands back what `work` returned
 
-    async def _lane(self) -> None:
-        try:
-            while self._queue:
-                group, self._queue = self._queue[: self._max], self._queue[self._max :]
-                live = [(work, future) for work, future in group if not future.cancelled()]
-                if live:
-                    await self._run(live)
-        finally:
-            self._running -= 1
-
-    async def _run(self, group: list[tuple[_Work, asyncio.Future[object]]]) -> None:
+    async def _together(self, works: list[_Work]) -> list[object]:
+        """The works in one transaction, each on its own unit of work; their events in one statement and
+        their ``after_commit`` changes run once it committed (a group that fails discards them)."""
         factory = self._factory
-        if len(group) > 1:
-            try:
-                results: list[object] = []
-                events: list[tuple[str, EventEnvelope]] = []
-                committed: list[Callable[[], None]] = []
-                async with factory.sessions() as session, session.begin():
-                    for work, _ in group:
-                        result, unit = await factory.run_within(work, session)
-                        results.append(result)
-                        events.extend(unit.events)
-                        committed.extend(unit.committed)
-                    await enqueue_many(session=session, schema=factory.schema, events=events)
-            except Exception:  # the group failed: each work runs alone and meets its own outcome
-                pass
-            else:
-                for (_, future), result in zip(group, results, strict=True):
-                    if not future.done():
-                        future.set_result(result)
-                factory.wake()
-                run_committed(committed)
-                return
-        for work, future in group:
-            try:
-                result = await factory.run(work)
-            except Exception as exc:  # handed to its caller
-                if not future.done():
-                    future.set_exception(exc)
-            else:
-                if not future.done():
-                    future.set_result(result)
+        results: list[object] = []
+        events: list[tuple[str, EventEnvelope]] = []
+        committed: list[Callable[[], None]] = []
+        async with factory.sessions() as session, session.begin():
+            for work in works:
+                result, unit = await factory.run_within(work, session)
+                results.append(result)
+                events.extend(unit.events)
+                committed.extend(unit.committed)
+            await enqueue_many(session=session, schema=factory.schema, events=events)
+        factory.wake()
+        run_committed(committed)
+        return results

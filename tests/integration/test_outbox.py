@@ -223,7 +223,9 @@ async def test_grouped_units_of_work_share_transactions_and_one_failure_fails_on
     sessions: async_sessionmaker[AsyncSession], settings: Settings
 ) -> None:
     # `run_grouped`: works submitted together run in one transaction; each caller gets its own result
-    # (or its own exception); the others' state and events commit, the failing one's do not.
+    # (or its own exception); the others' state and events commit, the failing one's do not. Each work's
+    # `after_commit` changes run once its transaction committed: the group's, or its own when a failed
+    # group (whose changes are discarded) runs each work alone.
     factory = UnitOfWorkFactory(sessions=sessions, schema=SCHEMA, source="probe", subjects=Subjects("grp"))
     table = outbox_table(SCHEMA)
 
@@ -231,6 +233,7 @@ async def test_grouped_units_of_work_share_transactions_and_one_failure_fails_on
         ids = [uuid.uuid4() for _ in range(count)]
         events = [_event() for _ in ids]
         transactions: set[int] = set()
+        changes.clear()
 
         def work_for(n: int) -> Any:
             async def work(uow: UnitOfWork) -> int:
@@ -240,6 +243,7 @@ async def test_grouped_units_of_work_share_transactions_and_one_failure_fails_on
                     text("INSERT INTO public.probe_state (id, n) VALUES (:id, :n)"), {"id": ids[n], "n": n}
                 )
                 uow.events.append(("grp.probe", events[n]))
+                uow.after_commit(lambda: changes.append(n))
                 if n == doomed:
                     raise ValueError("this one fails")
                 return n
@@ -265,11 +269,14 @@ async def test_grouped_units_of_work_share_transactions_and_one_failure_fails_on
         assert queued == expected
         return list(outcomes), transactions, stored, queued
 
+    changes: list[int] = []
     outcomes, transactions, _, _ = await round_of(12, None)
     assert outcomes == list(range(12))
     assert len(transactions) == 1, "twelve works, one transaction"
+    assert changes == list(range(12)), "each work's change, once, after the group committed"
 
     outcomes, transactions, _, _ = await round_of(12, 5)
     assert [o for o in outcomes if not isinstance(o, BaseException)] == [n for n in range(12) if n != 5]
     assert isinstance(outcomes[5], ValueError)
     assert len(transactions) == 1 + 12, "the failed group, then each work alone"
+    assert changes == [n for n in range(12) if n != 5], "the failed group's discarded, each alone's once"

@@ -32,6 +32,7 @@ FOLLOW_UNIT = "tests/unit/test_follow.py"
 READ_SIDE_IT = "tests/integration/test_read_side.py"
 HTTP_EXPOSURE_IT = "tests/integration/test_http_exposure.py"
 ROUTER_UNIT = "tests/unit/services/cross_region_router"
+GROUPING_UNIT = "tests/unit/test_grouping.py"
 _CROSS_SCHEMA_READ = '        await session.execute(__import__("sqlalchemy").text("SELECT 1 FROM ledger.shares"))\n'
 _LOCK_DOC = (
     '        """The intent of this (tenant, request id), locked for this transaction; None if there is none."""\n'
@@ -130,7 +131,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="release_tells_forbidden",
         what="ledger.release tells another tenant's allocation (forbidden) from an unknown one",
-        file="services/capacity_ledger/handlers.py",
+        file="services/capacity_ledger/lifecycle.py",
         find="        access = await self._end(request.allocation_id, tenant=request.tenant, "
         "state=AllocationState.RELEASED)\n",
         replace="        access = await self._end(request.allocation_id, tenant=request.tenant, "
@@ -142,7 +143,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="node_removed_ignored",
         what="the ledger ignores node_removed",
-        file="services/capacity_ledger/handlers.py",
+        file="services/capacity_ledger/fleet.py",
         find='await self._availability(uow, event, node=payload.node, available=False, reason="removed")',
         replace="return None",
         tests=(LEDGER_UNIT, LEDGER_IT),
@@ -150,7 +151,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="capacity_changed_not_published",
         what="the ledger stops publishing capacity_changed",
-        file="services/capacity_ledger/handlers.py",
+        file="services/capacity_ledger/fleet.py",
         find="        if not accelerators:\n            return  # a node the ledger never knew\n",
         replace="        return\n",
         tests=(LEDGER_UNIT, LEDGER_IT),
@@ -158,7 +159,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="snapshot_paging_broken",
         what="ledger.snapshot ignores its cursor",
-        file="services/capacity_ledger/store.py",
+        file="services/capacity_ledger/store/reads.py",
         find='"AND (CAST(:after AS text) IS NULL OR a.id > :after) "',
         replace='"AND (CAST(:after AS text) IS NULL OR a.id IS NOT NULL) "',
         tests=(LEDGER_IT,),
@@ -166,7 +167,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="commit_batch_reordered",
         what="commit_batch answers its results in another order",
-        file="services/capacity_ledger/handlers.py",
+        file="services/capacity_ledger/commits.py",
         find="return CommitBatchReply(results=await self.apply_commits(request.commits, deadlines=until))",
         replace="return CommitBatchReply(results=list(reversed(await self.apply_commits(request.commits, "
         "deadlines=until))))",
@@ -547,5 +548,41 @@ MUTANTS: tuple[Mutant, ...] = (
         find="                full.add(decision.region)  # full there for this request: the next tier decides\n",
         replace="                break\n",
         tests=(ROUTER_UNIT,),
+    ),
+    Mutant(
+        name="group_failure_fails_all",
+        what="a group whose apply raised hands its exception to every caller instead of applying each alone",
+        file="shared/infra/grouping.py",
+        find=(
+            "            except Exception:  # the group failed as a whole: "
+            "each item runs alone and meets its own outcome\n"
+            "                pass\n"
+        ),
+        replace=(
+            "            except Exception as exc:\n"
+            "                for _, future in group:\n"
+            "                    future.set_exception(exc)\n"
+            "                return\n"
+        ),
+        tests=(GROUPING_UNIT,),
+    ),
+    Mutant(
+        name="group_cancelled_callers_applied",
+        what="an item whose caller was cancelled before its turn is still applied",
+        file="shared/infra/grouping.py",
+        find="live = [(item, future) for item, future in group if not future.cancelled()]",
+        replace="live = group",
+        tests=(GROUPING_UNIT,),
+    ),
+    Mutant(
+        name="group_commit_changes_before_commit",
+        what="run_grouped runs each work's after_commit changes before its group commits (a failed group's too)",
+        file="shared/infra/uow.py",
+        find="                committed.extend(unit.committed)\n",
+        replace="                run_committed(unit.committed)\n",
+        tests=(
+            "tests/integration/test_outbox.py::"
+            "test_grouped_units_of_work_share_transactions_and_one_failure_fails_only_its_caller",
+        ),
     ),
 )

@@ -60,9 +60,8 @@ async def test_a_commit_whose_deadline_passes_while_it_waits_for_its_locks_is_no
             clock.ms += 12_000  # the lock was held for 12 s
             return await super().lock_accelerators(session=session, ids=ids)
 
-    handlers, _store, units = make(gpu("n/gpu0"))
     store = StalledStore(accelerators={"n/gpu0": gpu("n/gpu0")})
-    handlers._store = store
+    handlers, _store, units = make(store=store)
     replies = await handlers.apply_commits(
         [commit_request("gone", ("n/gpu0", 10)), commit_request("patient", ("n/gpu0", 20))],
         deadlines=[clock.ms + 10_000, clock.ms + 60_000],
@@ -75,14 +74,14 @@ async def test_a_commit_whose_deadline_passes_while_it_waits_for_its_locks_is_no
 async def test_the_batcher_carries_each_commits_deadline_to_the_transaction(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock(monkeypatch)
     batcher = CommitBatcher(max_batch=8)
-    handlers, store, _units = make(gpu("n/gpu0"), batcher=batcher)
 
     class Stalled(FakeStore):
         async def lock_accelerators(self, *, session: Any, ids: Iterable[str]) -> dict[str, AcceleratorCapacity]:
             clock.ms += 5_000
             return await super().lock_accelerators(session=session, ids=ids)
 
-    handlers._store = stalled = Stalled(accelerators=dict(store.accelerators))
+    stalled = Stalled(accelerators={"n/gpu0": gpu("n/gpu0")})
+    handlers, _store, _units = make(batcher=batcher, store=stalled)
     batcher.start(handlers.apply_commits)
     try:
         short, long = await asyncio.gather(

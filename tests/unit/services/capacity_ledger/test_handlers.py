@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -17,7 +17,7 @@ from services.capacity_ledger.batcher import CommitBatcher
 from services.capacity_ledger.handlers import LedgerHandlers
 from services.capacity_ledger.store import AcceleratorSpec, LedgerEntry, NewAllocation, NodeAvailability, SnapshotPage
 from shared.contracts.base import Rejected
-from shared.contracts.envelope import EventEnvelope, new_event
+from shared.contracts.envelope import new_event
 from shared.contracts.ledger import (
     AllocationEvent,
     AllocationsFlaggedEvent,
@@ -35,7 +35,6 @@ from shared.contracts.ledger import (
     SnapshotReply,
     SnapshotRequest,
 )
-from shared.contracts.subjects import Subjects
 from shared.contracts.topology import GpuSample, GpuTelemetryEvent, NodeProfileEvent, NodeStateEvent
 from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.ledger import (
@@ -48,7 +47,7 @@ from shared.domain.ledger import (
     ReplicaPool,
 )
 from shared.domain.memory import MemoryShare, usable_hbm
-from shared.infra.uow import UnitOfWork
+from tests.fakes import FakeUnitOfWork
 
 T = TypeVar("T")
 GB = 10**9
@@ -186,31 +185,6 @@ class FakeStore:
         return [c for c in self.accelerators.values() if c.node == node]
 
 
-class FakeUnits:
-    """Runs work in a unit of work with no database; keeps every event emitted, in order."""
-
-    def __init__(self, clock: Callable[[], datetime]) -> None:
-        self.clock = clock
-        self.events: list[tuple[str, EventEnvelope]] = []
-        self.runs = 0
-
-    def unit(self) -> UnitOfWork:
-        return UnitOfWork(session=None, now=self.clock(), subjects=Subjects("test"), source="capacity-ledger")  # type: ignore[arg-type]
-
-    async def run(self, work: Callable[[UnitOfWork], Awaitable[T]]) -> T:
-        self.runs += 1
-        uow = self.unit()
-        result = await work(uow)
-        self.events += [(e.type.rsplit(".", 1)[-1], e) for _, e in uow.events]
-        return result
-
-    async def read(self, work: Callable[[Any], Awaitable[T]]) -> T:
-        return await work(None)
-
-    def named(self, name: str) -> list[dict[str, Any]]:
-        return [e.payload for n, e in self.events if n == name]
-
-
 class NoBatcher:
     async def submit(self, request: CommitRequest) -> CommitReply:
         raise AssertionError("not used here")
@@ -228,9 +202,10 @@ def make(
     batcher: Any = None,
     max_payload: int = 1 << 20,
     crossing_budget: int = 0,
-) -> tuple[LedgerHandlers, FakeStore, FakeUnits]:
-    store = FakeStore(accelerators={a.id: a for a in accelerators})
-    units = FakeUnits(lambda: now)
+    store: FakeStore | None = None,
+) -> tuple[LedgerHandlers, FakeStore, FakeUnitOfWork]:
+    store = store or FakeStore(accelerators={a.id: a for a in accelerators})
+    units = FakeUnitOfWork(lambda: now, source="capacity-ledger")
     ids = (f"al-{i}" for i in itertools.count())
     handlers = LedgerHandlers(
         uow=units,
@@ -671,4 +646,4 @@ async def test_concurrent_releases_end_together_each_answered_on_its_own() -> No
     assert isinstance(replies[9], Rejected) and replies[9].error.code == "not_found"  # not theirs: as unknown
     assert sorted(c["allocation_id"] for c in store.called("end_allocation")) == sorted(allocations)
     assert len(units.named("allocation_released")) == 8
-    assert handlers._releases.groups < 10  # the ones that came while the first ran went together
+    assert handlers.lifecycle._releases.groups < 10  # the ones that came while the first ran went together
