@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel
-
 from services.placement.records import Turn
 from shared.contracts.base import ErrorCode, Rejected, rejected
 from shared.contracts.ledger import CommitRequest
@@ -67,10 +65,6 @@ class Stale:
 
 LOST = Lost()
 ORDINARY = Ordinary()
-
-Next = Lost | Ordinary | Stale
-"""An attempt's outcome that is not an answer."""
-Outcome = BaseModel | Next
 
 
 # -- refusals -----------------------------------------------------------------------------------------

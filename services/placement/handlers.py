@@ -39,8 +39,6 @@ from shared.infra.metrics import ServiceMetrics
 from shared.infra.rpc import RpcClient
 from shared.infra.uow import UnitOfWorkFactory
 
-__all__ = ["Ownership", "PlacementHandlers", "Queueing"]
-
 
 @dataclass(frozen=True, slots=True)
 class PlacementHandlers:
