@@ -11,8 +11,9 @@ from typing import Any
 from faststream import FastStream
 
 from services.placement.admission import AdmissionHandlers, Fairness, parse_kv_shares, parse_weights
+from services.placement.attempts import Ownership, Queueing
 from services.placement.follows import FOLLOWS
-from services.placement.handlers import Ownership, PlacementHandlers, Queueing
+from services.placement.handlers import PlacementHandlers
 from services.placement.metrics import PlacementMetrics, ViewMetrics
 from services.placement.readmodel import ReadModel
 from services.placement.replicas import ReplicaBook
@@ -83,7 +84,7 @@ def wire(runtime: Runtime) -> Ctx:
         load_placed=load_placed,
         draining=lambda: readmodel.draining,
     )
-    handlers = PlacementHandlers(
+    handlers = PlacementHandlers.build(
         view=readmodel,
         store=store,
         uow=runtime.uow,
@@ -125,13 +126,13 @@ SERVICE = ServiceDefinition(
     schema=SCHEMA,
     wire=wire,
     routes=(
-        Route(Rpc.PLACEMENT_PLACE, PlaceRequest, lambda ctx: ctx.handlers.place),
-        Route(Rpc.PLACEMENT_EXPLAIN, PlaceRequest, lambda ctx: ctx.handlers.explain),
-        Route(Rpc.PLACEMENT_RELEASE, ReleaseRequest, lambda ctx: ctx.handlers.release),
-        Route(Rpc.PLACEMENT_RENEW, RenewRequest, lambda ctx: ctx.handlers.renew),
+        Route(Rpc.PLACEMENT_PLACE, PlaceRequest, lambda ctx: ctx.handlers.placing.place),
+        Route(Rpc.PLACEMENT_EXPLAIN, PlaceRequest, lambda ctx: ctx.handlers.placing.explain),
+        Route(Rpc.PLACEMENT_RELEASE, ReleaseRequest, lambda ctx: ctx.handlers.lifecycle.release),
+        Route(Rpc.PLACEMENT_RENEW, RenewRequest, lambda ctx: ctx.handlers.lifecycle.renew),
         Route(Rpc.PLACEMENT_ADMIT, AdmitRequest, lambda ctx: ctx.admission.admit),
     ),
-    on_start=(lambda ctx: ctx.admission.start(), lambda ctx: ctx.handlers.start()),
+    on_start=(lambda ctx: ctx.admission.start(), lambda ctx: ctx.handlers.tally.start()),
     # The fleet view, admission's engines and holds, the reservations and the rebalancer's word: follows.py.
     follows=FOLLOWS,
     stale_after_ms=lambda settings: settings.placement_stale_after_ms,
@@ -142,9 +143,9 @@ SERVICE = ServiceDefinition(
             Context.LEDGER,
             "ledger",
             on={
-                LedgerEvent.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.on_allocation_committed,
-                LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.on_allocation_expired,
-                LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.on_allocation_released,
+                LedgerEvent.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.lifecycle.on_allocation_committed,
+                LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.lifecycle.on_allocation_expired,
+                LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.lifecycle.on_allocation_released,
             },
             together=True,  # one per placement: a batch per transaction (the handlers only write rows)
             # Requests' KV holds (one pair per admission) reach admission through the view's feed instead.
@@ -152,8 +153,8 @@ SERVICE = ServiceDefinition(
         ),
     ),
     loops=(
-        Loop("placement-reconciler", lambda ctx: ctx.handlers.reconcile),
-        Loop("placement-queue", lambda ctx: ctx.handlers.serve_queue),
+        Loop("placement-reconciler", lambda ctx: ctx.handlers.reconciler.run),
+        Loop("placement-queue", lambda ctx: ctx.handlers.queue.serve),
         Loop("admission-queue", lambda ctx: ctx.admission.serve_queue),
         Loop("placement-metrics", lambda ctx: ctx.metrics.run),
     ),

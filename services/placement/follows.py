@@ -29,7 +29,7 @@ def _fleet(name: str) -> FoldFactory:
         def fold(payload: Any, meta: EventMeta) -> None:
             ctx.readmodel.apply(name, payload, meta.occurred_at)
             if name in FREEING:
-                ctx.handlers.wake_queue()
+                ctx.handlers.queue.wake()
 
         return fold
 
@@ -46,9 +46,9 @@ def _allocation(name: str) -> FoldFactory:
                 ctx.admission.on_hold_event(name, payload)
                 return
             ctx.readmodel.apply(name, payload, meta.occurred_at)
-            ctx.handlers.on_view_allocation(name, payload)
+            ctx.handlers.tally.on_view_allocation(name, payload)
             if name in FREEING:
-                ctx.handlers.wake_queue()
+                ctx.handlers.queue.wake()
 
         return fold
 
@@ -62,7 +62,7 @@ def _engine_status(ctx: Any) -> Fold:
 def _reservation(ctx: Any) -> Fold:
     def fold(payload: Any, _meta: EventMeta) -> None:
         if ctx.readmodel.reservation(payload):
-            ctx.handlers.wake_queue()  # an offer or a reclaimed GPU may let a queued one fit
+            ctx.handlers.queue.wake()  # an offer or a reclaimed GPU may let a queued one fit
 
     return fold
 
@@ -72,7 +72,7 @@ def _throttle(on: bool) -> FoldFactory:
         def fold(payload: Any, _meta: EventMeta) -> None:
             ctx.readmodel.throttle(payload, on=on)
             if not on:
-                ctx.handlers.wake_queue()  # capacity came back: the queue may place now
+                ctx.handlers.queue.wake()  # capacity came back: the queue may place now
 
         return fold
 

@@ -4,9 +4,6 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -14,6 +11,7 @@ from sqlalchemy import and_, delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.placement.records import PlacedAllocation, QueuedRequest, SeenAllocation, StoredIntent, Turn
 from services.placement.tables import DecisionRow, LedgerAllocationRow, QueueRow
 from shared.contracts.ledger import CommitRequest
 from shared.contracts.placement import PlaceReply, PlaceRequest
@@ -22,63 +20,6 @@ from shared.domain.placement.ownership import DecisionStatus, Intent
 DECISIONS = DecisionRow.__table__  # type: ignore[attr-defined]
 ALLOCATIONS = LedgerAllocationRow.__table__  # type: ignore[attr-defined]
 QUEUE = QueueRow.__table__  # type: ignore[attr-defined]
-
-
-@dataclass(frozen=True, slots=True)
-class StoredIntent:
-    """An intent with what it carries: the last commit sent and the reply (pending or final)."""
-
-    intent: Intent
-    commit: CommitRequest | None
-    reply: PlaceReply | None
-
-
-@dataclass(frozen=True, slots=True)
-class SeenAllocation:
-    """A ledger allocation of placement's (as LEDGER events told it) and its intent, if any."""
-
-    allocation_id: str
-    tenant: str
-    request_id: str
-    seen_at: datetime
-    intent: Intent | None
-
-
-@dataclass(frozen=True, slots=True)
-class QueuedRequest:
-    """A request waiting in the queue: its place (``seq``, lower first) and when it gives up. ``body`` is
-    the request as stored; ``request`` parses it (a pass reads every queued row, and decides few)."""
-
-    seq: int
-    tenant: str
-    request_id: str
-    body: Mapping[str, Any]
-    enqueued_at: datetime
-    deadline_at: datetime
-
-    @property
-    def request(self) -> PlaceRequest:
-        return PlaceRequest.model_validate(self.body)
-
-    @property
-    def shape(self) -> str:
-        """What it asks, but for its id and how long it waits: two requests of one shape fit alike."""
-        return json.dumps(
-            {k: v for k, v in self.body.items() if k not in _NOT_SHAPE}, sort_keys=True, separators=(",", ":")
-        )
-
-
-# Fields that do not change whether a request fits (the tenant stays: what it may use depends on it).
-_NOT_SHAPE = frozenset({"request_id", "queue_timeout_s", "lease_s", "version"})
-
-
-@dataclass(frozen=True, slots=True)
-class PlacedAllocation:
-    """A placed decision's allocation and the accelerators its commit reserved (for the quotas' tally)."""
-
-    allocation_id: str
-    tenant: str
-    accelerators: tuple[str, ...]
 
 
 def _intent(row: Any) -> Intent:
@@ -224,9 +165,7 @@ class DecisionStore:
         self,
         *,
         session: AsyncSession,
-        tenant: str,
-        request_id: str,
-        attempt: int,
+        turn: Turn,
         commit: CommitRequest,
         pending: PlaceReply,
         claimed_until: datetime,
@@ -236,8 +175,8 @@ class DecisionStore:
         saved = await session.execute(
             update(DECISIONS)
             .where(
-                _key(tenant, request_id),
-                DECISIONS.c.attempt == attempt,
+                _key(turn.tenant, turn.request_id),
+                DECISIONS.c.attempt == turn.attempt,
                 DECISIONS.c.status == DecisionStatus.COMMITTING.value,
             )
             .values(ledger_commit=commit.model_dump(mode="json"), reply=pending.model_dump(mode="json"), updated_at=now)
@@ -249,9 +188,7 @@ class DecisionStore:
         self,
         *,
         session: AsyncSession,
-        tenant: str,
-        request_id: str,
-        attempt: int,
+        turn: Turn,
         status: DecisionStatus,
         reply: PlaceReply | None,
         allocation_id: str | None,
@@ -261,9 +198,9 @@ class DecisionStore:
         finished = await session.execute(
             _FINISH,
             {
-                "tenant": tenant,
-                "request_id": request_id,
-                "attempt": attempt,
+                "tenant": turn.tenant,
+                "request_id": turn.request_id,
+                "attempt": turn.attempt,
                 "status": status.value,
                 "reply": reply.model_dump_json() if reply is not None else None,
                 "allocation_id": allocation_id,
@@ -276,9 +213,7 @@ class DecisionStore:
         self,
         *,
         session: AsyncSession,
-        tenant: str,
-        request_id: str,
-        attempt: int,
+        turn: Turn,
         was: DecisionStatus,
         status: DecisionStatus,
         reply: PlaceReply | None,
@@ -288,7 +223,9 @@ class DecisionStore:
         when it is no longer ``was`` at that attempt."""
         settled = await session.execute(
             update(DECISIONS)
-            .where(_key(tenant, request_id), DECISIONS.c.attempt == attempt, DECISIONS.c.status == was.value)
+            .where(
+                _key(turn.tenant, turn.request_id), DECISIONS.c.attempt == turn.attempt, DECISIONS.c.status == was.value
+            )
             .values(
                 status=status.value,
                 reply=reply.model_dump(mode="json") if reply is not None else None,
@@ -299,13 +236,11 @@ class DecisionStore:
         )
         return settled.scalar_one_or_none() is not None
 
-    async def unclaim(
-        self, *, session: AsyncSession, tenant: str, request_id: str, attempt: int, now: datetime
-    ) -> None:
+    async def unclaim(self, *, session: AsyncSession, turn: Turn, now: datetime) -> None:
         """Let a retry take the intent over at once (the outcome of this attempt's commit is unknown)."""
         await session.execute(
             update(DECISIONS)
-            .where(_key(tenant, request_id), DECISIONS.c.attempt == attempt)
+            .where(_key(turn.tenant, turn.request_id), DECISIONS.c.attempt == turn.attempt)
             .values(claimed_until=now, updated_at=now)
         )
 
@@ -356,15 +291,13 @@ class DecisionStore:
         )
         return [_intent(r) for r in rows]
 
-    async def abandon(
-        self, *, session: AsyncSession, tenant: str, request_id: str, attempt: int, now: datetime
-    ) -> bool:
+    async def abandon(self, *, session: AsyncSession, turn: Turn, now: datetime) -> bool:
         """Mark an intent ``abandoned`` unless an attempt took it over meanwhile."""
         done = await session.execute(
             update(DECISIONS)
             .where(
-                _key(tenant, request_id),
-                DECISIONS.c.attempt == attempt,
+                _key(turn.tenant, turn.request_id),
+                DECISIONS.c.attempt == turn.attempt,
                 DECISIONS.c.status == DecisionStatus.COMMITTING.value,
             )
             .values(status=DecisionStatus.ABANDONED.value, claimed_until=None, updated_at=now)

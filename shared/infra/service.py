@@ -332,8 +332,9 @@ def _health(
         loops = getattr(runtime, "consumers", None)  # a test's stand-in runtime may have none
         if loops:
             checks["consumers"] = consumers_check(loops)
-        if runtime.read_side is not None:
-            checks.update(runtime.read_side.checks())
+        read_side = getattr(runtime, "read_side", None)  # a test's stand-in runtime may have none
+        if read_side is not None:
+            checks.update(read_side.checks())
         if extra is not None:
             checks.update(extra())
         healthy = all(v == "ok" for v in checks.values())

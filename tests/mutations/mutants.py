@@ -82,7 +82,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="conflict_retry_once",
         what="placement's conflict retry cut to one attempt",
-        file="services/placement/handlers.py",
+        file="services/placement/place.py",
         find="MAX_ATTEMPTS = 4\n",
         replace="MAX_ATTEMPTS = 1\n",
         tests=(PLACEMENT_UNIT,),
@@ -90,9 +90,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="renew_ignores_lease",
         what="placement.renew ignores the requested lease",
-        file="services/placement/handlers.py",
+        file="services/placement/lifecycle.py",
         find="lease_s=request.lease_s),",
-        replace="lease_s=self._default_lease_s),",
+        replace="lease_s=3600),",
         tests=(PLACEMENT_UNIT,),
     ),
     # Issue 23 (a hostile probe after the hardening): rows 2, 3, 9 and the two information leaks.
@@ -211,17 +211,17 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="reclaim_waits_the_whole_deadline",
         what="an owner's placement waits for reservation.reclaim as long as the caller's deadline allows",
-        file="services/placement/handlers.py",
-        find="                timeout_s=_share_of_deadline(min(RECLAIM_TIMEOUT_S, self._rpc.timeout_s)),\n",
+        file="services/placement/reclaim.py",
+        find="                timeout_s=share_of_deadline(min(RECLAIM_TIMEOUT_S, self._rpc.timeout_s)),\n",
         replace="                timeout_s=None,\n",
         tests=(ROW_10_IT,),
     ),
     Mutant(
         name="reclaim_unanswered_not_refused",
         what="an owner's placement that may not queue, whose reclaim got no answer, is decided as if none was needed",
-        file="services/placement/handlers.py",
-        find="            return self._reclaim_unanswered(request, exc)\n",
-        replace="            return None\n",
+        file="services/placement/reclaim.py",
+        find="            return self._unanswered(request, exc)\n",
+        replace="            return ORDINARY\n",
         tests=(ROW_10_IT,),
     ),
     Mutant(
@@ -246,15 +246,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="placement_ignores_the_reservation_stream_end",
         what="placement decides without waiting for its reservation view to reach the RESERVATION stream's end",
-        file="services/placement/handlers.py",
-        find="        unsure = await self._reservations_known()\n",
+        file="services/placement/place.py",
+        find="        unsure = await self._reclaimer.known()\n",
         replace="        unsure = None\n",
         tests=("tests/unit/services/placement/test_read_your_writes.py", ROW_11_IT),
     ),
     Mutant(
         name="queue_pass_ignores_the_reservation_view",
         what="a queue pass decides queued requests without its reservation view being known to be current",
-        file="services/placement/handlers.py",
+        file="services/placement/queue.py",
         find="                elif behind is not None or (shape := entry.shape) in unfit:\n",
         replace="                elif (shape := entry.shape) in unfit:\n",
         tests=("tests/unit/services/placement/test_queue.py",),
@@ -387,7 +387,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="queue_first_page_only",
         what="a pass of placement's queue reads only its first page",
-        file="services/placement/handlers.py",
+        file="services/placement/queue.py",
         find="            if len(rows) < page:\n                return entries\n",
         replace="            return entries\n",
         tests=(PLACEMENT_UNIT, QUEUE_QUOTAS_IT),
@@ -395,7 +395,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="queue_fifo_not_round_robin",
         what="the queue is visited in arrival order only (one tenant's backlog goes first)",
-        file="services/placement/handlers.py",
+        file="services/placement/queue.py",
         find="        entries = round_robin(await self._queued(), tenant=lambda entry: entry.tenant)\n",
         replace="        entries = await self._queued()\n",
         tests=(PLACEMENT_UNIT,),
@@ -403,7 +403,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="quota_placed_unchecked",
         what="placement checks a tenant's placed GPUs against the wrong (unset) quota",
-        file="services/placement/handlers.py",
+        file="services/placement/tally.py",
         find="            Quota.GPUS_PLACED,\n",
         replace="            Quota.GPUS_RESERVED,\n",
         tests=(PLACEMENT_UNIT, QUEUE_QUOTAS_IT),
@@ -411,7 +411,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="quota_in_flight_uncounted",
         what="a commit in flight does not count for its tenant's quota",
-        file="services/placement/handlers.py",
+        file="services/placement/tally.py",
         find="        self.holdings.hold(token, key[0], held)\n",
         replace="        pass\n",
         tests=(PLACEMENT_UNIT,),
@@ -419,11 +419,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="quota_queued_unchecked",
         what="the enqueue ignores the tenant's quota of queued requests",
-        file="services/placement/handlers.py",
-        find=(
-            "                over = exceeded(self._quotas, request.tenant, Quota.QUEUED_REQUESTS, used=waiting, "
-            "asked=1)\n"
-        ),
+        file="services/placement/intents.py",
+        find="                over = exceeded(quotas, request.tenant, Quota.QUEUED_REQUESTS, used=waiting, asked=1)\n",
         replace="                over = None\n",
         tests=(PLACEMENT_UNIT, QUEUE_QUOTAS_IT),
     ),

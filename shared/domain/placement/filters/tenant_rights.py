@@ -5,7 +5,7 @@ when the replica is ``preemptible`` and the reservation (``soft`` or ``spot``) o
 owner may use its own. The rule is per accelerator and a filter sees hosts (a host class speaks for
 identical hosts), so it is applied before the cycle, to the snapshot itself:
 ``shared.domain.placement.withhold`` marks the GPUs a tenant may not use unavailable (placement's
-``PlacementHandlers._rights``, fed by the RESERVATION stream's fold, ``ReservationBook.withheld``; the
+``services.placement.deciding.Decider.rights``, fed by the RESERVATION stream's fold, ``ReservationBook.withheld``; the
 simulator does the same). Withheld GPUs then differ from the others in availability, which the host
 class keys already hold, so classes never mix them. This filter therefore accepts every host it is
 shown; it stays in the profile as the named place of the rule.

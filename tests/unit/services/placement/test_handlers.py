@@ -1,5 +1,6 @@
-"""PlacementHandlers with fakes: the real pure view (``FleetView``), a ledger that answers as each test
-scripts it, a unit of work that records its events, an in-memory decision store. No servers."""
+"""Placement's use cases with fakes: the real pure view (``FleetView``), a ledger that answers as each test
+scripts it and a unit of work that records its events (``tests.fakes``), an in-memory decision store. No
+servers."""
 
 from __future__ import annotations
 
@@ -7,15 +8,16 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
-from services.placement.handlers import Ownership, PlacementHandlers, Queueing
-from services.placement.store import DecisionStore, PlacedAllocation, QueuedRequest, SeenAllocation, StoredIntent
+from services.placement.attempts import Ownership, Queueing
+from services.placement.handlers import PlacementHandlers
+from services.placement.records import PlacedAllocation, QueuedRequest, SeenAllocation, StoredIntent, Turn
+from services.placement.store import DecisionStore
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
-from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import (
     AcceleratorBalance,
     CommitReply,
@@ -27,86 +29,24 @@ from shared.contracts.ledger import (
 )
 from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseRequest, RenewRequest
 from shared.contracts.placement_events import PlacementEvent
-from shared.contracts.subjects import Rpc, Subjects
+from shared.contracts.subjects import Rpc
 from shared.domain.fleet import AcceleratorId, tpu_chip_ids
 from shared.domain.memory import usable_hbm
 from shared.domain.placement.ownership import DecisionStatus, Intent
 from shared.domain.placement.view import FleetView, LedgerAccelerator, LedgerMirror
 from shared.domain.quotas import Quotas
 from shared.infra import deadline
-from shared.infra.rpc import RpcClient, RpcError
-from shared.infra.uow import UnitOfWork
+from shared.infra.rpc import RpcError
+from tests.fakes import NOW, Answer, FakeRpc, FakeUnitOfWork
 from tests.unit.placement.builders import models, node, skus, tpu_pod
 
 pytestmark = pytest.mark.asyncio
 
-T = TypeVar("T")
-NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 USABLE = usable_hbm(skus()["H100-SXM-80GB"].hbm_bytes)
 log = logging.getLogger("test.placement")
 
 
 # -- fakes -------------------------------------------------------------------------------------
-
-
-Answer = BaseModel | Exception | Callable[[BaseModel], BaseModel]
-
-
-class FakeRpc(RpcClient):
-    """Answers each subject from a script (a reply, an exception to raise, or a function of the
-    request); the last answer repeats. Records every request."""
-
-    def __init__(self, **script: list[Answer]) -> None:
-        super().__init__(lambda: None, Subjects("t"))  # type: ignore[arg-type, return-value]
-        self.script = {Rpc[name.upper()]: answers for name, answers in script.items()}
-        self.sent: list[tuple[Rpc, BaseModel]] = []
-        self.during_commit: Callable[[CommitRequest], None] | None = None
-
-    async def call(
-        self,
-        rpc: Rpc,
-        request: BaseModel,
-        *,
-        timeout_s: float | None = None,
-        rejection_as_reply: bool = False,
-        scope: str | None = None,
-    ) -> BaseModel:
-        self.sent.append((rpc, request))
-        if rpc is Rpc.LEDGER_COMMIT and self.during_commit is not None:
-            assert isinstance(request, CommitRequest)
-            self.during_commit(request)
-        answers = self.script[rpc]
-        answer = answers.pop(0) if len(answers) > 1 else answers[0]
-        if isinstance(answer, Exception):
-            raise answer
-        if callable(answer) and not isinstance(answer, BaseModel):
-            return answer(request)
-        return answer
-
-    def requests(self, rpc: Rpc) -> list[Any]:
-        return [request for sent, request in self.sent if sent is rpc]
-
-
-class FakeUnitOfWork:
-    """Runs the work on a ``UnitOfWork`` with no session; keeps the events of work that completed."""
-
-    def __init__(self, clock: Callable[[], datetime] = lambda: NOW) -> None:
-        self.events: list[EventEnvelope] = []
-        self.clock = clock
-
-    async def run(self, work: Callable[[UnitOfWork], Awaitable[T]]) -> T:
-        uow = UnitOfWork(session=None, now=self.clock(), subjects=Subjects("t"), source="placement")  # type: ignore[arg-type]
-        result = await work(uow)  # an exception discards the events, as a rollback does
-        self.events.extend(event for _subject, event in uow.events)
-        return result
-
-    run_grouped = run  # a group shares a transaction; alone, each work is its own
-
-    async def read(self, work: Callable[[Any], Awaitable[T]]) -> T:
-        return await work(None)
-
-    def names(self) -> list[str]:
-        return [e.type.rsplit(".", 1)[-1] for e in self.events]
 
 
 class FakeStore(DecisionStore):
@@ -195,23 +135,21 @@ class FakeStore(DecisionStore):
             row.update(commit=None, reply=None, allocation_id=None)
         return int(row["attempt"])
 
-    def _mine(self, tenant: str, request_id: str, attempt: int) -> dict[str, Any] | None:
-        row = self.rows.get((tenant, request_id))
-        return row if row is not None and row["attempt"] == attempt and row["status"] == "committing" else None
+    def _mine(self, turn: Turn) -> dict[str, Any] | None:
+        row = self.rows.get((turn.tenant, turn.request_id))
+        return row if row is not None and row["attempt"] == turn.attempt and row["status"] == "committing" else None
 
     async def save_commit(
         self,
         *,
         session: Any,
-        tenant: str,
-        request_id: str,
-        attempt: int,
+        turn: Turn,
         commit: CommitRequest,
         pending: PlaceReply,
         claimed_until: datetime,
         now: datetime,
     ) -> bool:
-        row = self._mine(tenant, request_id, attempt)
+        row = self._mine(turn)
         if row is None:
             return False
         row.update(commit=commit, reply=pending, claimed_until=claimed_until, updated_at=now)
@@ -221,15 +159,13 @@ class FakeStore(DecisionStore):
         self,
         *,
         session: Any,
-        tenant: str,
-        request_id: str,
-        attempt: int,
+        turn: Turn,
         status: DecisionStatus,
         reply: PlaceReply | None,
         allocation_id: str | None,
         now: datetime,
     ) -> bool:
-        row = self._mine(tenant, request_id, attempt)
+        row = self._mine(turn)
         if row is None:
             return False
         row.update(status=status.value, reply=reply, allocation_id=allocation_id, claimed_until=None, updated_at=now)
@@ -239,16 +175,14 @@ class FakeStore(DecisionStore):
         self,
         *,
         session: Any,
-        tenant: str,
-        request_id: str,
-        attempt: int,
+        turn: Turn,
         was: DecisionStatus,
         status: DecisionStatus,
         reply: PlaceReply | None,
         now: datetime,
     ) -> bool:
-        row = self.rows.get((tenant, request_id))
-        if row is None or row["attempt"] != attempt or row["status"] != was.value:
+        row = self.rows.get((turn.tenant, turn.request_id))
+        if row is None or row["attempt"] != turn.attempt or row["status"] != was.value:
             return False
         row.update(status=status.value, reply=reply, claimed_until=None, updated_at=now)
         return True
@@ -294,9 +228,9 @@ class FakeStore(DecisionStore):
             if r["status"] == "placed" and r["allocation_id"] and r["commit"] is not None
         ]
 
-    async def unclaim(self, *, session: Any, tenant: str, request_id: str, attempt: int, now: datetime) -> None:
-        row = self.rows.get((tenant, request_id))
-        if row is not None and row["attempt"] == attempt:
+    async def unclaim(self, *, session: Any, turn: Turn, now: datetime) -> None:
+        row = self.rows.get((turn.tenant, turn.request_id))
+        if row is not None and row["attempt"] == turn.attempt:
             row.update(claimed_until=now, updated_at=now)
 
     async def mark_released(self, *, session: Any, allocation_id: str) -> None:
@@ -332,8 +266,8 @@ class FakeStore(DecisionStore):
             if r["status"] == "committing" and r["updated_at"] < touched_before
         ][:limit]
 
-    async def abandon(self, *, session: Any, tenant: str, request_id: str, attempt: int, now: datetime) -> bool:
-        row = self._mine(tenant, request_id, attempt)
+    async def abandon(self, *, session: Any, turn: Turn, now: datetime) -> bool:
+        row = self._mine(turn)
         if row is None:
             return False
         row.update(status="abandoned", claimed_until=None, updated_at=now)
@@ -405,10 +339,10 @@ class Rig:
         self.rpc = rpc
         self.view = view or fleet_view()
         self.now = NOW
-        self.uow = FakeUnitOfWork(lambda: self.now)
+        self.uow = FakeUnitOfWork(lambda: self.now, source="placement")
         self.store = FakeStore()
         self.interrupt = False
-        self.handlers = PlacementHandlers(
+        self.handlers = PlacementHandlers.build(
             view=self.view,
             store=self.store,
             uow=self.uow,  # type: ignore[arg-type]
@@ -482,7 +416,7 @@ def accelerators(commit: CommitRequest) -> list[str]:
 
 async def test_a_placement_commits_once_and_keeps_its_bytes_in_the_view() -> None:
     rig = Rig(FakeRpc(ledger_commit=[committed("al-1")]))
-    reply = await rig.handlers.place(place())
+    reply = await rig.handlers.placing.place(place())
     assert isinstance(reply, PlaceReply) and reply.status == "placed" and reply.allocation_id == "al-1"
     (commit,) = rig.rpc.requests(Rpc.LEDGER_COMMIT)
     assert commit.request_id == "placement/r-1" and commit.lease_s == 3600
@@ -500,15 +434,15 @@ async def test_a_placement_commits_once_and_keeps_its_bytes_in_the_view() -> Non
 
 async def test_the_same_request_id_returns_the_stored_decision() -> None:
     rig = Rig(FakeRpc(ledger_commit=[committed("al-1"), committed("al-2")]))
-    first = await rig.handlers.place(place("same"))
-    again = await rig.handlers.place(place("same"))
+    first = await rig.handlers.placing.place(place("same"))
+    again = await rig.handlers.placing.place(place("same"))
     assert again == first
     assert len(rig.rpc.requests(Rpc.LEDGER_COMMIT)) == 1
 
 
 async def test_a_conflict_decides_again_on_the_ledgers_fresher_figures() -> None:
     rig = Rig(FakeRpc(ledger_commit=[refused(ErrorCode.CONFLICT), committed("al-2")]))
-    reply = await rig.handlers.place(place())
+    reply = await rig.handlers.placing.place(place())
     assert isinstance(reply, PlaceReply) and reply.status == "placed" and reply.allocation_id == "al-2"
     first, second = rig.rpc.requests(Rpc.LEDGER_COMMIT)
     assert not set(accelerators(first)) & set(accelerators(second))  # the refused GPUs are full per the ledger
@@ -518,7 +452,7 @@ async def test_a_conflict_decides_again_on_the_ledgers_fresher_figures() -> None
 
 async def test_conflicts_retry_four_times_then_answer_conflict() -> None:
     rig = Rig(FakeRpc(ledger_commit=[refused(ErrorCode.CONFLICT, full=False)]))
-    reply = await rig.handlers.place(place())
+    reply = await rig.handlers.placing.place(place())
     assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.CONFLICT
     assert len(rig.rpc.requests(Rpc.LEDGER_COMMIT)) == 4
     assert rig.reserved() == {} and rig.view.assumed == 0
@@ -540,9 +474,10 @@ async def test_conflicts_retry_four_times_then_answer_conflict() -> None:
 async def test_a_failed_commit_forgets_the_assumed_share(answer: Answer) -> None:
     rig = Rig(FakeRpc(ledger_commit=[answer]))
     seen: list[dict[str, int]] = []
-    rig.rpc.during_commit = lambda _commit: seen.append(rig.reserved())  # the share is assumed meanwhile
+    # The share is assumed meanwhile.
+    rig.rpc.before_answer[Rpc.LEDGER_COMMIT] = lambda _commit: seen.append(rig.reserved())
     try:
-        reply = await rig.handlers.place(place())
+        reply = await rig.handlers.placing.place(place())
     except RuntimeError:
         reply = None
     assert seen and all(seen), "the decision was not assumed in the view while its commit was in flight"
@@ -552,7 +487,7 @@ async def test_a_failed_commit_forgets_the_assumed_share(answer: Answer) -> None
 
 async def test_a_timeout_answers_a_typed_refusal() -> None:
     rig = Rig(FakeRpc(ledger_commit=[RpcError(Rpc.LEDGER_COMMIT, "no reply within 10 s")]))
-    reply = await rig.handlers.place(place())
+    reply = await rig.handlers.placing.place(place())
     assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.INTERNAL
     assert "did not answer" in reply.error.message
 
@@ -560,19 +495,19 @@ async def test_a_timeout_answers_a_typed_refusal() -> None:
 async def test_a_commit_is_not_sent_when_the_callers_deadline_leaves_less_than_commits_take() -> None:
     # Each timer reading is a second later: a commit "takes" a few seconds from sending to its answer.
     rig = Rig(FakeRpc(ledger_commit=[committed("al-1"), committed("al-2")]), timer=FakeTimer(step_ms=1000))
-    first = await rig.handlers.place(place("r-1"))  # no deadline: placed, and its commit's time is learnt
+    first = await rig.handlers.placing.place(place("r-1"))  # no deadline: placed, and its commit's time is learnt
     assert isinstance(first, PlaceReply) and first.status == "placed"
     before = rig.reserved()
     deadline.set_deadline(deadline.now_ms() + 500)  # half a second left: less than a commit takes now
     try:
-        late = await rig.handlers.place(place("r-2"))
+        late = await rig.handlers.placing.place(place("r-2"))
     finally:
         deadline.set_deadline(None)
     assert isinstance(late, Rejected) and late.error.code is ErrorCode.DEADLINE_EXCEEDED
     assert len(rig.rpc.requests(Rpc.LEDGER_COMMIT)) == 1 and rig.reserved() == before, "nothing sent or assumed"
     deadline.set_deadline(deadline.now_ms() + 60_000)  # time enough: the same request id is placed
     try:
-        again = await rig.handlers.place(place("r-2"))
+        again = await rig.handlers.placing.place(place("r-2"))
     finally:
         deadline.set_deadline(None)
     assert isinstance(again, PlaceReply) and again.status == "placed" and again.allocation_id == "al-2"
@@ -580,7 +515,7 @@ async def test_a_commit_is_not_sent_when_the_callers_deadline_leaves_less_than_c
 
 async def test_a_refusal_other_than_conflict_is_passed_on_without_retry() -> None:
     rig = Rig(FakeRpc(ledger_commit=[rejected(ErrorCode.INVALID_REQUEST, "lease too long")]))
-    reply = await rig.handlers.place(place())
+    reply = await rig.handlers.placing.place(place())
     assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.INVALID_REQUEST
     assert len(rig.rpc.requests(Rpc.LEDGER_COMMIT)) == 1
 
@@ -588,14 +523,14 @@ async def test_a_refusal_other_than_conflict_is_passed_on_without_retry() -> Non
 async def test_nothing_fits_is_a_rejected_event_and_no_commit() -> None:
     rig = Rig(FakeRpc(ledger_commit=[committed()]))
     huge = place(model="llama3-405b", dtype="fp16", context_tokens=131072, concurrency=64, fallbacks=[])
-    reply = await rig.handlers.place(huge)
+    reply = await rig.handlers.placing.place(huge)
     assert isinstance(reply, PlaceReply) and reply.status == "rejected" and reply.error is not None
     assert rig.rpc.requests(Rpc.LEDGER_COMMIT) == [] and rig.uow.names() == ["placement_rejected"]
 
 
 async def test_a_tpu_commit_reserves_exactly_the_slice_it_reports() -> None:
     rig = Rig(FakeRpc(ledger_commit=[committed("al-t")]), fleet_view(nodes=(), pods=("p1",)))
-    reply = await rig.handlers.place(place(backend="tpu"))
+    reply = await rig.handlers.placing.place(place(backend="tpu"))
     assert isinstance(reply, PlaceReply) and reply.status == "placed" and reply.tpu_slice is not None
     slice_ = reply.tpu_slice
     reported = {
@@ -611,7 +546,7 @@ async def test_a_tpu_commit_reserves_exactly_the_slice_it_reports() -> None:
 
 async def test_explain_reserves_nothing() -> None:
     rig = Rig(FakeRpc(ledger_commit=[committed()]))
-    reply = await rig.handlers.explain(place())
+    reply = await rig.handlers.placing.explain(place())
     assert isinstance(reply, PlaceReply) and reply.status == "placed" and reply.allocation_id is None
     assert reply.explanation[0].startswith("dry run")
     assert rig.rpc.sent == [] and rig.uow.events == [] and rig.reserved() == {}
@@ -622,7 +557,7 @@ async def test_explain_reserves_nothing() -> None:
 
 async def test_release_goes_through_the_ledger_and_announces_it() -> None:
     rig = Rig(FakeRpc(ledger_release=[LedgerReleaseReply(status="released")]))
-    reply = await rig.handlers.release(ReleaseRequest(allocation_id="al-1", tenant="acme"))
+    reply = await rig.handlers.lifecycle.release(ReleaseRequest(allocation_id="al-1", tenant="acme"))
     assert reply.model_dump()["status"] == "released"
     assert rig.rpc.requests(Rpc.LEDGER_RELEASE) == [LedgerReleaseRequest(allocation_id="al-1", tenant="acme")]
     assert rig.uow.names() == ["placement_released"] and rig.store.released == ["al-1"]
@@ -631,7 +566,7 @@ async def test_release_goes_through_the_ledger_and_announces_it() -> None:
 async def test_a_refused_release_changes_nothing() -> None:
     refusal = LedgerReleaseReply(status="rejected", error=ErrorBody(code=ErrorCode.FORBIDDEN, message="not yours"))
     rig = Rig(FakeRpc(ledger_release=[refusal]))
-    reply = await rig.handlers.release(ReleaseRequest(allocation_id="al-1", tenant="globex"))
+    reply = await rig.handlers.lifecycle.release(ReleaseRequest(allocation_id="al-1", tenant="globex"))
     assert reply.model_dump()["error"]["code"] == "forbidden"
     assert rig.uow.events == [] and rig.store.released == []
 
@@ -639,12 +574,12 @@ async def test_a_refused_release_changes_nothing() -> None:
 async def test_renew_passes_exactly_the_requested_lease() -> None:
     until = datetime(2026, 12, 1, 12, 20, 34, tzinfo=UTC)
     rig = Rig(FakeRpc(ledger_renew=[LedgerRenewReply(status="renewed", lease_expires_at=until)]))
-    reply = await rig.handlers.renew(RenewRequest(allocation_id="al-1", tenant="acme", lease_s=1234))
+    reply = await rig.handlers.lifecycle.renew(RenewRequest(allocation_id="al-1", tenant="acme", lease_s=1234))
     assert rig.rpc.requests(Rpc.LEDGER_RENEW) == [LedgerRenewRequest(allocation_id="al-1", tenant="acme", lease_s=1234)]
     assert reply.model_dump() == {"status": "renewed", "lease_expires_at": until, "error": None}
 
 
 async def test_renew_without_an_answer_is_a_typed_refusal() -> None:
     rig = Rig(FakeRpc(ledger_renew=[RpcError(Rpc.LEDGER_RENEW, "no service answers this subject")]))
-    reply = await rig.handlers.renew(RenewRequest(allocation_id="al-1", tenant="acme", lease_s=60))
+    reply = await rig.handlers.lifecycle.renew(RenewRequest(allocation_id="al-1", tenant="acme", lease_s=60))
     assert reply.model_dump()["status"] == "rejected"

@@ -10,22 +10,17 @@ from typing import Any
 
 import pytest
 
-from services.placement.handlers import RESERVATION_SYNC_S, Ownership, PlacementHandlers
+from services.placement.attempts import Ownership
+from services.placement.handlers import PlacementHandlers
+from services.placement.place import Placing
+from services.placement.reclaim import RESERVATION_SYNC_S
 from shared.contracts.base import Rejected
 from shared.contracts.placement import PlaceReply
 from shared.contracts.subjects import Rpc
 from shared.domain.reservations import Reservation, ReservationBook
 from shared.infra import deadline
-from tests.unit.services.placement.test_handlers import (
-    NOW,
-    FakeRpc,
-    FakeStore,
-    FakeTimer,
-    FakeUnitOfWork,
-    committed,
-    fleet_view,
-    place,
-)
+from tests.fakes import NOW, FakeRpc, FakeUnitOfWork
+from tests.unit.services.placement.test_handlers import FakeStore, FakeTimer, committed, fleet_view, place
 
 pytestmark = pytest.mark.asyncio
 
@@ -41,8 +36,8 @@ async def settle() -> None:
 # -- place: decided only once the view is current ---------------------------------------------------
 
 
-def handlers(rpc: FakeRpc, book: ReservationBook, current: Any) -> PlacementHandlers:
-    return PlacementHandlers(
+def placing(rpc: FakeRpc, book: ReservationBook, current: Any) -> Placing:
+    return PlacementHandlers.build(
         view=fleet_view(),  # one node, n1, 8 GPUs
         store=FakeStore(),
         uow=FakeUnitOfWork(),  # type: ignore[arg-type]
@@ -53,7 +48,7 @@ def handlers(rpc: FakeRpc, book: ReservationBook, current: Any) -> PlacementHand
         clock=lambda: NOW,
         reservations=book,
         reservations_current=current,
-    )
+    ).placing
 
 
 async def test_a_placement_is_decided_after_the_reservations_answered_before_it_are_in_the_book() -> None:
@@ -66,7 +61,7 @@ async def test_a_placement_is_decided_after_the_reservations_answered_before_it_
         return None
 
     rpc = FakeRpc(ledger_commit=[committed()])
-    reply = await handlers(rpc, book, current).place(place("r-1", tenant="globex", preemptible=True))
+    reply = await placing(rpc, book, current).place(place("r-1", tenant="globex", preemptible=True))
     # Every GPU is initech's (hard): nothing for globex, and nothing was sent to the ledger.
     assert isinstance(reply, PlaceReply) and reply.status == "rejected", reply
     assert rpc.requests(Rpc.LEDGER_COMMIT) == []
@@ -83,7 +78,7 @@ async def test_a_view_not_known_to_be_current_refuses_retryable_and_decides_noth
     rpc = FakeRpc(ledger_commit=[committed()])
     token = deadline._deadline_ms.set(deadline.now_ms() + 1000)
     try:
-        reply = await handlers(rpc, ReservationBook(), behind).place(place("r-1", tenant="globex"))
+        reply = await placing(rpc, ReservationBook(), behind).place(place("r-1", tenant="globex"))
     finally:
         deadline._deadline_ms.reset(token)
     assert isinstance(reply, Rejected) and reply.error.code == "no_capacity", reply

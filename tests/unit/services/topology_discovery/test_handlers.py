@@ -4,10 +4,10 @@ monotonic clock. No servers; each test runs in milliseconds."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from datetime import UTC, datetime
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -23,7 +23,6 @@ from shared.contracts.base import Rejected
 from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.fleet import FleetDescribeRequest, FleetGetReply, FleetGetRequest
 from shared.contracts.ledger import AllocationEvent, ShareOut
-from shared.contracts.subjects import Subjects
 from shared.contracts.topology import (
     Heartbeat,
     NodeProfileEvent,
@@ -39,13 +38,11 @@ from shared.domain.topology import LinkMatrix
 from shared.domain.topology.tpu import TpuType
 from shared.infra.catalog import demo_fleet_path, load_skus
 from shared.infra.profiles import profile_to_payload
-from shared.infra.uow import UnitOfWork
+from tests.fakes import NOW, FakeUnitOfWork
 
 pytestmark = pytest.mark.asyncio
 
-T = TypeVar("T")
 GB = 10**9
-NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 HEARTBEAT_MS = 1000.0
 SKUS = load_skus()
 MISSED = 3
@@ -100,29 +97,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.ms
-
-
-class FakeUnitOfWork:
-    """Runs the work with a ``UnitOfWork`` whose session is unused; keeps the events of committed work."""
-
-    def __init__(self) -> None:
-        self.events: list[EventEnvelope] = []
-
-    @staticmethod
-    def open() -> UnitOfWork:
-        return UnitOfWork(session=None, now=NOW, subjects=Subjects("t"), source="topology-discovery")  # type: ignore[arg-type]
-
-    async def run(self, work: Callable[[UnitOfWork], Awaitable[T]]) -> T:
-        uow = self.open()
-        result = await work(uow)  # an exception discards the events, as a rollback does
-        self.events.extend(event for _subject, event in uow.events)
-        return result
-
-    async def read(self, work: Callable[[Any], Awaitable[T]]) -> T:
-        return await work(None)
-
-    def names(self) -> list[str]:
-        return [e.type.rsplit(".", 1)[-1] for e in self.events]
 
 
 class FakeStore(TopologyStore):
@@ -260,7 +234,7 @@ class FakeStore(TopologyStore):
 class World:
     def __init__(self, *, max_payload: int = 1 << 20, inventory: Path | None = None) -> None:
         self.clock = FakeClock()
-        self.uow = FakeUnitOfWork()
+        self.uow = FakeUnitOfWork(source="topology-discovery")
         self.store = FakeStore()
         self.tracker = LivenessTracker(interval_ms=HEARTBEAT_MS, missed_beats=MISSED)
         self.handlers = TopologyHandlers(
@@ -467,7 +441,7 @@ async def test_reserved_read_model_applies_ledger_events() -> None:
     w = World()
     await w.handlers.report(report(node("a1")))
     g0, g1 = "a1/gpu0", "a1/gpu1"
-    unit = w.uow.open()  # the consumer's transaction
+    unit = w.uow.unit()  # the consumer's transaction
     held = allocation("al-1", {g0: 5 * GB, g1: 7 * GB})
     await w.handlers.on_allocation_committed(uow=unit, event=envelope(), payload=held)
     await w.handlers.on_allocation_committed(uow=unit, event=envelope(), payload=allocation("al-2", {g1: 3 * GB}))
@@ -496,7 +470,7 @@ async def test_reserved_read_model_applies_ledger_events() -> None:
 async def test_an_allocation_moves_reserved_bytes_once_whatever_the_order(order: str) -> None:
     """Events of one batch are applied concurrently: a release may be seen before its commit."""
     w = World()
-    unit = w.uow.open()
+    unit = w.uow.unit()
     held = allocation("al-1", {"a1/gpu0": 5 * GB})
     apply = {"commit": w.handlers.on_allocation_committed, "release": w.handlers.on_allocation_ended}
     for step in order.split(", "):

@@ -1,0 +1,193 @@
+"""Reserving a decision in the ledger (DESIGN §4, optimistic): the commit is prepared and assumed in the
+view before anything awaits (so concurrent decisions do not all pick the same GPUs), sent, and the
+assumption confirmed or forgotten whatever the ledger answers, or if it does not answer, never left
+behind. A ``conflict``/``no_capacity`` carries the ledger's fresher figures (``Stale``: decide again)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from services.placement.attempts import ORDINARY, Claimed, Lost, Ordinary, Stale, ledger_silent
+from services.placement.intents import Intents
+from services.placement.mapping import commit_held, crossing, ledger_key, to_commit, to_reply
+from services.placement.metrics import PlacementMetrics
+from services.placement.tally import QuotaTally
+from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
+from shared.contracts.ledger import CommitReply, CommitRequest
+from shared.contracts.placement import PlaceReply, PlaceRequest
+from shared.contracts.placement_events import PlacementEventName
+from shared.contracts.subjects import Rpc
+from shared.domain.placement.types import Decision, FleetSnapshot
+from shared.infra import deadline
+from shared.infra.clock import MonotonicMs
+from shared.infra.fleet_view import balance_to_domain, to_domain
+from shared.infra.rpc import RpcClient, RpcError
+
+T = TypeVar("T")
+
+FINISHING_KEPT = 256
+"""Recent commits' times kept for the margin a caller's deadline must leave."""
+
+
+def _ledger_error(reply: CommitReply | Rejected) -> ErrorBody:
+    return reply.error or ErrorBody(code=ErrorCode.INTERNAL, message="the ledger refused without a reason")
+
+
+def _committed(reply: CommitReply | Rejected) -> str | None:
+    """The allocation id of a commit the ledger holds (new or a repeat), else None."""
+    if isinstance(reply, CommitReply) and reply.status == "committed" and reply.allocation_id:
+        return reply.allocation_id
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A decision ready to send: the commit, the reply it would give, and its assumption in the view."""
+
+    decision: Decision
+    commit: CommitRequest
+    pending: PlaceReply
+    token: int
+
+
+class Committer:
+    """Prepares, sends and records the ledger's commits of placement's decisions."""
+
+    def __init__(
+        self,
+        *,
+        rpc: RpcClient,
+        intents: Intents,
+        tally: QuotaTally,
+        timer: MonotonicMs,
+        metrics: PlacementMetrics,
+        default_lease_s: int,
+        after_commit: Callable[[], None],
+    ) -> None:
+        self._rpc = rpc
+        self._intents = intents
+        self._tally = tally
+        self._timer = timer
+        self._metrics = metrics
+        self._default_lease_s = default_lease_s
+        self._after_commit = after_commit  # a fault-injection point for tests (HETSCHED_PLACEMENT_FAULT_AFTER_COMMIT)
+        # How long recent commits took from sending to an answer ready (ms): a commit is only sent while
+        # the caller's deadline leaves at least their 90th percentile, so an overloaded service refuses
+        # early ("deadline_exceeded", nothing reserved) instead of reserving for a caller who is gone.
+        self._finishing: deque[float] = deque(maxlen=FINISHING_KEPT)
+        self.margin_s = 0.0
+
+    def too_late(self) -> bool:
+        """The caller's deadline leaves less than recent commits took to answer (their 90th percentile)."""
+        left = deadline.remaining_s()
+        return left is not None and left < self.margin_s
+
+    def _finished(self, seconds: float) -> None:
+        self._finishing.append(seconds)
+        if len(self._finishing) % 16 == 0 or len(self._finishing) < 16:
+            ordered = sorted(self._finishing)
+            self.margin_s = ordered[int(0.9 * (len(ordered) - 1))]
+
+    def prepare(
+        self, request: PlaceRequest, decision: Decision, snapshot: FleetSnapshot, held: Mapping[str, int]
+    ) -> Prepared:
+        """The commit of a placed decision and the reply it would give, assumed in the view before anything
+        awaits (decisions made meanwhile see these bytes as taken, and the tenant's quota counts them)."""
+        commit = to_commit(request, decision, snapshot, lease_s=request.lease_s or self._default_lease_s)
+        pending = to_reply(decision, snapshot=snapshot, request=to_domain(request))
+        token = self._tally.assume(
+            ledger_key(request), held, shared=decision.sharing == "shared", crossing=crossing(decision)
+        )
+        return Prepared(decision=decision, commit=commit, pending=pending, token=token)
+
+    async def written(self, prepared: Prepared, write: Awaitable[T]) -> T:
+        """Write the intent that goes with a prepared commit (before it is sent); its assumption is
+        forgotten when the write fails or finds the intent taken (answers falsy)."""
+        try:
+            done = await write
+        except BaseException:
+            self._tally.forget(prepared.token)
+            raise
+        if not done:
+            self._tally.forget(prepared.token)
+        return done
+
+    async def send(
+        self, request: PlaceRequest, claim: Claimed, prepared: Prepared, decision_ms: float, attempt: int
+    ) -> BaseModel | Lost | Stale:
+        """Send the saved commit and record what the ledger said; on ``conflict``/``no_capacity`` the
+        ledger's fresher figures for the GPUs it refused (the caller decides again on them)."""
+        started_ms = self._timer()
+        committed = await self._reserve(prepared.commit, prepared.token)
+        if isinstance(committed, RpcError):
+            await self._intents.unclaim(claim)
+            return ledger_silent(committed)
+        allocation_id = _committed(committed)
+        if allocation_id is not None:
+            assert isinstance(committed, CommitReply)
+            self._after_commit()
+            self._metrics.count(prepared.decision)
+            note = f"reserved in the ledger after {attempt} attempt(s)"
+            if committed.duplicate:
+                note = "the ledger already held this request id (an earlier attempt's answer was lost)"
+            pending = prepared.pending
+            reply = pending.model_copy(
+                update={"allocation_id": allocation_id, "explanation": [*pending.explanation, note]}
+            )
+            recorded = await self._intents.record(
+                request, claim, reply, PlacementEventName.PLACEMENT_DECIDED, decision_ms, attempt
+            )
+            self._finished((self._timer() - started_ms) / 1000)
+            return recorded
+        error = _ledger_error(committed)
+        if error.code not in (ErrorCode.CONFLICT, ErrorCode.NO_CAPACITY):
+            await self._intents.finish_rejected(claim)
+            return rejected(error.code, f"ledger: {error.message}")
+        # The view was stale: decide again with the ledger's figures for the GPUs it refused.
+        return Stale(
+            {
+                balance.id: balance_to_domain(None, balance)
+                for balance in (committed.view if isinstance(committed, CommitReply) else ())
+            }
+        )
+
+    async def recover(self, request: PlaceRequest, claim: Claimed) -> BaseModel | Lost | Ordinary:
+        """An earlier attempt sent ``claim.commit`` and was interrupted: ask the ledger again (a repeat
+        answers with the same allocation). ``ORDINARY``: it never landed, decide afresh."""
+        commit, pending = claim.commit, claim.pending
+        assert commit is not None and pending is not None
+        token = self._tally.assume(ledger_key(request), commit_held(commit), shared=commit.sharing == "shared")
+        committed = await self._reserve(commit, token)
+        if isinstance(committed, RpcError):
+            await self._intents.unclaim(claim)
+            return ledger_silent(committed)
+        allocation_id = _committed(committed)
+        if allocation_id is None:
+            return ORDINARY
+        note = "recovered: the ledger held this request id's commit (an earlier attempt was interrupted)"
+        reply = pending.model_copy(update={"allocation_id": allocation_id, "explanation": [*pending.explanation, note]})
+        return await self._intents.record(request, claim, reply, PlacementEventName.PLACEMENT_DECIDED, 0.0, 1)
+
+    async def _reserve(self, commit: CommitRequest, token: int) -> CommitReply | Rejected | RpcError:
+        """Reserve (commit to the ledger) with the decision assumed in the view meanwhile (``token``);
+        unreserve (forget the assumption) on any outcome but a new allocation, the ledger's silence
+        included."""
+        kept = False
+        try:
+            reply = await self._rpc.ask(Rpc.LEDGER_COMMIT, commit, CommitReply)
+            # A duplicate holds what an earlier commit of this request id reserved: nothing new to count.
+            allocation_id = _committed(reply)
+            if allocation_id is not None and isinstance(reply, CommitReply) and not reply.duplicate:
+                self._tally.confirm(token, allocation_id)
+                kept = True
+            return reply
+        except RpcError as exc:
+            return exc
+        finally:
+            if not kept:
+                self._tally.forget(token)

@@ -1,0 +1,145 @@
+"""A placed replica's life after its placement: ``placement.release`` and ``placement.renew`` through the
+ledger, and what the ledger did to placement's allocations (LEDGER events, a durable consumer): committed
+(remembered for the reconciler), expired or released (the decision learns it ended; capacity may have
+freed, so the queue wakes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pydantic import BaseModel
+
+from services.placement.admission import AdmissionHandlers
+from services.placement.mapping import placement_request_id
+from services.placement.store import DecisionStore
+from services.placement.tally import QuotaTally
+from shared.contracts.base import ErrorBody, ErrorCode, Rejected
+from shared.contracts.envelope import EventEnvelope
+from shared.contracts.ledger import (
+    AllocationEvent,
+    LedgerReleaseReply,
+    LedgerReleaseRequest,
+    LedgerRenewReply,
+    LedgerRenewRequest,
+)
+from shared.contracts.placement import ReleaseReply, ReleaseRequest, RenewReply, RenewRequest
+from shared.contracts.placement_events import PlacementEventName, PlacementReleasedEvent
+from shared.contracts.subjects import Context, Rpc
+from shared.domain.placement.ownership import DecisionStatus
+from shared.infra.rpc import RpcClient, RpcError
+from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
+
+
+class Lifecycle:
+    """Release and renew placed replicas (and admissions' KV holds), and follow their end in the ledger."""
+
+    def __init__(
+        self,
+        *,
+        store: DecisionStore,
+        uow: UnitOfWorkFactory,
+        rpc: RpcClient,
+        tally: QuotaTally,
+        admission: AdmissionHandlers | None,
+        freed: Callable[[], None],
+    ) -> None:
+        self._store = store
+        self._uow = uow
+        self._rpc = rpc
+        self._tally = tally
+        self._admission = admission
+        self._freed = freed  # capacity may have freed: the queue's wake
+
+    async def release(self, request: ReleaseRequest) -> BaseModel:
+        if self._admission is not None:  # an admission's KV hold, released for the tenant that asked for it
+            owner = self._admission.owner_of_hold(request.allocation_id, request.tenant)
+            if isinstance(owner, Rejected):
+                return ReleaseReply(status="rejected", error=owner.error)
+            if owner is not None:
+                return await self._admission.release_hold(request.allocation_id, owner)
+        try:
+            released = await self._rpc.ask(
+                Rpc.LEDGER_RELEASE,
+                LedgerReleaseRequest(allocation_id=request.allocation_id, tenant=request.tenant),
+                LedgerReleaseReply,
+            )
+        except RpcError as exc:
+            return ReleaseReply(status="rejected", error=ErrorBody(code=ErrorCode.INTERNAL, message=str(exc)))
+        if isinstance(released, Rejected) or released.status != "released":
+            return ReleaseReply(status="rejected", error=released.error)
+
+        async def work(uow: UnitOfWork) -> None:
+            await self._store.mark_released(session=uow.session, allocation_id=request.allocation_id)
+            uow.emit(
+                Context.PLACEMENT,
+                PlacementEventName.PLACEMENT_RELEASED,
+                PlacementReleasedEvent(allocation_id=request.allocation_id, tenant=request.tenant),
+                tenant=request.tenant,
+            )
+
+        await self._uow.run_grouped(work)
+        self._ended(request.allocation_id)
+        return ReleaseReply(status="released")
+
+    async def renew(self, request: RenewRequest) -> BaseModel:
+        tenant = request.tenant
+        if self._admission is not None:  # an admission's KV hold: renewed under its replica's owner
+            owner = self._admission.owner_of_hold(request.allocation_id, request.tenant)
+            if isinstance(owner, Rejected):
+                return RenewReply(status="rejected", error=owner.error)
+            tenant = owner or tenant
+        try:
+            renewed = await self._rpc.ask(
+                Rpc.LEDGER_RENEW,
+                LedgerRenewRequest(allocation_id=request.allocation_id, tenant=tenant, lease_s=request.lease_s),
+                LedgerRenewReply,
+            )
+        except RpcError as exc:
+            return RenewReply(status="rejected", error=ErrorBody(code=ErrorCode.INTERNAL, message=str(exc)))
+        if isinstance(renewed, Rejected) or renewed.status != "renewed":
+            return RenewReply(status="rejected", error=renewed.error)
+        return RenewReply(status="renewed", lease_expires_at=renewed.lease_expires_at)
+
+    # -- LEDGER events (a durable consumer: what the ledger did to placement's allocations) -------------
+
+    async def on_allocation_committed(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
+        """Remember placement's replica allocations, so the reconciler can find those no decision owns."""
+        request_id = placement_request_id(payload.request_id)
+        if payload.kind != "replica" or request_id is None:
+            return
+        await self._store.allocation_seen(
+            session=uow.session,
+            allocation_id=payload.allocation_id,
+            tenant=payload.tenant,
+            request_id=request_id,
+            now=uow.now,
+        )
+
+    async def on_allocation_expired(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
+        """A replica whose lease ran out is announced as ended (as a release is), for those who follow
+        where replicas are (the router); a request's KV hold frees its replica's pool."""
+        tenant = await self._store.mark_ended(
+            session=uow.session, allocation_id=payload.allocation_id, status=DecisionStatus.EXPIRED, now=uow.now
+        )
+        if tenant is not None:
+            uow.emit(
+                Context.PLACEMENT,
+                PlacementEventName.PLACEMENT_RELEASED,
+                PlacementReleasedEvent(allocation_id=payload.allocation_id, tenant=tenant, reason="expired"),
+                tenant=tenant,
+            )
+        self._ended(payload.allocation_id)
+        self._freed()
+
+    async def on_allocation_released(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
+        await self._store.mark_ended(
+            session=uow.session, allocation_id=payload.allocation_id, status=DecisionStatus.RELEASED, now=uow.now
+        )
+        self._ended(payload.allocation_id)
+        self._freed()
+
+    def _ended(self, allocation_id: str) -> None:
+        """An allocation ended: its tenant no longer holds it, nor admission its replica or hold."""
+        self._tally.holdings.end(allocation_id)
+        if self._admission is not None:
+            self._admission.on_allocation_ended(allocation_id)

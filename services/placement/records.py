@@ -1,0 +1,80 @@
+"""What placement's store reads and writes, as records: an attempt's hold on an intent (``Turn``), a stored
+intent, an allocation the ledger told of, a queued request, a placed decision's accelerators."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from shared.contracts.ledger import CommitRequest
+from shared.contracts.placement import PlaceReply, PlaceRequest
+from shared.domain.placement.ownership import Intent
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One attempt's hold on an intent: the writes of an attempt apply only while it is still this one's."""
+
+    tenant: str
+    request_id: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredIntent:
+    """An intent with what it carries: the last commit sent and the reply (pending or final)."""
+
+    intent: Intent
+    commit: CommitRequest | None
+    reply: PlaceReply | None
+
+
+@dataclass(frozen=True, slots=True)
+class SeenAllocation:
+    """A ledger allocation of placement's (as LEDGER events told it) and its intent, if any."""
+
+    allocation_id: str
+    tenant: str
+    request_id: str
+    seen_at: datetime
+    intent: Intent | None
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    """A request waiting in the queue: its place (``seq``, lower first) and when it gives up. ``body`` is
+    the request as stored; ``request`` parses it (a pass reads every queued row, and decides few)."""
+
+    seq: int
+    tenant: str
+    request_id: str
+    body: Mapping[str, Any]
+    enqueued_at: datetime
+    deadline_at: datetime
+
+    @property
+    def request(self) -> PlaceRequest:
+        return PlaceRequest.model_validate(self.body)
+
+    @property
+    def shape(self) -> str:
+        """What it asks, but for its id and how long it waits: two requests of one shape fit alike."""
+        return json.dumps(
+            {k: v for k, v in self.body.items() if k not in _NOT_SHAPE}, sort_keys=True, separators=(",", ":")
+        )
+
+
+# Fields that do not change whether a request fits (the tenant stays: what it may use depends on it).
+_NOT_SHAPE = frozenset({"request_id", "queue_timeout_s", "lease_s", "version"})
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedAllocation:
+    """A placed decision's allocation and the accelerators its commit reserved (for the quotas' tally)."""
+
+    allocation_id: str
+    tenant: str
+    accelerators: tuple[str, ...]
