@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from functools import partial
 
 from services.capacity_ledger import mapping, store
 from services.capacity_ledger.metrics import LedgerMetrics
@@ -151,10 +152,11 @@ class FleetEventHandlers:
             observed = used.get(acc.index) if acc.index >= 0 else None  # a TPU chip has no GPU index
             if observed is None:
                 continue
-            drift = self._drift.observe(
+            drift, streak = self._drift.judge(
                 accelerator_id=acc.id, observed_bytes=observed, reserved_bytes=acc.reserved, usable_bytes=acc.usable
             )
-            self._show_drift(acc, observed, reported=drift is not None)
+            # The detector and the gauge move once the report of this sample (if any) has committed.
+            uow.after_commit(partial(self._observed, acc, observed, streak=streak, reported=drift is not None))
             if drift is not None:
                 uow.emit(
                     Context.LEDGER,
@@ -168,6 +170,10 @@ class FleetEventHandlers:
                     ),
                     causation_id=event.event_id,
                 )
+
+    def _observed(self, acc: AcceleratorCapacity, observed: int, *, streak: int, reported: bool) -> None:
+        self._drift.record(acc.id, streak)
+        self._show_drift(acc, observed, reported=reported)
 
     def _show_drift(self, acc: AcceleratorCapacity, observed: int, *, reported: bool) -> None:
         """The drift gauge: observed - reserved from the sample that reports an episode while the samples

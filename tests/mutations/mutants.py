@@ -582,4 +582,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_grouped_units_of_work_share_transactions_and_one_failure_fails_only_its_caller",
         ),
     ),
+    Mutant(
+        name="ledger_drift_counts_before_commit",
+        what="the ledger's drift detector counts a sample whose report rolls back (the episode is then never told)",
+        file="services/capacity_ledger/fleet.py",
+        find=(
+            "            uow.after_commit(partial(self._observed, acc, observed, streak=streak, "
+            "reported=drift is not None))\n"
+        ),
+        replace="            self._observed(acc, observed, streak=streak, reported=drift is not None)\n",
+        tests=(LEDGER_UNIT,),
+    ),
 )

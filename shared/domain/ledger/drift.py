@@ -31,11 +31,29 @@ class DriftDetector:
     def observe(
         self, *, accelerator_id: str, observed_bytes: int, reserved_bytes: int, usable_bytes: int
     ) -> Drift | None:
+        """``judge`` the sample, then ``record`` it."""
+        drift, streak = self.judge(
+            accelerator_id=accelerator_id,
+            observed_bytes=observed_bytes,
+            reserved_bytes=reserved_bytes,
+            usable_bytes=usable_bytes,
+        )
+        self.record(accelerator_id, streak)
+        return drift
+
+    def judge(
+        self, *, accelerator_id: str, observed_bytes: int, reserved_bytes: int, usable_bytes: int
+    ) -> tuple[Drift | None, int]:
+        """What one sample means, changing nothing: the drift it reports (or None) and the streak it makes
+        (0: back inside the band). A caller whose report may roll back records the streak once it holds."""
         if abs(observed_bytes - reserved_bytes) > self.threshold * usable_bytes:
             streak = self._streak.get(accelerator_id, 0) + 1
+            drift = Drift(accelerator_id, observed_bytes, reserved_bytes, usable_bytes)
+            return (drift if streak == self.consecutive else None), streak
+        return None, 0
+
+    def record(self, accelerator_id: str, streak: int) -> None:
+        if streak:
             self._streak[accelerator_id] = streak
-            if streak == self.consecutive:
-                return Drift(accelerator_id, observed_bytes, reserved_bytes, usable_bytes)
-            return None
-        self._streak.pop(accelerator_id, None)
-        return None
+        else:
+            self._streak.pop(accelerator_id, None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -47,6 +47,7 @@ from shared.domain.ledger import (
     ReplicaPool,
 )
 from shared.domain.memory import MemoryShare, usable_hbm
+from shared.infra.uow import UnitOfWork
 from tests.fakes import FakeUnitOfWork
 
 T = TypeVar("T")
@@ -596,13 +597,31 @@ async def test_drift_is_emitted_once_per_episode() -> None:
     handlers, _store, units = make(gpu("n/gpu0"), gpu("n/gpu1", reserved_gb=30), gpu("n/0.0"))
     drifts: list[DriftEvent] = []
     for used_gb in (30, 30, 30, 2, 30, 30):
-        uow = units.unit()
-        gpus = [GpuSample(index=0, memory_used_bytes=int(used_gb * GB)), GpuSample(index=1, memory_used_bytes=30 * GB)]
-        await handlers.on_gpu_telemetry(uow=uow, event=envelope(), payload=GpuTelemetryEvent(node="n", gpus=gpus))
-        drifts += [DriftEvent.model_validate(e.payload) for _, e in uow.events]
+        await units.run(sample_of(handlers, used_gb))
+    drifts = [DriftEvent.model_validate(payload) for payload in units.named("drift_detected")]
     # gpu0: drift on the 2nd sample, the episode ends at 2 GB, a new one is reported on the 6th;
     # gpu1 uses what it reserved; the TPU chip has no GPU index to match.
     assert [(d.accelerator_id, d.difference_bytes) for d in drifts] == [("n/gpu0", 30 * GB), ("n/gpu0", 30 * GB)]
+
+
+def sample_of(handlers: Any, used_gb: float) -> Callable[[UnitOfWork], Awaitable[None]]:
+    """One telemetry sample of node n (gpu0 using ``used_gb``, gpu1 what it reserved), as the consumer applies it."""
+    gpus = [GpuSample(index=0, memory_used_bytes=int(used_gb * GB)), GpuSample(index=1, memory_used_bytes=30 * GB)]
+
+    async def work(uow: UnitOfWork) -> None:
+        await handlers.on_gpu_telemetry(uow=uow, event=envelope(), payload=GpuTelemetryEvent(node="n", gpus=gpus))
+
+    return work
+
+
+async def test_a_sample_whose_transaction_rolls_back_does_not_count_towards_drift() -> None:
+    handlers, _store, units = make(gpu("n/gpu0"), gpu("n/gpu1", reserved_gb=30))
+    await units.run(sample_of(handlers, 30))  # the first of two samples in a row
+    units.fail_next = RuntimeError("the commit failed")
+    with pytest.raises(RuntimeError):
+        await units.run(sample_of(handlers, 30))  # its drift report rolled back: the streak stays at one
+    await units.run(sample_of(handlers, 30))  # so the episode is reported now, not lost
+    assert [p["accelerator_id"] for p in units.named("drift_detected")] == ["n/gpu0"]
 
 
 async def test_a_snapshot_page_too_big_for_one_message_is_cut_and_says_where_to_go_on() -> None:
