@@ -267,7 +267,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="created_before_announced",
         what="reservation.create answers `created` before its event is in the RESERVATION stream",
-        file="services/reservation_filler/handlers.py",
+        file="services/reservation_filler/requests.py",
         find="        return await self._announced(created)\n",
         replace="        return created\n",
         tests=(ROW_11_IT,),
@@ -425,7 +425,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="quota_reserved_unchecked",
         what="reservation.create ignores the tenant's quota of reserved GPUs",
-        file="services/reservation_filler/handlers.py",
+        file="services/reservation_filler/requests.py",
         find="            over = await self._over_quota(uow, request)\n",
         replace="            over = None\n",
         tests=(QUEUE_QUOTAS_IT,),

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
@@ -41,8 +41,8 @@ def choose(
     count: int,
     sku: str,
     region: str,
-    taken: frozenset[str] | set[str],
-    used_by_others: frozenset[str] | set[str],
+    taken: Collection[str],
+    used_by_others: Collection[str],
 ) -> tuple[str, ...] | None:
     """``count`` accelerators of ``sku`` in ``region`` that no reservation holds and no other tenant
     uses, whole nodes first (an owner's TP groups stay inside one node's NVLink domain), then the nodes
