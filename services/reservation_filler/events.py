@@ -3,9 +3,10 @@ folds them into its ``ReservationBook``), and says what changed."""
 
 from __future__ import annotations
 
-from shared.contracts.reservation import ReservationEvent, ReservationEventName, state_of
+from shared.contracts.reservation import ReservationEvent, ReservationEventName
 from shared.contracts.subjects import Context
 from shared.domain.reservations import Preemption, Reservation
+from shared.infra.reservations import state_of
 from shared.infra.uow import UnitOfWork
 
 

@@ -10,10 +10,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.reservation_filler.metrics import FillFigures
 from services.reservation_filler.store import ReservationStore
-from shared.contracts.reservation import ReservationStatusView, state_of
+from shared.contracts.reservation import ReservationStatusView
 from shared.domain.hardware import Sku
 from shared.domain.reservations import Reservation, Slot, Usage, fill_rate, idle_cost_usd_per_hour, usage
 from shared.domain.routing import Region
+from shared.infra.reservations import state_of
 
 
 @dataclass(frozen=True, slots=True)

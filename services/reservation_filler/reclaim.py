@@ -23,11 +23,11 @@ from shared.contracts.reservation import (
     ReservationEventName,
     ReservationReclaimReply,
     ReservationReclaimRequest,
-    preemption_view,
 )
 from shared.contracts.subjects import Rpc
 from shared.domain.errors import ErrorCode
 from shared.domain.reservations import LendingPolicy, Preemption, preemption_done, reclaim
+from shared.infra.reservations import preemption_view
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 

@@ -11,8 +11,9 @@ from sqlalchemy.dialects.postgresql import array, insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.reservation_filler.tables import SCHEMA, HoldRow, InventoryRow, ReservationRow, UseRow
-from shared.contracts.reservation import ReservationState, reservation_of, state_of
+from shared.contracts.reservation_state import ReservationState
 from shared.domain.reservations import Reservation, Slot, Use
+from shared.infra.reservations import reservation_of, state_of
 from shared.infra.tables import outbox_table
 
 RESERVATIONS = ReservationRow.__table__  # type: ignore[attr-defined]
