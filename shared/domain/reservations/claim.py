@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from shared.domain.errors import ErrorCode
 from shared.domain.fleet import AcceleratorId
-from shared.domain.reservations.rules import Slot, choose
+from shared.domain.reservations.rules import Slot, choose, free_slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +88,7 @@ def free(
     inventory: Iterable[Slot], *, sku: str, region: str, taken: Collection[str], used_by_others: Collection[str]
 ) -> int:
     """How many GPUs of ``sku`` in ``region`` are neither reserved nor used by another tenant."""
-    return sum(
-        1 for s in inventory if s.sku == sku and s.region == region and s.id not in taken and s.id not in used_by_others
-    )
+    return len(free_slots(inventory, sku=sku, region=region, taken=taken, used_by_others=used_by_others))
 
 
 def claim_count(
