@@ -33,7 +33,6 @@ class FakeReservationStore(ReservationStore):
         self.holds: dict[str, str] = {}  # accelerator -> reservation id
         self.slots: dict[str, Slot] = {}
         self.uses: dict[str, Use] = {}
-        self.writes = 0  # every call that changes something
 
     async def load(self, *, session: Any, reservation_id: str, lock: bool = False) -> Reservation | None:
         return self.reservations.get(reservation_id)
@@ -73,14 +72,12 @@ class FakeReservationStore(ReservationStore):
         clash = [acc for acc in reservation.accelerators if acc in self.holds]
         if clash:
             raise HeldElsewhere(clash)
-        self.writes += 1
         self.reservations[reservation.id] = reservation
         self.holds.update({acc: reservation.id for acc in reservation.accelerators})
         if request_id is not None:
             self.request_ids[(reservation.tenant, request_id)] = reservation.id
 
     async def save(self, *, session: Any, reservation: Reservation, now: datetime) -> None:
-        self.writes += 1
         self.reservations[reservation.id] = reservation
         if not reservation.active:
             self.holds = {acc: rid for acc, rid in self.holds.items() if rid != reservation.id}
@@ -92,7 +89,6 @@ class FakeReservationStore(ReservationStore):
         return sum(1 for rid in self.holds.values() if self.reservations[rid].tenant == tenant)
 
     async def set_node(self, *, session: Any, node: str, slots: Sequence[Slot]) -> None:
-        self.writes += 1
         self.slots = {k: s for k, s in self.slots.items() if s.node != node} | {s.id: s for s in slots}
 
     async def inventory(self, *, session: Any, ids: Iterable[str] | None = None) -> dict[str, Slot]:
@@ -102,7 +98,6 @@ class FakeReservationStore(ReservationStore):
     async def add_use(self, *, session: Any, use: Use) -> bool:
         if use.allocation_id in self.uses:
             return False
-        self.writes += 1
         self.uses[use.allocation_id] = use
         return True
 
