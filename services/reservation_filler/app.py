@@ -3,8 +3,6 @@ and ``wire``, which builds its handlers once. The rules live in `shared/domain/r
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +10,7 @@ from faststream import FastStream
 
 from services.reservation_filler.handlers import ReservationHandlers
 from services.reservation_filler.metrics import ReservationMetrics
+from services.reservation_filler.store import ReservationStore
 from services.reservation_filler.tables import SCHEMA
 from shared.contracts.ledger import LedgerEvent
 from shared.contracts.reservation import (
@@ -26,6 +25,7 @@ from shared.contracts.subjects import Context, Rpc
 from shared.contracts.topology import TopologyEvent
 from shared.domain.reservations import LendingPolicy
 from shared.infra.catalog import load_regions, load_skus
+from shared.infra.faults import fault_hook
 from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
 
@@ -45,25 +45,19 @@ def wire(runtime: Runtime) -> Ctx:
     handlers = ReservationHandlers(
         uow=runtime.uow,
         rpc=runtime.rpc,
-        clock=runtime.clock,
+        store=ReservationStore(),
         policy=policy,
         skus=load_skus(settings.sku_catalog),
         regions=load_regions(settings.regions_file),
         tick_s=settings.reservation_tick_s,
         log=runtime.log,
-        after_record=_fault_after_record(settings),
+        # Tests only: `exit` dies as a SIGKILL would, between writing preemptions and asking the ledger.
+        after_record=fault_hook(settings.reservation_fault_after_record),
         metrics=ReservationMetrics(runtime.metrics),
         quotas=settings.quotas(),
         restate_s=restate_every_s(settings.stream_reservation_max_age_s),
     )
     return Ctx(handlers=handlers)
-
-
-def _fault_after_record(settings: Settings) -> Callable[[], None]:
-    """Tests only: `exit` dies the way a SIGKILL would, between writing preemptions and asking the ledger."""
-    if settings.reservation_fault_after_record == "exit":
-        return lambda: os._exit(70)
-    return lambda: None
 
 
 SERVICE = ServiceDefinition(
@@ -72,22 +66,22 @@ SERVICE = ServiceDefinition(
     schema=SCHEMA,
     wire=wire,
     routes=(
-        Route(Rpc.RESERVATION_CREATE, ReservationCreateRequest, lambda ctx: ctx.handlers.create),
-        Route(Rpc.RESERVATION_CANCEL, ReservationCancelRequest, lambda ctx: ctx.handlers.cancel),
-        Route(Rpc.RESERVATION_STATUS, ReservationStatusRequest, lambda ctx: ctx.handlers.status),
-        Route(Rpc.RESERVATION_REPORT, ReservationReportRequest, lambda ctx: ctx.handlers.report),
-        Route(Rpc.RESERVATION_RECLAIM, ReservationReclaimRequest, lambda ctx: ctx.handlers.reclaim),
+        Route(Rpc.RESERVATION_CREATE, ReservationCreateRequest, lambda ctx: ctx.handlers.requests.create),
+        Route(Rpc.RESERVATION_CANCEL, ReservationCancelRequest, lambda ctx: ctx.handlers.requests.cancel),
+        Route(Rpc.RESERVATION_STATUS, ReservationStatusRequest, lambda ctx: ctx.handlers.requests.status),
+        Route(Rpc.RESERVATION_REPORT, ReservationReportRequest, lambda ctx: ctx.handlers.requests.report),
+        Route(Rpc.RESERVATION_RECLAIM, ReservationReclaimRequest, lambda ctx: ctx.handlers.reclaimer.reclaim),
     ),
-    on_start=(lambda ctx: ctx.handlers.start(),),
+    on_start=(lambda ctx: ctx.handlers.upkeep.start(),),
     consumers=(
         # The GPUs a reservation may take.
         Consumer(
             Context.TOPOLOGY,
             "topology",
             on={
-                TopologyEvent.NODE_PROFILED: lambda ctx: ctx.handlers.on_node_profiled,
-                TopologyEvent.NODE_CHANGED: lambda ctx: ctx.handlers.on_node_profiled,
-                TopologyEvent.NODE_REMOVED: lambda ctx: ctx.handlers.on_node_removed,
+                TopologyEvent.NODE_PROFILED: lambda ctx: ctx.handlers.uses.on_node_profiled,
+                TopologyEvent.NODE_CHANGED: lambda ctx: ctx.handlers.uses.on_node_profiled,
+                TopologyEvent.NODE_REMOVED: lambda ctx: ctx.handlers.uses.on_node_removed,
             },
         ),
         # Who uses each reserved GPU: the owner, a borrower, nobody.
@@ -95,18 +89,18 @@ SERVICE = ServiceDefinition(
             Context.LEDGER,
             "ledger",
             on={
-                LedgerEvent.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.on_allocation_committed,
-                LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.on_allocation_ended,
-                LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.on_allocation_ended,
+                LedgerEvent.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.uses.on_allocation_committed,
+                LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.uses.on_allocation_ended,
+                LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.uses.on_allocation_ended,
             },
             # Requests' KV holds live inside a replica's allocation: they change nobody's use.
             skip=lambda payload: payload.kind == "request",
         ),
     ),
     loops=(
-        Loop("reservation-tick", lambda ctx: ctx.handlers.tick),
+        Loop("reservation-tick", lambda ctx: ctx.handlers.upkeep.tick),
         # RESERVATION outlives its max age for placement's fold from the first sequence (docs/RETENTION.md).
-        Loop("reservation-restate", lambda ctx: ctx.handlers.restate),
+        Loop("reservation-restate", lambda ctx: ctx.handlers.upkeep.restate),
     ),
     calls=(Rpc.LEDGER_PREEMPT,),
 )

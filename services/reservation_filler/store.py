@@ -11,8 +11,9 @@ from sqlalchemy.dialects.postgresql import array, insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.reservation_filler.tables import SCHEMA, HoldRow, InventoryRow, ReservationRow, UseRow
-from shared.contracts.reservation import ReservationState, reservation_of, state_of
+from shared.contracts.reservation_state import ReservationState
 from shared.domain.reservations import Reservation, Slot, Use
+from shared.infra.reservations import reservation_of, state_of
 from shared.infra.tables import outbox_table
 
 RESERVATIONS = ReservationRow.__table__  # type: ignore[attr-defined]
@@ -34,157 +35,8 @@ def _reservation(body: dict[str, object]) -> Reservation:
     return reservation_of(ReservationState.model_validate(body))
 
 
-async def load(*, session: AsyncSession, reservation_id: str, lock: bool = False) -> Reservation | None:
-    stmt = select(RESERVATIONS.c.body).where(RESERVATIONS.c.reservation_id == reservation_id)
-    if lock:
-        stmt = stmt.with_for_update()
-    body = (await session.execute(stmt)).scalar_one_or_none()
-    return None if body is None else _reservation(body)
-
-
-async def load_by_request(*, session: AsyncSession, tenant: str, request_id: str) -> Reservation | None:
-    stmt = select(RESERVATIONS.c.body).where(RESERVATIONS.c.tenant == tenant, RESERVATIONS.c.request_id == request_id)
-    body = (await session.execute(stmt)).scalar_one_or_none()
-    return None if body is None else _reservation(body)
-
-
-async def load_many(
-    *,
-    session: AsyncSession,
-    tenant: str | None = None,
-    ids: Iterable[str] | None = None,
-    active_only: bool = True,
-    lock: bool = False,
-) -> list[Reservation]:
-    """Reservations (of ``tenant``, or with these ``ids``), in id order (the lock order)."""
-    stmt = select(RESERVATIONS.c.body).order_by(RESERVATIONS.c.reservation_id)
-    if tenant is not None:
-        stmt = stmt.where(RESERVATIONS.c.tenant == tenant)
-    if ids is not None:
-        stmt = stmt.where(RESERVATIONS.c.reservation_id.in_(sorted(set(ids))))
-    if active_only:
-        stmt = stmt.where(RESERVATIONS.c.state == "active")
-    if lock:
-        stmt = stmt.with_for_update()
-    return [_reservation(body) for body in (await session.execute(stmt)).scalars()]
-
-
-async def load_ticking(*, session: AsyncSession) -> list[Reservation]:
-    """The active reservations the tick has something to do for: preemptions or backoff in their state
-    (most have neither, and are not read every second)."""
-    body = RESERVATIONS.c.body
-    stmt = (
-        select(body)
-        .where(RESERVATIONS.c.state == "active")
-        .where((func.jsonb_array_length(body["preemptions"]) > 0) | (func.jsonb_array_length(body["backoff"]) > 0))
-        .order_by(RESERVATIONS.c.reservation_id)
-    )
-    return [_reservation(b) for b in (await session.execute(stmt)).scalars()]
-
-
-async def reservations_on(
-    *, session: AsyncSession, accelerators: Iterable[str], lock: bool = True
-) -> list[Reservation]:
-    """The active reservations holding any of ``accelerators``, locked in id order."""
-    ids = (
-        await session.execute(
-            select(HOLDS.c.reservation_id).where(HOLDS.c.accelerator.in_(sorted(set(accelerators)))).distinct()
-        )
-    ).scalars()
-    wanted = list(ids)
-    if not wanted:
-        return []
-    return await load_many(session=session, ids=wanted, lock=lock)
-
-
-async def add(*, session: AsyncSession, reservation: Reservation, request_id: str | None, now: datetime) -> None:
-    """A new reservation and its holds; ``HeldElsewhere`` when another reservation holds one of them."""
-    taken = (
-        await session.execute(
-            insert(HOLDS)
-            .values([{"accelerator": acc, "reservation_id": reservation.id} for acc in reservation.accelerators])
-            .on_conflict_do_nothing(index_elements=[HOLDS.c.accelerator])
-            .returning(HOLDS.c.accelerator)
-        )
-    ).scalars()
-    got = set(taken)
-    if len(got) != len(reservation.accelerators):
-        raise HeldElsewhere([acc for acc in reservation.accelerators if acc not in got])
-    await session.execute(
-        insert(RESERVATIONS).values(
-            reservation_id=reservation.id,
-            tenant=reservation.tenant,
-            request_id=request_id,
-            state=reservation.state,
-            version=reservation.version,
-            body=state_of(reservation).model_dump(mode="json"),
-            updated_at=now,
-        )
-    )
-
-
-async def save(*, session: AsyncSession, reservation: Reservation, now: datetime) -> None:
-    await session.execute(
-        update(RESERVATIONS)
-        .where(RESERVATIONS.c.reservation_id == reservation.id)
-        .values(
-            state=reservation.state,
-            version=reservation.version,
-            body=state_of(reservation).model_dump(mode="json"),
-            updated_at=now,
-        )
-    )
-    if not reservation.active:
-        await session.execute(delete(HOLDS).where(HOLDS.c.reservation_id == reservation.id))
-
-
-async def held(*, session: AsyncSession) -> set[str]:
-    return set((await session.execute(select(HOLDS.c.accelerator))).scalars())
-
-
 # One lock per tenant (its hash), held to the end of the transaction: its quota of reserved GPUs.
 _LOCK_TENANT = text("SELECT pg_advisory_xact_lock(hashtextextended('reservation.quota:' || :tenant, 0))")
-
-
-async def reserved_by(*, session: AsyncSession, tenant: str) -> int:
-    """The accelerators ``tenant``'s active reservations hold, counted under a lock per tenant held to the
-    end of the transaction (an ended reservation has no holds)."""
-    await session.execute(_LOCK_TENANT, {"tenant": tenant})
-    counted = await session.execute(
-        select(func.count())
-        .select_from(HOLDS.join(RESERVATIONS, HOLDS.c.reservation_id == RESERVATIONS.c.reservation_id))
-        .where(RESERVATIONS.c.tenant == tenant)
-    )
-    return int(counted.scalar_one())
-
-
-# -- inventory (from TOPOLOGY events) -------------------------------------------------------------
-
-
-async def set_node(*, session: AsyncSession, node: str, slots: Sequence[Slot]) -> None:
-    await session.execute(delete(INVENTORY).where(INVENTORY.c.node == node))
-    if slots:
-        await session.execute(
-            insert(INVENTORY).values(
-                [
-                    {"accelerator": s.id, "node": s.node, "sku": s.sku, "region": s.region, "cluster": s.cluster}
-                    for s in slots
-                ]
-            )
-        )
-
-
-async def inventory(*, session: AsyncSession, ids: Iterable[str] | None = None) -> dict[str, Slot]:
-    stmt = select(INVENTORY)
-    if ids is not None:
-        stmt = stmt.where(INVENTORY.c.accelerator.in_(sorted(set(ids))))
-    return {
-        r.accelerator: Slot(id=r.accelerator, node=r.node, sku=r.sku, region=r.region, cluster=r.cluster)
-        for r in await session.execute(stmt)
-    }
-
-
-# -- uses (from LEDGER events) -----------------------------------------------------------------
 
 
 def _use(row: object) -> Use:
@@ -197,54 +49,195 @@ def _use(row: object) -> Use:
     )
 
 
-async def add_use(*, session: AsyncSession, use: Use) -> bool:
-    """Record a live allocation; False when it was recorded before."""
-    done = await session.execute(
-        insert(USES)
-        .values(
-            allocation_id=use.allocation_id,
-            tenant=use.tenant,
-            preemptible=use.preemptible,
-            bytes=dict(use.bytes),
-            since=use.since,
-        )
-        .on_conflict_do_nothing(index_elements=[USES.c.allocation_id])
-        .returning(USES.c.allocation_id)
-    )
-    return done.scalar_one_or_none() is not None
-
-
-async def remove_use(*, session: AsyncSession, allocation_id: str) -> Use | None:
-    row = (await session.execute(delete(USES).where(USES.c.allocation_id == allocation_id).returning(USES))).first()
-    return None if row is None else _use(row)
-
-
-async def uses_on(*, session: AsyncSession, accelerators: Iterable[str]) -> list[Use]:
-    """The live allocations holding bytes on any of ``accelerators``."""
-    keys = sorted(set(accelerators))
-    if not keys:
-        return []
-    stmt = select(USES).where(USES.c.bytes.has_any(array(keys)))
-    return [_use(row) for row in await session.execute(stmt)]
-
-
-async def used_by_others(*, session: AsyncSession, tenant: str) -> set[str]:
-    """Accelerators on which another tenant holds an allocation."""
-    stmt = select(func.jsonb_object_keys(USES.c.bytes)).where(USES.c.tenant != tenant)
-    return set((await session.execute(stmt)).scalars())
-
-
 def _unsent() -> list[ColumnElement[bool]]:
     return [OUTBOX.c.sent_at.is_(None), OUTBOX.c.quarantined_at.is_(None)]
 
 
-async def unsent_tail(*, session: AsyncSession) -> int | None:
-    """The newest outbox row the relay has not published yet (None: it has published every row)."""
-    tail = (await session.execute(select(func.max(OUTBOX.c.seq)).where(*_unsent()))).scalar_one_or_none()
-    return None if tail is None else int(tail)
+class ReservationStore:
+    """The filler's reservations, their holds, the GPUs it may reserve and the live allocations on them."""
 
+    async def load(self, *, session: AsyncSession, reservation_id: str, lock: bool = False) -> Reservation | None:
+        stmt = select(RESERVATIONS.c.body).where(RESERVATIONS.c.reservation_id == reservation_id)
+        if lock:
+            stmt = stmt.with_for_update()
+        body = (await session.execute(stmt)).scalar_one_or_none()
+        return None if body is None else _reservation(body)
 
-async def unsent_through(*, session: AsyncSession, seq: int) -> bool:
-    """Some outbox row up to ``seq`` is still waiting for the relay (for JetStream's ack)."""
-    stmt = select(OUTBOX.c.seq).where(*_unsent(), OUTBOX.c.seq <= seq).limit(1)
-    return (await session.execute(stmt)).first() is not None
+    async def load_by_request(self, *, session: AsyncSession, tenant: str, request_id: str) -> Reservation | None:
+        stmt = select(RESERVATIONS.c.body).where(
+            RESERVATIONS.c.tenant == tenant, RESERVATIONS.c.request_id == request_id
+        )
+        body = (await session.execute(stmt)).scalar_one_or_none()
+        return None if body is None else _reservation(body)
+
+    async def load_many(
+        self,
+        *,
+        session: AsyncSession,
+        tenant: str | None = None,
+        ids: Iterable[str] | None = None,
+        active_only: bool = True,
+        lock: bool = False,
+    ) -> list[Reservation]:
+        """Reservations (of ``tenant``, or with these ``ids``), in id order (the lock order)."""
+        stmt = select(RESERVATIONS.c.body).order_by(RESERVATIONS.c.reservation_id)
+        if tenant is not None:
+            stmt = stmt.where(RESERVATIONS.c.tenant == tenant)
+        if ids is not None:
+            stmt = stmt.where(RESERVATIONS.c.reservation_id.in_(sorted(set(ids))))
+        if active_only:
+            stmt = stmt.where(RESERVATIONS.c.state == "active")
+        if lock:
+            stmt = stmt.with_for_update()
+        return [_reservation(body) for body in (await session.execute(stmt)).scalars()]
+
+    async def load_ticking(self, *, session: AsyncSession) -> list[Reservation]:
+        """The active reservations the tick has something to do for: preemptions or backoff in their state
+        (most have neither, and are not read every second)."""
+        body = RESERVATIONS.c.body
+        stmt = (
+            select(body)
+            .where(RESERVATIONS.c.state == "active")
+            .where((func.jsonb_array_length(body["preemptions"]) > 0) | (func.jsonb_array_length(body["backoff"]) > 0))
+            .order_by(RESERVATIONS.c.reservation_id)
+        )
+        return [_reservation(b) for b in (await session.execute(stmt)).scalars()]
+
+    async def reservations_on(
+        self, *, session: AsyncSession, accelerators: Iterable[str], lock: bool = True
+    ) -> list[Reservation]:
+        """The active reservations holding any of ``accelerators``, locked in id order."""
+        ids = (
+            await session.execute(
+                select(HOLDS.c.reservation_id).where(HOLDS.c.accelerator.in_(sorted(set(accelerators)))).distinct()
+            )
+        ).scalars()
+        wanted = list(ids)
+        if not wanted:
+            return []
+        return await self.load_many(session=session, ids=wanted, lock=lock)
+
+    async def add(
+        self, *, session: AsyncSession, reservation: Reservation, request_id: str | None, now: datetime
+    ) -> None:
+        """A new reservation and its holds; ``HeldElsewhere`` when another reservation holds one of them."""
+        taken = (
+            await session.execute(
+                insert(HOLDS)
+                .values([{"accelerator": acc, "reservation_id": reservation.id} for acc in reservation.accelerators])
+                .on_conflict_do_nothing(index_elements=[HOLDS.c.accelerator])
+                .returning(HOLDS.c.accelerator)
+            )
+        ).scalars()
+        got = set(taken)
+        if len(got) != len(reservation.accelerators):
+            raise HeldElsewhere([acc for acc in reservation.accelerators if acc not in got])
+        await session.execute(
+            insert(RESERVATIONS).values(
+                reservation_id=reservation.id,
+                tenant=reservation.tenant,
+                request_id=request_id,
+                state=reservation.state,
+                version=reservation.version,
+                body=state_of(reservation).model_dump(mode="json"),
+                updated_at=now,
+            )
+        )
+
+    async def save(self, *, session: AsyncSession, reservation: Reservation, now: datetime) -> None:
+        await session.execute(
+            update(RESERVATIONS)
+            .where(RESERVATIONS.c.reservation_id == reservation.id)
+            .values(
+                state=reservation.state,
+                version=reservation.version,
+                body=state_of(reservation).model_dump(mode="json"),
+                updated_at=now,
+            )
+        )
+        if not reservation.active:
+            await session.execute(delete(HOLDS).where(HOLDS.c.reservation_id == reservation.id))
+
+    async def held(self, *, session: AsyncSession) -> set[str]:
+        return set((await session.execute(select(HOLDS.c.accelerator))).scalars())
+
+    async def reserved_by(self, *, session: AsyncSession, tenant: str) -> int:
+        """The accelerators ``tenant``'s active reservations hold, counted under a lock per tenant held to the
+        end of the transaction (an ended reservation has no holds)."""
+        await session.execute(_LOCK_TENANT, {"tenant": tenant})
+        counted = await session.execute(
+            select(func.count())
+            .select_from(HOLDS.join(RESERVATIONS, HOLDS.c.reservation_id == RESERVATIONS.c.reservation_id))
+            .where(RESERVATIONS.c.tenant == tenant)
+        )
+        return int(counted.scalar_one())
+
+    # -- inventory (from TOPOLOGY events) ---------------------------------------------------------
+
+    async def set_node(self, *, session: AsyncSession, node: str, slots: Sequence[Slot]) -> None:
+        await session.execute(delete(INVENTORY).where(INVENTORY.c.node == node))
+        if slots:
+            await session.execute(
+                insert(INVENTORY).values(
+                    [
+                        {"accelerator": s.id, "node": s.node, "sku": s.sku, "region": s.region, "cluster": s.cluster}
+                        for s in slots
+                    ]
+                )
+            )
+
+    async def inventory(self, *, session: AsyncSession, ids: Iterable[str] | None = None) -> dict[str, Slot]:
+        stmt = select(INVENTORY)
+        if ids is not None:
+            stmt = stmt.where(INVENTORY.c.accelerator.in_(sorted(set(ids))))
+        return {
+            r.accelerator: Slot(id=r.accelerator, node=r.node, sku=r.sku, region=r.region, cluster=r.cluster)
+            for r in await session.execute(stmt)
+        }
+
+    # -- uses (from LEDGER events) ------------------------------------------------------------------
+
+    async def add_use(self, *, session: AsyncSession, use: Use) -> bool:
+        """Record a live allocation; False when it was recorded before."""
+        done = await session.execute(
+            insert(USES)
+            .values(
+                allocation_id=use.allocation_id,
+                tenant=use.tenant,
+                preemptible=use.preemptible,
+                bytes=dict(use.bytes),
+                since=use.since,
+            )
+            .on_conflict_do_nothing(index_elements=[USES.c.allocation_id])
+            .returning(USES.c.allocation_id)
+        )
+        return done.scalar_one_or_none() is not None
+
+    async def remove_use(self, *, session: AsyncSession, allocation_id: str) -> Use | None:
+        row = (await session.execute(delete(USES).where(USES.c.allocation_id == allocation_id).returning(USES))).first()
+        return None if row is None else _use(row)
+
+    async def uses_on(self, *, session: AsyncSession, accelerators: Iterable[str]) -> list[Use]:
+        """The live allocations holding bytes on any of ``accelerators``."""
+        keys = sorted(set(accelerators))
+        if not keys:
+            return []
+        stmt = select(USES).where(USES.c.bytes.has_any(array(keys)))
+        return [_use(row) for row in await session.execute(stmt)]
+
+    async def used_by_others(self, *, session: AsyncSession, tenant: str) -> set[str]:
+        """Accelerators on which another tenant holds an allocation."""
+        stmt = select(func.jsonb_object_keys(USES.c.bytes)).where(USES.c.tenant != tenant)
+        return set((await session.execute(stmt)).scalars())
+
+    # -- the outbox (read-your-writes) --------------------------------------------------------------
+
+    async def unsent_tail(self, *, session: AsyncSession) -> int | None:
+        """The newest outbox row the relay has not published yet (None: it has published every row)."""
+        tail = (await session.execute(select(func.max(OUTBOX.c.seq)).where(*_unsent()))).scalar_one_or_none()
+        return None if tail is None else int(tail)
+
+    async def unsent_through(self, *, session: AsyncSession, seq: int) -> bool:
+        """Some outbox row up to ``seq`` is still waiting for the relay (for JetStream's ack)."""
+        stmt = select(OUTBOX.c.seq).where(*_unsent(), OUTBOX.c.seq <= seq).limit(1)
+        return (await session.execute(stmt)).first() is not None

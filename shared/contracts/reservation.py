@@ -14,12 +14,46 @@ from typing import Annotated, Literal
 from pydantic import Field, StringConstraints, model_validator
 
 from shared.contracts.base import ID_MAX, NAME_MAX, Contract, ErrorBody, Float, Int, Request
-from shared.domain.reservations import Backoff, Borrow, Preemption, Reservation
+from shared.contracts.reservation_state import (
+    MAX_SPOT_EVICTION_S,
+    MIN_SPOT_EVICTION_S,
+    BackoffView,
+    BorrowView,
+    PolicyName,
+    PreemptionView,
+    ReservationState,
+)
 
-PolicyName = Literal["hard", "soft", "spot"]
-MIN_SPOT_EVICTION_S = 5
-MAX_SPOT_EVICTION_S = 30
-"""The brief: a spot reservation's borrower yields within 5-30 s."""
+# Deprecated here (issue 24): the mapping lives in shared.infra.reservations; re-exported until placement
+# imports it from there.
+from shared.infra.reservations import preemption_view, reservation_of, state_of
+
+__all__ = [  # the state's models, defined in reservation_state, are this module's names too
+    "MAX_SPOT_EVICTION_S",
+    "MIN_SPOT_EVICTION_S",
+    "AccId",
+    "BackoffView",
+    "BorrowView",
+    "PolicyName",
+    "PreemptionView",
+    "ReservationCancelReply",
+    "ReservationCancelRequest",
+    "ReservationCreateReply",
+    "ReservationCreateRequest",
+    "ReservationEvent",
+    "ReservationEventName",
+    "ReservationReclaimReply",
+    "ReservationReclaimRequest",
+    "ReservationReportReply",
+    "ReservationReportRequest",
+    "ReservationState",
+    "ReservationStatusReply",
+    "ReservationStatusRequest",
+    "ReservationStatusView",
+    "preemption_view",
+    "reservation_of",
+    "state_of",
+]
 
 
 class ReservationEventName(StrEnum):
@@ -104,50 +138,6 @@ class ReservationStatusRequest(Request):
     )
 
 
-class BorrowView(Contract):
-    allocation_id: str = Field(description="The borrower's allocation.", examples=["al-..."])
-    tenant: str = Field(description="The borrower.", examples=["globex"])
-    accelerators: list[str] = Field(description="Of the reservation's, those it holds.")
-    bytes: dict[str, Int] = Field(default_factory=dict, description="HBM bytes it holds per accelerator.")
-    lent_at: datetime = Field(description="When it landed (reclaim takes the latest first).")
-
-
-class BackoffView(Contract):
-    accelerator: str = Field(description="Accelerator.", examples=["dgx-h100-01/gpu0"])
-    until: datetime = Field(description="Not lent again before this.")
-    strikes: Int = Field(description="Reclaims in a row (each doubles the wait).", examples=[1])
-    last: datetime = Field(description="The last reclaim.")
-
-
-class PreemptionView(Contract):
-    allocation_id: str = Field(description="The borrower's allocation.", examples=["al-..."])
-    tenant: str = Field(description="The borrower.", examples=["globex"])
-    reservation_id: str = Field(description="Reservation.", examples=["res-1"])
-    deadline_at: datetime = Field(description="The ledger frees the allocation then at the latest.")
-    issued_at: datetime = Field(description="When the owner asked.")
-    done: bool = Field(default=False, description="The ledger has acknowledged it.")
-    request_id: str | None = Field(default=None, description="The owner's placement it makes room for.")
-
-
-class ReservationState(Contract):
-    """A reservation's whole state, as every RESERVATION event carries it."""
-
-    reservation_id: str = Field(description="Reservation id.", examples=["res-1"])
-    tenant: str = Field(description="Owner.", examples=["acme"])
-    policy: PolicyName = Field(description="Policy.", examples=["soft"])
-    sku: str | None = Field(default=None, description="SKU (when all its accelerators share one).")
-    region: str | None = Field(default=None, description="Region (when all share one).")
-    accelerators: list[str] = Field(description="Reserved accelerators.")
-    spot_eviction_s: Int = Field(default=MAX_SPOT_EVICTION_S, description="Spot: borrower's notice.")
-    created_at: datetime = Field(description="Created.")
-    state: Literal["active", "cancelled"] = Field(default="active", description="State.")
-    offered: list[str] = Field(default_factory=list, description="Accelerators open to borrowers now.")
-    borrowers: list[BorrowView] = Field(default_factory=list, description="Borrowers on it, oldest first.")
-    backoff: list[BackoffView] = Field(default_factory=list, description="Accelerators not lent again yet.")
-    preemptions: list[PreemptionView] = Field(default_factory=list, description="Preemptions not yet done.")
-    version: Int = Field(default=1, description="Bumped by every change.")
-
-
 class ReservationEvent(Contract):
     """Payload of every RESERVATION event."""
 
@@ -212,90 +202,3 @@ class ReservationReclaimReply(Contract):
     status: Literal["preempted", "rejected"] = Field(description="Outcome.", examples=["preempted"])
     preemptions: list[PreemptionView] = Field(default_factory=list, description="One per allocation.")
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
-
-
-# -- contract <-> domain (the filler writes these states, placement folds them) --------------------
-
-
-def state_of(reservation: Reservation) -> ReservationState:
-    """The wire form of a reservation's whole state."""
-    return ReservationState(
-        reservation_id=reservation.id,
-        tenant=reservation.tenant,
-        policy=reservation.policy,
-        sku=reservation.sku,
-        region=reservation.region,
-        accelerators=list(reservation.accelerators),
-        spot_eviction_s=reservation.spot_eviction_s,
-        created_at=reservation.created_at,
-        state=reservation.state,
-        offered=sorted(reservation.offered),
-        borrowers=[
-            BorrowView(
-                allocation_id=b.allocation_id,
-                tenant=b.tenant,
-                accelerators=list(b.accelerators),
-                bytes=dict(b.bytes),
-                lent_at=b.lent_at,
-            )
-            for b in reservation.borrowers
-        ],
-        backoff=[
-            BackoffView(accelerator=acc, until=b.until, strikes=b.strikes, last=b.last)
-            for acc, b in sorted(reservation.backoff.items())
-        ],
-        preemptions=[preemption_view(p) for p in reservation.preemptions],
-        version=reservation.version,
-    )
-
-
-def preemption_view(p: Preemption) -> PreemptionView:
-    return PreemptionView(
-        allocation_id=p.allocation_id,
-        tenant=p.tenant,
-        reservation_id=p.reservation_id,
-        deadline_at=p.deadline_at,
-        issued_at=p.issued_at,
-        done=p.done,
-        request_id=p.request_id,
-    )
-
-
-def reservation_of(state: ReservationState) -> Reservation:
-    """The domain value of a wire state (what an event carries)."""
-    return Reservation(
-        id=state.reservation_id,
-        tenant=state.tenant,
-        policy=state.policy,
-        accelerators=tuple(state.accelerators),
-        created_at=state.created_at,
-        sku=state.sku,
-        region=state.region,
-        spot_eviction_s=state.spot_eviction_s,
-        state=state.state,
-        offered=frozenset(state.offered),
-        borrowers=tuple(
-            Borrow(
-                allocation_id=b.allocation_id,
-                tenant=b.tenant,
-                accelerators=tuple(b.accelerators),
-                bytes=dict(b.bytes),
-                lent_at=b.lent_at,
-            )
-            for b in state.borrowers
-        ),
-        backoff={b.accelerator: Backoff(until=b.until, strikes=b.strikes, last=b.last) for b in state.backoff},
-        preemptions=tuple(
-            Preemption(
-                allocation_id=p.allocation_id,
-                tenant=p.tenant,
-                reservation_id=p.reservation_id,
-                deadline_at=p.deadline_at,
-                issued_at=p.issued_at,
-                done=p.done,
-                request_id=p.request_id,
-            )
-            for p in state.preemptions
-        ),
-        version=state.version,
-    )

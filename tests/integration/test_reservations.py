@@ -33,14 +33,13 @@ from shared.contracts.reservation import (
     ReservationState,
     ReservationStatusReply,
     ReservationStatusRequest,
-    reservation_of,
-    state_of,
 )
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
 from shared.domain.reservations import ReservationBook
 from shared.infra.catalog import demo_fleet_path
 from shared.infra.db import make_engine
+from shared.infra.reservations import reservation_of, state_of
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings
 from tests.conftest import ServiceProcesses

@@ -23,6 +23,8 @@ LEDGER_UNIT = "tests/unit/services/capacity_ledger"
 LEDGER_DOMAIN = "tests/unit/domain/ledger"
 PLACEMENT_UNIT = "tests/unit/services/placement"
 REBALANCER_UNIT = "tests/unit/services/rebalancer"
+FILLER_UNIT = "tests/unit/services/reservation_filler"
+RESERVATIONS_DOMAIN = "tests/unit/domain/reservations"
 PLACEMENT_IT = "tests/integration/test_placement.py"
 RESERVATION_PROBE_IT = "tests/integration/test_reservation_probe.py"
 ROW_10_IT = f"{RESERVATION_PROBE_IT}::test_row_10_a_filler_killed_mid_reclaim_holds_no_answer_and_health_recovers"
@@ -186,8 +188,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="drift_every_sample",
         what="drift reported on every sample of an episode instead of once",
         file="shared/domain/ledger/drift.py",
-        find="            if streak == self.consecutive:\n",
-        replace="            if streak >= self.consecutive:\n",
+        find="            return (drift if streak == self.consecutive else None), streak\n",
+        replace="            return (drift if streak >= self.consecutive else None), streak\n",
         tests=(LEDGER_DOMAIN, LEDGER_UNIT, LEDGER_IT),
     ),
     Mutant(
@@ -272,7 +274,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="created_before_announced",
         what="reservation.create answers `created` before its event is in the RESERVATION stream",
-        file="services/reservation_filler/handlers.py",
+        file="services/reservation_filler/requests.py",
         find="        return await self._announced(created)\n",
         replace="        return created\n",
         tests=(ROW_11_IT,),
@@ -427,10 +429,34 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="quota_reserved_unchecked",
         what="reservation.create ignores the tenant's quota of reserved GPUs",
-        file="services/reservation_filler/handlers.py",
+        file="services/reservation_filler/requests.py",
         find="            over = await self._over_quota(uow, request)\n",
         replace="            over = None\n",
-        tests=(QUEUE_QUOTAS_IT,),
+        tests=(FILLER_UNIT, QUEUE_QUOTAS_IT),
+    ),
+    Mutant(
+        name="reservation_clash_ignores_other_tenants_use",
+        what="reservation.create takes named GPUs another tenant's allocation is using",
+        file="shared/domain/reservations/claim.py",
+        find="    clash = [acc for acc in accelerators if acc in taken or acc in used_by_others]\n",
+        replace="    clash = [acc for acc in accelerators if acc in taken]\n",
+        tests=(RESERVATIONS_DOMAIN, FILLER_UNIT),
+    ),
+    Mutant(
+        name="reservation_status_shows_another_tenants",
+        what="reservation.status answers another tenant's reservation by its id",
+        file="services/reservation_filler/requests.py",
+        find="                if one is None or not one.active or one.tenant != request.tenant:",
+        replace="                if one is None or not one.active:",
+        tests=(FILLER_UNIT,),
+    ),
+    Mutant(
+        name="preemption_acknowledgement_not_recorded",
+        what="the filler never records that the ledger acknowledged a preemption (it asks again forever)",
+        file="services/reservation_filler/reclaim.py",
+        find="        if acknowledged:\n            # Recorded after the answer goes back",
+        replace="        if False:\n            # Recorded after the answer goes back",
+        tests=(FILLER_UNIT,),
     ),
     Mutant(
         name="after_commit_runs_inside_the_transaction",

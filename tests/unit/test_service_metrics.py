@@ -17,7 +17,7 @@ from services.capacity_ledger.store import AcceleratorFigures, GroupFigures, Met
 from services.cross_region_router.metrics import RouterMetrics
 from services.placement.metrics import PlacementMetrics, ViewMetrics
 from services.registry import SERVICES
-from services.reservation_filler.handlers import Filled, fill_figures
+from services.reservation_filler.figures import Filled, fill_figures
 from services.reservation_filler.metrics import ReservationMetrics
 from services.topology_discovery.app import AGENT
 from services.topology_discovery.metrics import TopologyMetrics

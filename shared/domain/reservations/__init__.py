@@ -1,6 +1,7 @@
 """Reservations: hard, soft and spot; lending idle reserved accelerators; LIFO reclaim with backoff."""
 
 from shared.domain.reservations.book import ReclaimPlan, ReservationBook, Right, plan_reclaim, vacate
+from shared.domain.reservations.claim import Claim, Refused, claim_count, claim_named, free, in_use, unclaimable
 from shared.domain.reservations.model import (
     DEFAULT_BACKOFF_MAX_S,
     DEFAULT_BACKOFF_S,
@@ -38,10 +39,12 @@ __all__ = [
     "POLICIES",
     "Backoff",
     "Borrow",
+    "Claim",
     "LendingPolicy",
     "Policy",
     "Preemption",
     "ReclaimPlan",
+    "Refused",
     "Reservation",
     "ReservationBook",
     "Right",
@@ -50,14 +53,19 @@ __all__ = [
     "Use",
     "cancel",
     "choose",
+    "claim_count",
+    "claim_named",
     "fill_rate",
+    "free",
     "idle_cost_usd_per_hour",
+    "in_use",
     "lifo",
     "next_backoff",
     "plan_reclaim",
     "preemption_done",
     "reclaim",
     "refresh",
+    "unclaimable",
     "usage",
     "vacate",
 ]

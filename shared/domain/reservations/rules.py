@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
@@ -35,22 +35,30 @@ class Slot:
     cluster: str
 
 
+def free_slots(
+    inventory: Iterable[Slot], *, sku: str, region: str, taken: Collection[str], used_by_others: Collection[str]
+) -> list[Slot]:
+    """The accelerators of ``sku`` in ``region`` that no reservation holds and no other tenant uses."""
+    return [
+        s for s in inventory if s.sku == sku and s.region == region and s.id not in taken and s.id not in used_by_others
+    ]
+
+
 def choose(
     inventory: Iterable[Slot],
     *,
     count: int,
     sku: str,
     region: str,
-    taken: frozenset[str] | set[str],
-    used_by_others: frozenset[str] | set[str],
+    taken: Collection[str],
+    used_by_others: Collection[str],
 ) -> tuple[str, ...] | None:
     """``count`` accelerators of ``sku`` in ``region`` that no reservation holds and no other tenant
     uses, whole nodes first (an owner's TP groups stay inside one node's NVLink domain), then the nodes
     with the most such accelerators; None when there are not enough."""
     by_node: dict[str, list[Slot]] = {}
-    for slot in inventory:
-        if slot.sku == sku and slot.region == region and slot.id not in taken and slot.id not in used_by_others:
-            by_node.setdefault(slot.node, []).append(slot)
+    for slot in free_slots(inventory, sku=sku, region=region, taken=taken, used_by_others=used_by_others):
+        by_node.setdefault(slot.node, []).append(slot)
     if sum(len(slots) for slots in by_node.values()) < count:
         return None
     chosen: list[str] = []

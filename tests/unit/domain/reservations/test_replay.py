@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.contracts.reservation import ReservationState, reservation_of, state_of
+from shared.contracts.reservation import ReservationState
 from shared.domain.reservations import (
     LendingPolicy,
     Reservation,
@@ -22,6 +22,7 @@ from shared.domain.reservations import (
     reclaim,
     refresh,
 )
+from shared.infra.reservations import reservation_of, state_of
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
 GB = 10**9
