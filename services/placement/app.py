@@ -3,8 +3,6 @@ queue of requests waiting for capacity."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +23,7 @@ from shared.contracts.subjects import Context, Rpc
 from shared.domain.admission import AdmitPolicy
 from shared.infra.catalog import load_model_groups, load_models, load_skus
 from shared.infra.clock import monotonic_ms
+from shared.infra.faults import fault_hook
 from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
 
@@ -35,13 +34,6 @@ class Ctx:
     readmodel: ReadModel
     admission: AdmissionHandlers
     metrics: ViewMetrics
-
-
-def _fault_after_commit(settings: Settings) -> Callable[[], None]:
-    """Tests only: `exit` dies the way a SIGKILL would, between the ledger's commit and the decision row."""
-    if settings.placement_fault_after_commit == "exit":
-        return lambda: os._exit(70)
-    return lambda: None
 
 
 def wire(runtime: Runtime) -> Ctx:
@@ -100,7 +92,8 @@ def wire(runtime: Runtime) -> Ctx:
         ),
         clock=runtime.clock,
         log=runtime.log,
-        after_commit=_fault_after_commit(settings),
+        # Tests only: `exit` dies the way a SIGKILL would, between the ledger's commit and the decision row.
+        after_commit=fault_hook(settings.placement_fault_after_commit),
         queueing=Queueing(
             timeout_s=settings.placement_queue_timeout_s,
             retry_s=settings.placement_queue_retry_s,

@@ -35,7 +35,7 @@ from shared.contracts.rebalance import (
     PlanEvent,
     ReplicaDrainingEvent,
 )
-from shared.contracts.reservation import ReservationEvent, reservation_of
+from shared.contracts.reservation import ReservationEvent
 from shared.contracts.subjects import Rpc
 from shared.contracts.topology import NodeProfilePayload, TopologyEvent
 from shared.domain.hardware import Sku
@@ -45,6 +45,7 @@ from shared.domain.placement.view import DEFAULT_PCIE_WINDOW_S, AssumeKey, Cross
 from shared.domain.reservations import ReservationBook
 from shared.infra.clock import Clock
 from shared.infra.fleet_view import apply_event, view_from
+from shared.infra.reservations import reservation_of
 from shared.infra.rpc import RpcClient
 
 # Events after which capacity may have freed: the queue is retried once the view holds them.

@@ -24,10 +24,6 @@ from shared.contracts.reservation_state import (
     ReservationState,
 )
 
-# Deprecated here (issue 24): the mapping lives in shared.infra.reservations; re-exported until placement
-# imports it from there.
-from shared.infra.reservations import preemption_view, reservation_of, state_of
-
 __all__ = [  # the state's models, defined in reservation_state, are this module's names too
     "MAX_SPOT_EVICTION_S",
     "MIN_SPOT_EVICTION_S",
@@ -50,9 +46,6 @@ __all__ = [  # the state's models, defined in reservation_state, are this module
     "ReservationStatusReply",
     "ReservationStatusRequest",
     "ReservationStatusView",
-    "preemption_view",
-    "reservation_of",
-    "state_of",
 ]
 
 

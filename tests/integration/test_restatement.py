@@ -29,7 +29,7 @@ from nats.js.errors import NotFoundError
 from hetsched.stack import wait_healthy
 from shared.contracts.envelope import new_event
 from shared.contracts.permissions import AGENT, EVENT_PUBLISHERS
-from shared.contracts.reservation import ReservationEvent, reservation_of
+from shared.contracts.reservation import ReservationEvent
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
 from shared.contracts.topology import GPU_TELEMETRY, GpuSample, GpuTelemetryEvent, NodeProfileEvent
@@ -37,6 +37,7 @@ from shared.domain.fleet import Accelerator, NodeProfile
 from shared.domain.reservations import ReservationBook
 from shared.domain.topology import pcie_only
 from shared.infra.profiles import profile_to_payload
+from shared.infra.reservations import reservation_of
 from shared.infra.settings import Settings
 from tests.conftest import ServiceProcesses
 from tests.waiting import wait_for

@@ -16,10 +16,11 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from shared.contracts.envelope import new_event
-from shared.contracts.reservation import ReservationEvent, state_of
+from shared.contracts.reservation import ReservationEvent
 from shared.contracts.subjects import Context
 from shared.domain.reservations import Reservation
 from shared.infra.follow import EventMeta, Follow, Follower, Seed, Start, StreamTail, _Feed
+from shared.infra.reservations import state_of
 
 pytestmark = pytest.mark.asyncio
 

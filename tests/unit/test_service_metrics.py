@@ -32,7 +32,7 @@ from shared.domain.topology.tpu import TpuGrid, TpuType, fragmentation
 from shared.infra.metrics import CATALOGUE, ServiceMetrics
 from shared.infra.service import build_app
 from shared.infra.settings import Settings
-from shared.infra.uow import UnitOfWork
+from shared.infra.uow import UnitOfWork, run_committed
 
 GB = 10**9
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -153,6 +153,7 @@ async def test_the_drift_gauge_shows_the_difference_while_the_detector_reports_d
         gpus = [GpuSample(index=0, memory_used_bytes=used_gb * GB), GpuSample(index=1, memory_used_bytes=30 * GB)]
         event = new_event(type="telemetry.gpu", source="test", occurred_at=NOW, payload={})
         await handlers.on_gpu_telemetry(uow=uow, event=event, payload=GpuTelemetryEvent(node="n", gpus=gpus))
+        run_committed(uow.committed)  # the consumer's transaction committed
         shown.append(value(metrics, "hetsched_hbm_drift_bytes", accelerator="n/gpu0"))
     assert shown == [None, 30 * GB, 35 * GB, 0]
     assert value(metrics, "hetsched_hbm_drift_bytes", accelerator="n/gpu1") is None  # uses what it reserved
