@@ -60,15 +60,19 @@ app.add_typer(credentials_app, name="credentials")
 
 
 def _settings(data_dir: Path | None = None) -> Settings:
-    return load_settings(data_dir=data_dir) if data_dir else load_settings()
+    return load_settings(kit={"data_dir": data_dir}) if data_dir else load_settings()
 
 
 def _endpoints(settings: Settings) -> tuple[str, str | None, str]:
     """NATS URL, database URL and subject prefix: from the environment, else a running `hetsched up`."""
     state = read_state(settings) or {}
-    nats_url = settings.nats_url or state.get("nats_url") or "nats://127.0.0.1:4222"
-    database_url = settings.database_url or state.get("database_url")
-    prefix = state.get("subject_prefix", settings.subject_prefix) if not settings.nats_url else settings.subject_prefix
+    nats_url = settings.kit.nats_url or state.get("nats_url") or "nats://127.0.0.1:4222"
+    database_url = settings.kit.database_url or state.get("database_url")
+    prefix = (
+        state.get("subject_prefix", settings.kit.subject_prefix)
+        if not settings.kit.nats_url
+        else settings.kit.subject_prefix
+    )
     return nats_url, database_url, prefix
 
 
@@ -85,7 +89,7 @@ def _with_rpc(data_dir: Path | None, what: str, work: Callable[[RpcClient], Awai
         rpc = await RpcClient.connect(
             nats_url,
             Subjects(prefix),
-            timeout_s=settings.request_timeout_ms / 1000,
+            timeout_s=settings.kit.request_timeout_ms / 1000,
             name="hetsched-cli",
             **operator_options(settings),
         )
@@ -128,7 +132,7 @@ def up(
         console.print(f"Postgres  {stack.database_url}{'  (embedded)' if stack.postgres else ''}", soft_wrap=True)
         stack.migrate()
         console.print("migrations at head")
-        console.print(f"fleet     {fleet or settings.topology_inventory or 'built-in demo fleet'}")
+        console.print(f"fleet     {fleet or settings.topology.inventory or 'built-in demo fleet'}")
         stack.create_streams()
         stack.start_services()
         stack.write_state()
@@ -137,7 +141,7 @@ def up(
         health = asyncio.run(
             wait_healthy(
                 nats_url=stack.nats_url,
-                subjects=Subjects(settings.subject_prefix),
+                subjects=Subjects(settings.kit.subject_prefix),
                 deadline_s=health_timeout_s,
                 **stack.nats_options(),
             )
@@ -146,7 +150,7 @@ def up(
             console.print(f"  {SERVICES[package].name:<22} {reply.get('status')}")
         ok = all(r.get("status") == "ok" for r in health.values())
         console.print(
-            f"{'ready' if ok else 'NOT ready'} in {time.monotonic() - started:.1f}s; state in {settings.data_dir}; "
+            f"{'ready' if ok else 'NOT ready'} in {time.monotonic() - started:.1f}s; state in {settings.kit.data_dir}; "
             "Ctrl-C stops everything"
         )
         while not stop_requested:
@@ -764,7 +768,7 @@ def console_page(
     settings = _settings(data_dir)
     nats_url, _db, prefix = _endpoints(settings)
     # An empty HETSCHED_CONSOLE_TOKEN (a compose file's blank) counts as unset.
-    configured = (settings.console_token.get_secret_value() if settings.console_token is not None else "") or None
+    configured = (settings.console.token.get_secret_value() if settings.console.token is not None else "") or None
     if configured is not None and len(configured) < 16:
         err.print("[red]console: HETSCHED_CONSOLE_TOKEN must be at least 16 characters[/red]")
         raise typer.Exit(2)
@@ -783,15 +787,15 @@ def console_page(
             run_console(
                 nats_url=nats_url,
                 subject_prefix=prefix,
-                stream_prefix=settings.stream_prefix,
+                stream_prefix=settings.kit.stream_prefix,
                 host=host,
                 port=port,
-                timeout_s=settings.request_timeout_ms / 1000,
+                timeout_s=settings.kit.request_timeout_ms / 1000,
                 connect_options=operator_options(settings),
                 token=token,
-                allowed_hosts=settings.console_allowed_hosts,
+                allowed_hosts=settings.console.allowed_hosts,
                 limits=Limits(
-                    max_connections=settings.console_max_connections, read_timeout_s=settings.console_read_timeout_s
+                    max_connections=settings.console.max_connections, read_timeout_s=settings.console.read_timeout_s
                 ),
                 announce=announce,
             )
@@ -926,7 +930,7 @@ def sim(
             live_policy = LivePolicy(
                 nats_url=nats_url,
                 subjects=Subjects(prefix),
-                timeout_s=settings.request_timeout_ms / 1000,
+                timeout_s=settings.kit.request_timeout_ms / 1000,
                 options=operator_options(settings),
             )
         except Exception as exc:

@@ -32,15 +32,15 @@ DataDirOption = Annotated[Path | None, typer.Option(help="Data dir of `hetsched 
 
 
 def _settings(data_dir: Path | None) -> Settings:
-    return load_settings(data_dir=data_dir) if data_dir else load_settings()
+    return load_settings(kit={"data_dir": data_dir}) if data_dir else load_settings()
 
 
 def _apply(settings: Settings, registry: Registry) -> str:
     """Save the registry, render auth.conf, reload a running embedded server; what happened, in words."""
-    directory = identity_dir(settings.data_dir)
+    directory = identity_dir(settings.kit.data_dir)
     registry.save(directory)
-    service_settings = settings.model_copy(
-        update={"subject_prefix": registry.subject_prefix, "stream_prefix": registry.stream_prefix}
+    service_settings = settings.updated(
+        kit={"subject_prefix": registry.subject_prefix, "stream_prefix": registry.stream_prefix}
     )
     path = write_auth_conf(directory, registry, service_permission_map(service_settings))
     state = read_state(settings) or {}
@@ -51,7 +51,7 @@ def _apply(settings: Settings, registry: Registry) -> str:
 
 
 def _load(settings: Settings) -> Registry:
-    directory = identity_dir(settings.data_dir)
+    directory = identity_dir(settings.kit.data_dir)
     if not (directory / "identities.json").exists():
         err.print(f"[red]no identities under {directory}: run `hetsched up` there first (or pass --data-dir)[/red]")
         raise typer.Exit(2)

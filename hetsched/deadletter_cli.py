@@ -28,9 +28,9 @@ DataDirOption = Annotated[Path | None, typer.Option(help="Data dir of a running 
 
 
 def _run(data_dir: Path | None, work: Callable[[JetStreamContext, str], Awaitable[T]]) -> T:
-    settings = load_settings(data_dir=data_dir) if data_dir else load_settings()
-    nats_url = settings.nats_url or (read_state(settings) or {}).get("nats_url") or "nats://127.0.0.1:4222"
-    stream = deadletter_stream_name(stream_prefix=settings.stream_prefix)
+    settings = load_settings(kit={"data_dir": data_dir}) if data_dir else load_settings()
+    nats_url = settings.kit.nats_url or (read_state(settings) or {}).get("nats_url") or "nats://127.0.0.1:4222"
+    stream = deadletter_stream_name(stream_prefix=settings.kit.stream_prefix)
 
     async def session() -> T:
         nc = await nats.connect(

@@ -30,39 +30,39 @@ class Ctx:
 
 def config_of(settings: Settings) -> RebalanceConfig:
     """The detectors' rules from the settings (defaults from the brief)."""
-    hysteresis = settings.rebalance_hysteresis
-    drift_stale = max(settings.rebalance_drift_window_s, settings.rebalance_drift_check_s)
+    hysteresis = settings.rebalancer.hysteresis
+    drift_stale = max(settings.rebalancer.drift_window_s, settings.rebalancer.drift_check_s)
     return RebalanceConfig(
-        hot=Rule("hbm_hot", settings.rebalance_hot_util, settings.rebalance_hot_window_s, hysteresis=hysteresis),
+        hot=Rule("hbm_hot", settings.rebalancer.hot_util, settings.rebalancer.hot_window_s, hysteresis=hysteresis),
         cold=Rule(
             "hbm_cold",
-            settings.rebalance_cold_util,
-            settings.rebalance_cold_window_s,
+            settings.rebalancer.cold_util,
+            settings.rebalancer.cold_window_s,
             above=False,
             hysteresis=hysteresis,
         ),
         fragmentation=Rule(
             "tpu_fragmentation",
-            settings.rebalance_frag_threshold,
-            settings.rebalance_frag_window_s,
+            settings.rebalancer.frag_threshold,
+            settings.rebalancer.frag_window_s,
             hysteresis=hysteresis,
         ),
-        pcie=Rule("pcie_hot", settings.rebalance_pcie_util, settings.rebalance_pcie_window_s, hysteresis=hysteresis),
+        pcie=Rule("pcie_hot", settings.rebalancer.pcie_util, settings.rebalancer.pcie_window_s, hysteresis=hysteresis),
         # Drift is sampled every `drift_check_s` on agents that report every 30 s: a target is kept well past
         # a silent gap, so a drift that lasts fires its alarm once.
         drift_alarm=Rule(
-            "hbm_drift_alarm", settings.rebalance_drift_ratio, 0, hysteresis=0.02, stale_s=max(300.0, 3 * drift_stale)
+            "hbm_drift_alarm", settings.rebalancer.drift_ratio, 0, hysteresis=0.02, stale_s=max(300.0, 3 * drift_stale)
         ),
         drift=Rule(
             "hbm_drift",
-            settings.rebalance_drift_ratio,
-            settings.rebalance_drift_window_s,
+            settings.rebalancer.drift_ratio,
+            settings.rebalancer.drift_window_s,
             hysteresis=0.02,
             stale_s=max(300.0, 3 * drift_stale),
         ),
-        migrations_per_min=settings.rebalance_migrations_per_min,
-        drift_check_s=settings.rebalance_drift_check_s,
-        tick_s=settings.rebalance_tick_s,
+        migrations_per_min=settings.rebalancer.migrations_per_min,
+        drift_check_s=settings.rebalancer.drift_check_s,
+        tick_s=settings.rebalancer.tick_s,
     )
 
 
@@ -73,14 +73,14 @@ def wire(runtime: Runtime) -> Ctx:
         rpc=runtime.rpc,
         clock=runtime.clock,
         config=config_of(settings),
-        skus=load_skus(settings.sku_catalog),
-        models=load_models(settings.model_catalog),
+        skus=load_skus(settings.kit.sku_catalog),
+        models=load_models(settings.kit.model_catalog),
         jetstream=lambda: runtime.jetstream,
         subjects=runtime.subjects,
-        stream_prefix=settings.stream_prefix,
+        stream_prefix=settings.kit.stream_prefix,
         log=runtime.log,
         metrics=RebalanceMetrics(runtime.metrics),
-        restate_s=restate_every_s(settings.stream_rebalance_max_age_s),  # docs/RETENTION.md
+        restate_s=restate_every_s(settings.kit.stream_rebalance_max_age_s),  # docs/RETENTION.md
     )
     return Ctx(handlers=handlers)
 

@@ -38,30 +38,30 @@ class Ctx:
 def wire(runtime: Runtime) -> Ctx:
     settings = runtime.settings
     policy = LendingPolicy(
-        fill_target=settings.reservation_fill_target,
-        backoff_s=settings.reservation_backoff_s,
-        backoff_max_s=settings.reservation_backoff_max_s,
+        fill_target=settings.reservations.fill_target,
+        backoff_s=settings.reservations.backoff_s,
+        backoff_max_s=settings.reservations.backoff_max_s,
     )
     handlers = ReservationHandlers(
         uow=runtime.uow,
         rpc=runtime.rpc,
         clock=runtime.clock,
         policy=policy,
-        skus=load_skus(settings.sku_catalog),
-        regions=load_regions(settings.regions_file),
-        tick_s=settings.reservation_tick_s,
+        skus=load_skus(settings.kit.sku_catalog),
+        regions=load_regions(settings.kit.regions_file),
+        tick_s=settings.reservations.tick_s,
         log=runtime.log,
         after_record=_fault_after_record(settings),
         metrics=ReservationMetrics(runtime.metrics),
         quotas=settings.quotas(),
-        restate_s=restate_every_s(settings.stream_reservation_max_age_s),
+        restate_s=restate_every_s(settings.kit.stream_reservation_max_age_s),
     )
     return Ctx(handlers=handlers)
 
 
 def _fault_after_record(settings: Settings) -> Callable[[], None]:
     """Tests only: `exit` dies the way a SIGKILL would, between writing preemptions and asking the ledger."""
-    if settings.reservation_fault_after_record == "exit":
+    if settings.reservations.fault_after_record == "exit":
         return lambda: os._exit(70)
     return lambda: None
 
