@@ -44,7 +44,6 @@ def _section_config(env_prefix: str) -> SettingsConfigDict:
         env_file=_SETTINGS_FILE,
         extra="ignore",
         frozen=True,
-        populate_by_name=True,  # tests and the launcher pass fields by name; the environment by variable
         alias_generator=AliasGenerator(validation_alias=lambda name: f"{env_prefix}{name.upper()}"),
     )
 
@@ -100,11 +99,15 @@ def _route_weights(value: object) -> object:
     if isinstance(value, str) and value.strip() and not value.strip().startswith("{"):
         return _legacy_route_weights(value)
     value = _mapping_text(value)
-    if isinstance(value, Mapping):
-        unknown = sorted(set(map(str, value)) - {"rtt", "price", "power", "affinity"})
-        if unknown:
-            raise ValueError(f"unknown route weight {', '.join(unknown)}: rtt, price, power, affinity")
-    return value
+    if not isinstance(value, Mapping):
+        return value
+    unknown = sorted(set(map(str, value)) - {"rtt", "price", "power", "affinity"})
+    if unknown:
+        raise ValueError(f"unknown route weight {', '.join(unknown)}: rtt, price, power, affinity")
+    try:  # built here: the section's variable names would otherwise be taken for the weights' keys
+        return Weights(**{str(name): float(weight) for name, weight in value.items()})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"route weights must be finite numbers >= 0: {exc}") from None
 
 
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -115,6 +118,12 @@ class Section(BaseSettings):
 
     title: ClassVar[str] = ""
     model_config = _section_config(PREFIX)
+
+    def __init__(self, **values: Any) -> None:
+        # Fields passed by name (tests, the launcher) go in under their variable: the environment is read by
+        # variable only (``populate_by_name`` would also read a bare ``NODE`` or ``TOKEN``).
+        fields = type(self).model_fields
+        super().__init__(**{(env_var(type(self), key) if key in fields else key): v for key, v in values.items()})
 
 
 class KitSettings(Section):

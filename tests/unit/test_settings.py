@@ -49,10 +49,20 @@ def test_each_variable_sets_its_field(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.kit.subject_prefix == "lower"
 
 
+def test_only_the_published_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bare in ("QUEUE_PAGE", "NODE", "TOKEN", "HETSCHED_KIT_REGION", "HETSCHED_PLACEMENT__QUEUE_PAGE"):
+        monkeypatch.setenv(bare, "7")
+    settings = Settings()
+    assert (settings.placement.queue_page, settings.topology.node, settings.console.token) == (200, None, None)
+    assert settings.kit.region == "local"
+
+
 def test_a_bad_value_names_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HETSCHED_PLACEMENT_QUEUE_PAGE", "0")
     with pytest.raises(ValidationError, match="HETSCHED_PLACEMENT_QUEUE_PAGE"):
         Settings()
+    with pytest.raises(ValidationError, match="HETSCHED_PLACEMENT_QUEUE_PAGE"):
+        PlacementSettings(queue_page=0)  # by name too
     monkeypatch.delenv("HETSCHED_PLACEMENT_QUEUE_PAGE")
     monkeypatch.setenv("HETSCHED_ADMIT_TENANT_WEIGHTS", '{"acme": -1}')
     with pytest.raises(ValidationError, match="HETSCHED_ADMIT_TENANT_WEIGHTS"):
@@ -64,7 +74,7 @@ def test_the_settings_file_is_read(tmp_path: Path) -> None:
     env.write_text(
         'HETSCHED_PLACEMENT_QUEUE_PAGE=9\nHETSCHED_ADMIT_TENANT_WEIGHTS={"acme": 2}\nHETSCHED_ROUTE_WEIGHTS=1,0,0,0\n'
     )
-    placement = PlacementSettings(_env_file=env)  # type: ignore[call-arg]
+    placement = PlacementSettings(_env_file=env)
     assert placement.queue_page == 9
     assert placement.admit_tenant_weights == {"acme": 2.0}
 
