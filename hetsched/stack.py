@@ -72,7 +72,7 @@ class Child:
 
 
 def state_path(settings: Settings) -> Path:
-    return settings.data_dir / STATE_FILE
+    return settings.kit.data_dir / STATE_FILE
 
 
 def read_state(settings: Settings) -> dict[str, Any] | None:
@@ -149,9 +149,9 @@ def operator_options(settings: Settings) -> dict[str, Any]:
     its state file, else ``<data-dir>/nats/admin.nk`` when present (the operator's); no seed at all on
     a server without authentication."""
     state = read_state(settings) or {}
-    seed = settings.nats_nkey_seed_file or state.get("nats_nkey_seed_file")
+    seed = settings.kit.nats_nkey_seed_file or state.get("nats_nkey_seed_file")
     if seed:
-        settings = settings.model_copy(update={"nats_nkey_seed_file": Path(seed)})
+        settings = settings.updated(kit={"nats_nkey_seed_file": Path(seed)})
     return connect_options(settings, operator_fallback=True)
 
 
@@ -166,10 +166,10 @@ def write_identities(settings: Settings) -> Identities:
     """Seeds for the operator and each service (made once, kept under ``<data-dir>/nats``), the registry,
     and the server's ``auth.conf`` with every identity's permissions (gateways and agents issued
     before keep theirs). What `hetsched up` and `hetsched credentials init` do."""
-    directory = nats_dir(settings.data_dir)
+    directory = nats_dir(settings.kit.data_dir)
     registry = Registry.load(directory)
-    registry.subject_prefix = settings.subject_prefix
-    registry.stream_prefix = settings.stream_prefix
+    registry.subject_prefix = settings.kit.subject_prefix
+    registry.stream_prefix = settings.kit.stream_prefix
     operator_seed = ensure_operator(directory, registry)
     seeds = {
         package: ensure_seeded(
@@ -184,11 +184,11 @@ def write_identities(settings: Settings) -> Identities:
 
 def service_permission_map(settings: Settings) -> dict[str, Permissions]:
     """Each service's NATS permissions under ``settings``, by service name (what auth.conf grants)."""
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.kit.subject_prefix)
     grants = [grant_of(definition, settings) for definition in SERVICES.values()]
     # Each service's consumers are its own: the others' durables are denied to it by name.
     return {
-        grant.name: service_permissions(grant, subjects, others=grants, stream_prefix=settings.stream_prefix)
+        grant.name: service_permissions(grant, subjects, others=grants, stream_prefix=settings.kit.stream_prefix)
         for grant in grants
     }
 
@@ -203,15 +203,15 @@ class Stack:
         self.nats: EmbeddedNats | None = None
         self.postgres: EmbeddedPostgres | None = None
         self.children: dict[str, Child] = {}
-        self.nats_url = settings.nats_url or ""
-        self.database_url = settings.database_url or ""
+        self.nats_url = settings.kit.nats_url or ""
+        self.database_url = settings.kit.database_url or ""
         self.operator_seed: Path | None = None  # set when `up` runs NATS with authentication
         self.service_seeds: dict[str, Path] = {}
         self._stopping = False
 
     # -- start -------------------------------------------------------------------------------
     def start_servers(self) -> None:
-        data = self.settings.data_dir
+        data = self.settings.kit.data_dir
         data.mkdir(parents=True, exist_ok=True)
         logs = data / "logs"
         logs.mkdir(exist_ok=True)
@@ -232,12 +232,14 @@ class Stack:
         ``HETSCHED_DATABASE_ROLE_PASSWORD`` sets one for all. A configured server: that setting (unset:
         the roles' passwords are left as they are, e.g. trust or peer auth)."""
         role_passwords: dict[str, SecretStr] | None = None
-        if self.postgres is not None and self.settings.database_role_password is None:
-            files = {role_of(schema): role_password_file(self.settings.data_dir, role_of(schema)) for schema in SCHEMAS}
+        if self.postgres is not None and self.settings.kit.database_role_password is None:
+            files = {
+                role_of(schema): role_password_file(self.settings.kit.data_dir, role_of(schema)) for schema in SCHEMAS
+            }
             role_passwords = {role: SecretStr(read_or_create_secret(path)) for role, path in files.items()}
         upgrade(
             self.database_url,
-            role_password=self.settings.database_role_password,
+            role_password=self.settings.kit.database_role_password,
             role_passwords=role_passwords,
             tls=database_tls(self.settings) if self.postgres is None else None,  # the embedded one is loopback only
         )
@@ -247,10 +249,10 @@ class Stack:
         env.update(self._database_env(package))
         env.update(self._nats_env(package))
         env["HETSCHED_NATS_URL"] = self.nats_url
-        env["HETSCHED_DATA_DIR"] = str(self.settings.data_dir)
-        env["HETSCHED_SUBJECT_PREFIX"] = self.settings.subject_prefix
-        env["HETSCHED_STREAM_PREFIX"] = self.settings.stream_prefix
-        fleet = self.fleet_file or self.settings.topology_inventory or demo_fleet_path()
+        env["HETSCHED_DATA_DIR"] = str(self.settings.kit.data_dir)
+        env["HETSCHED_SUBJECT_PREFIX"] = self.settings.kit.subject_prefix
+        env["HETSCHED_STREAM_PREFIX"] = self.settings.kit.stream_prefix
+        fleet = self.fleet_file or self.settings.topology.inventory or demo_fleet_path()
         env["HETSCHED_TOPOLOGY_INVENTORY"] = str(Path(fleet).resolve())
         return env
 
@@ -258,12 +260,12 @@ class Stack:
         """What one service needs to reach Postgres: the server and database (without the migrating user's
         password) and its own role's password, no other. Read at each spawn: a service restarted after
         its password file changed connects with the new one (docs/SECURITY.md, rotation)."""
-        if not self.settings.database_roles:  # it connects as the URL's user: it needs that user's password
+        if not self.settings.kit.database_roles:  # it connects as the URL's user: it needs that user's password
             return {"HETSCHED_DATABASE_URL": self.database_url}
         env = {"HETSCHED_DATABASE_URL": without_password(self.database_url)}
-        own = role_password_file(self.settings.data_dir, role_of(SERVICES[package].schema))
-        if self.settings.database_role_password is not None:  # one for every role, wherever settings came from
-            env["HETSCHED_DATABASE_ROLE_PASSWORD"] = self.settings.database_role_password.get_secret_value()
+        own = role_password_file(self.settings.kit.data_dir, role_of(SERVICES[package].schema))
+        if self.settings.kit.database_role_password is not None:  # one for every role, wherever settings came from
+            env["HETSCHED_DATABASE_ROLE_PASSWORD"] = self.settings.kit.database_role_password.get_secret_value()
         elif self.postgres is not None and own.exists():
             env["HETSCHED_DATABASE_ROLE_PASSWORD"] = own.read_text().strip()
         return env
@@ -279,7 +281,7 @@ class Stack:
         """How `up` itself (health probes, stream creation) connects: as the operator when it runs NATS."""
         if self.operator_seed is None:
             return connect_options(self.settings, operator_fallback=True)
-        return connect_options(self.settings.model_copy(update={"nats_nkey_seed_file": self.operator_seed}))
+        return connect_options(self.settings.updated(kit={"nats_nkey_seed_file": self.operator_seed}))
 
     def _nats_env(self, package: str) -> dict[str, str]:
         """What one service needs to reach NATS as its own identity: its seed and its inbox prefix."""
@@ -308,7 +310,7 @@ class Stack:
         asyncio.run(create())
 
     def _spawn(self, package: str) -> subprocess.Popen[bytes]:
-        with open(self.settings.data_dir / "logs" / f"{package}.log", "ab") as log:  # the child keeps its copy
+        with open(self.settings.kit.data_dir / "logs" / f"{package}.log", "ab") as log:  # the child keeps its copy
             return subprocess.Popen(
                 [sys.executable, "-m", module_of(package)],
                 env=self._child_env(package),
@@ -327,7 +329,7 @@ class Stack:
             "pid": os.getpid(),
             "nats_url": self.nats_url,
             "database_url": plain_url(self.database_url),
-            "subject_prefix": self.settings.subject_prefix,
+            "subject_prefix": self.settings.kit.subject_prefix,
             "nats_nkey_seed_file": str(self.operator_seed) if self.operator_seed else None,
             "embedded": {"nats": self.nats is not None, "postgres": self.postgres is not None},
             "servers": {
@@ -368,7 +370,7 @@ class Stack:
             self.write_state()
 
     def _restart_server(self, name: str, server: EmbeddedNats | EmbeddedPostgres, *, code: int) -> None:
-        log = self.settings.data_dir / "logs" / ("nats.log" if name == "nats-server" else "postgres.log")
+        log = self.settings.kit.data_dir / "logs" / ("nats.log" if name == "nats-server" else "postgres.log")
         backoff = SERVER_RESTART_BACKOFF_S
         why = ""
         for attempt in range(1, SERVER_RESTART_ATTEMPTS + 1):

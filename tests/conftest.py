@@ -44,25 +44,27 @@ async def database_url(servers: RealServers) -> AsyncIterator[str]:
 @pytest.fixture(scope="session")
 def settings(servers: RealServers, database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
     return Settings(
-        nats_url=servers.nats_url,
-        database_url=database_url,
-        database_role_password=SecretStr(ROLE_PASSWORD),
-        subject_prefix=servers.subject_prefix,
-        stream_prefix=servers.stream_prefix,
-        data_dir=tmp_path_factory.mktemp("data"),
-        log_format="text",
+        kit={
+            "nats_url": servers.nats_url,
+            "database_url": database_url,
+            "database_role_password": SecretStr(ROLE_PASSWORD),
+            "subject_prefix": servers.subject_prefix,
+            "stream_prefix": servers.stream_prefix,
+            "data_dir": tmp_path_factory.mktemp("data"),
+            "log_format": "text",
+        }
     )
 
 
 def service_env(settings: Settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETSCHED_")}
     env.update(
-        HETSCHED_NATS_URL=settings.nats_url or "",
-        HETSCHED_DATABASE_URL=settings.database_url or "",
+        HETSCHED_NATS_URL=settings.kit.nats_url or "",
+        HETSCHED_DATABASE_URL=settings.kit.database_url or "",
         HETSCHED_DATABASE_ROLE_PASSWORD=ROLE_PASSWORD,
-        HETSCHED_SUBJECT_PREFIX=settings.subject_prefix,
-        HETSCHED_STREAM_PREFIX=settings.stream_prefix,
-        HETSCHED_DATA_DIR=str(settings.data_dir),
+        HETSCHED_SUBJECT_PREFIX=settings.kit.subject_prefix,
+        HETSCHED_STREAM_PREFIX=settings.kit.stream_prefix,
+        HETSCHED_DATA_DIR=str(settings.kit.data_dir),
         HETSCHED_LOG_FORMAT="json",
     )
     return env
@@ -99,8 +101,8 @@ class ServiceProcesses:
         self.start("topology_discovery", name=f"{prefix}topology", HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path()))
         self.start("capacity_ledger", name=f"{prefix}ledger", HETSCHED_LEDGER_SWEEP_MS=str(sweep_ms))
         health = await wait_healthy(
-            nats_url=self.settings.nats_url or "",
-            subjects=Subjects(self.settings.subject_prefix),
+            nats_url=self.settings.kit.nats_url or "",
+            subjects=Subjects(self.settings.kit.subject_prefix),
             deadline_s=60,
             only={"topology_discovery", "capacity_ledger"},
         )

@@ -124,15 +124,19 @@ def _usage_error(exc: Exception) -> NoReturn:
 
 
 def settings_of(data_dir: Path | None = None) -> Settings:
-    return load_settings(data_dir=data_dir) if data_dir else load_settings()
+    return load_settings(kit={"data_dir": data_dir}) if data_dir else load_settings()
 
 
 def endpoints(settings: Settings) -> tuple[str, str | None, str]:
     """NATS URL, database URL and subject prefix: from the environment, else a running `hetsched up`."""
     state = read_state(settings) or {}
-    nats_url = settings.nats_url or state.get("nats_url") or DEFAULT_NATS_URL
-    database_url = settings.database_url or state.get("database_url")
-    prefix = state.get("subject_prefix", settings.subject_prefix) if not settings.nats_url else settings.subject_prefix
+    nats_url = settings.kit.nats_url or state.get("nats_url") or DEFAULT_NATS_URL
+    database_url = settings.kit.database_url or state.get("database_url")
+    prefix = (
+        state.get("subject_prefix", settings.kit.subject_prefix)
+        if not settings.kit.nats_url
+        else settings.kit.subject_prefix
+    )
     return nats_url, database_url, prefix
 
 
@@ -147,7 +151,7 @@ def with_rpc(data_dir: Path | None, what: str, work: Callable[[RpcClient], Await
         rpc = await RpcClient.connect(
             nats_url,
             Subjects(prefix),
-            timeout_s=settings.request_timeout_ms / 1000,
+            timeout_s=settings.kit.request_timeout_ms / 1000,
             name="hetsched-cli",
             **operator_options(settings),
         )

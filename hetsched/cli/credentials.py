@@ -29,10 +29,10 @@ app = typer.Typer(help="NATS credentials: gateways (tenants) and agents (nodes).
 
 def _apply(settings: Settings, registry: Registry) -> str:
     """Save the registry, render auth.conf, reload a running embedded server; what happened, in words."""
-    directory = identity_dir(settings.data_dir)
+    directory = identity_dir(settings.kit.data_dir)
     registry.save(directory)
-    service_settings = settings.model_copy(
-        update={"subject_prefix": registry.subject_prefix, "stream_prefix": registry.stream_prefix}
+    service_settings = settings.updated(
+        kit={"subject_prefix": registry.subject_prefix, "stream_prefix": registry.stream_prefix}
     )
     path = write_auth_conf(directory, registry, service_permission_map(service_settings))
     state = read_state(settings) or {}
@@ -43,7 +43,7 @@ def _apply(settings: Settings, registry: Registry) -> str:
 
 
 def _load(settings: Settings) -> Registry:
-    directory = identity_dir(settings.data_dir)
+    directory = identity_dir(settings.kit.data_dir)
     if not (directory / "identities.json").exists():
         bad_input(f"no identities under {directory}: run `hetsched up` there first (or pass --data-dir)")
     return Registry.load(directory)

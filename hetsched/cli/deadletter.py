@@ -22,7 +22,7 @@ T = TypeVar("T")
 
 def _run(data_dir: Path | None, work: Callable[[JetStreamContext, str], Awaitable[T]]) -> T:
     """``work`` on the stack's JetStream and the DEADLETTER stream's name (no answer exits 2)."""
-    stream = deadletter_stream_name(stream_prefix=settings_of(data_dir).stream_prefix)
+    stream = deadletter_stream_name(stream_prefix=settings_of(data_dir).kit.stream_prefix)
     return common.with_rpc(data_dir, f"the {stream} stream", lambda client: work(client.nc.jetstream(), stream))
 
 

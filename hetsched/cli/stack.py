@@ -47,7 +47,7 @@ def up(
         console.print(f"Postgres  {stack.database_url}{'  (embedded)' if stack.postgres else ''}", soft_wrap=True)
         stack.migrate()
         console.print("migrations at head")
-        console.print(f"fleet     {fleet or settings.topology_inventory or 'built-in demo fleet'}")
+        console.print(f"fleet     {fleet or settings.topology.inventory or 'built-in demo fleet'}")
         stack.create_streams()
         stack.start_services()
         stack.write_state()
@@ -56,7 +56,7 @@ def up(
         health = asyncio.run(
             wait_healthy(
                 nats_url=stack.nats_url,
-                subjects=Subjects(settings.subject_prefix),
+                subjects=Subjects(settings.kit.subject_prefix),
                 deadline_s=health_timeout_s,
                 **stack.nats_options(),
             )
@@ -65,7 +65,7 @@ def up(
             console.print(f"  {SERVICES[package].name:<22} {reply.get('status')}")
         ok = all(r.get("status") == "ok" for r in health.values())
         console.print(
-            f"{'ready' if ok else 'NOT ready'} in {time.monotonic() - started:.1f}s; state in {settings.data_dir}; "
+            f"{'ready' if ok else 'NOT ready'} in {time.monotonic() - started:.1f}s; state in {settings.kit.data_dir}; "
             "Ctrl-C stops everything"
         )
         while not stop_requested:

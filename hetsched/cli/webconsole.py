@@ -35,7 +35,7 @@ def console_page(
     settings = settings_of(data_dir)
     nats_url, _db, prefix = endpoints(settings)
     # An empty HETSCHED_CONSOLE_TOKEN (a compose file's blank) counts as unset.
-    configured = (settings.console_token.get_secret_value() if settings.console_token is not None else "") or None
+    configured = (settings.console.token.get_secret_value() if settings.console.token is not None else "") or None
     if configured is not None and len(configured) < 16:
         bad_input("console: HETSCHED_CONSOLE_TOKEN must be at least 16 characters")
     token = configured or secrets.token_urlsafe(32)
@@ -53,15 +53,15 @@ def console_page(
             run_console(
                 nats_url=nats_url,
                 subject_prefix=prefix,
-                stream_prefix=settings.stream_prefix,
+                stream_prefix=settings.kit.stream_prefix,
                 host=host,
                 port=port,
-                timeout_s=settings.request_timeout_ms / 1000,
+                timeout_s=settings.kit.request_timeout_ms / 1000,
                 connect_options=operator_options(settings),
                 token=token,
-                allowed_hosts=settings.console_allowed_hosts,
+                allowed_hosts=settings.console.allowed_hosts,
                 limits=Limits(
-                    max_connections=settings.console_max_connections, read_timeout_s=settings.console_read_timeout_s
+                    max_connections=settings.console.max_connections, read_timeout_s=settings.console.read_timeout_s
                 ),
                 announce=announce,
             )

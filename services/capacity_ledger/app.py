@@ -37,19 +37,19 @@ class Ctx:
 
 def wire(runtime: Runtime) -> Ctx:
     settings = runtime.settings
-    batcher = CommitBatcher(max_batch=settings.ledger_max_batch)
+    batcher = CommitBatcher(max_batch=settings.ledger.max_batch)
     metrics = LedgerMetrics(runtime.metrics)
     handlers = LedgerHandlers(
         uow=runtime.uow,
         clock=runtime.clock,
         batcher=batcher,
-        ceiling=settings.ledger_ceiling,
-        default_lease_s=settings.ledger_default_lease_s,
-        sweep_period_s=settings.ledger_sweep_ms / 1000,
-        drift=DriftDetector(threshold=settings.drift_threshold, consecutive=settings.drift_consecutive),
+        ceiling=settings.ledger.ceiling,
+        default_lease_s=settings.ledger.default_lease_s,
+        sweep_period_s=settings.ledger.sweep_ms / 1000,
+        drift=DriftDetector(threshold=settings.ledger.drift_threshold, consecutive=settings.ledger.drift_consecutive),
         max_payload=lambda: runtime.nats.max_payload,
         log=runtime.log,
-        crossing_budget=settings.ledger_cross_domain_budget_bytes_per_s,
+        crossing_budget=settings.ledger.cross_domain_budget_bytes_per_s,
         metrics=metrics,
     )
 

@@ -15,7 +15,7 @@ from services.cross_region_router.tables import SCHEMA
 from shared.contracts.placement_events import PlacementEventName
 from shared.contracts.routing import RouteRegionRequest, RouteSelectRequest
 from shared.contracts.subjects import Context, Rpc
-from shared.domain.routing import AffinityRule, RoutePolicy, Weights
+from shared.domain.routing import AffinityRule, RoutePolicy
 from shared.infra.catalog import load_model_groups, load_models, load_regions, watch_regions
 from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
@@ -28,24 +28,24 @@ class Ctx:
 
 def wire(runtime: Runtime) -> Ctx:
     settings = runtime.settings
-    models = load_models(settings.model_catalog)
+    models = load_models(settings.kit.model_catalog)
     policy = RoutePolicy(
-        weights=Weights.parse(settings.route_weights),
-        damping_s=settings.route_damping_s,
-        affinity=AffinityRule(window_days=settings.route_affinity_days),
+        weights=settings.routing.weights,
+        damping_s=settings.routing.damping_s,
+        affinity=AffinityRule(window_days=settings.routing.affinity_days),
     )
     handlers = RoutingHandlers(
         uow=runtime.uow,
         rpc=runtime.rpc,
         store=RoutingStore(),
         clock=runtime.clock,
-        regions=load_regions(settings.regions_file),
+        regions=load_regions(settings.kit.regions_file),
         models=models,
-        groups=load_model_groups(settings.model_groups, models),
+        groups=load_model_groups(settings.kit.model_groups, models),
         policy=policy,
         log=runtime.log,
-        flush_s=settings.route_flush_ms / 1000,
-        regions_changed=watch_regions(settings.regions_file),
+        flush_s=settings.routing.flush_ms / 1000,
+        regions_changed=watch_regions(settings.kit.regions_file),
         metrics=RouterMetrics(runtime.metrics),
     )
     return Ctx(handlers=handlers)

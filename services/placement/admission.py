@@ -51,7 +51,6 @@ from shared.domain.admission import (
     AdmitAsk,
     AdmitPolicy,
     Candidate,
-    Engine,
     FairQueue,
     Grant,
     Selection,
@@ -78,36 +77,11 @@ class Fairness:
     weights: Mapping[str, float] | None = None
 
 
-def parse_weights(text: str) -> dict[str, float]:
-    """``tenant=weight,...`` (ValueError on a bad entry)."""
-    weights: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, value = part.partition("=")
-        if not sep or not name.strip():
-            raise ValueError(f"expected name=weight, got {part!r}")
-        weight = float(value)
-        if weight <= 0:
-            raise ValueError(f"{name}: a weight must be > 0")
-        weights[name.strip()] = weight
-    return weights
-
-
 @dataclass
 class _Waiting:
     request: AdmitRequest
     models: tuple[str, ...]  # the model, or its group's members
     failure_ignored: bool | None = None  # its failed_replica_id was not heard (None: it named none)
-
-
-def parse_kv_shares(text: str) -> dict[Engine, float] | None:
-    """``engine=share,...`` (shares of a node's KV pool); None for the default equal split."""
-    weights = parse_weights(text)
-    if not weights:
-        return None
-    try:
-        return {Engine(name): share for name, share in weights.items()}
-    except ValueError as exc:
-        raise ValueError(f"unknown engine in KV guarantees: {exc}") from exc
 
 
 async def _ask_ledger(rpc: RpcClient, commits: list[CommitRequest]) -> list[CommitReply | Rejected | None]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from faststream import FastStream
 
-from services.placement.admission import AdmissionHandlers, Fairness, parse_kv_shares, parse_weights
+from services.placement.admission import AdmissionHandlers, Fairness
 from services.placement.attempts import Ownership, Queueing
 from services.placement.follows import FOLLOWS
 from services.placement.handlers import PlacementHandlers
@@ -38,15 +38,15 @@ class Ctx:
 
 def wire(runtime: Runtime) -> Ctx:
     settings = runtime.settings
-    models = load_models(settings.model_catalog)
+    models = load_models(settings.kit.model_catalog)
     readmodel = ReadModel(
         rpc=runtime.rpc,
-        skus=load_skus(settings.sku_catalog),
+        skus=load_skus(settings.kit.sku_catalog),
         models=models,
         clock=runtime.clock,
         log=runtime.log,
-        resync_ms=settings.placement_refresh_ms,
-        pcie_window_s=settings.placement_pcie_window_s,
+        resync_ms=settings.placement.refresh_ms,
+        pcie_window_s=settings.placement.pcie_window_s,
     )
     reservations = runtime.follower(Context.RESERVATION)
     store = DecisionStore()
@@ -55,21 +55,21 @@ def wire(runtime: Runtime) -> Ctx:
         return await runtime.uow.run(lambda uow: store.placed(session=uow.session))
 
     admission = AdmissionHandlers(
-        book=ReplicaBook(models=models, kv_shares=parse_kv_shares(settings.admit_kv_guarantees)),
+        book=ReplicaBook(models=models, kv_shares=(settings.placement.admit_kv_guarantees or None)),
         rpc=runtime.rpc,
         models=models,
-        groups=load_model_groups(settings.model_groups, models),
+        groups=load_model_groups(settings.kit.model_groups, models),
         policy=AdmitPolicy(
-            stale_ms=settings.engine_stale_s * 1000,
-            max_queue_depth=settings.admit_max_queue_depth,
-            long_context_tokens=settings.admit_long_context_tokens,
-            strict_ttft_ms=settings.admit_strict_ttft_ms,
+            stale_ms=settings.placement.engine_stale_s * 1000,
+            max_queue_depth=settings.placement.admit_max_queue_depth,
+            long_context_tokens=settings.placement.admit_long_context_tokens,
+            strict_ttft_ms=settings.placement.admit_strict_ttft_ms,
         ),
         fairness=Fairness(
-            rate_per_s=settings.admit_tenant_rate,
-            burst=settings.admit_tenant_burst,
-            ttl_s=settings.admit_queue_ttl_s,
-            weights=parse_weights(settings.admit_tenant_weights),
+            rate_per_s=settings.placement.admit_tenant_rate,
+            burst=settings.placement.admit_tenant_burst,
+            ttl_s=settings.placement.admit_queue_ttl_s,
+            weights=settings.placement.admit_tenant_weights,
         ),
         timer=monotonic_ms,
         log=runtime.log,
@@ -82,22 +82,22 @@ def wire(runtime: Runtime) -> Ctx:
         uow=runtime.uow,
         rpc=runtime.rpc,
         timer=monotonic_ms,
-        default_lease_s=settings.placement_default_lease_s,
+        default_lease_s=settings.placement.default_lease_s,
         metrics=PlacementMetrics.create(runtime.metrics),
         # An attempt holds its request id for one ledger round trip (and a second to record the outcome).
         ownership=Ownership(
-            claim_s=settings.rpc_timeout_ms / 1000 + 1,
-            grace_s=settings.placement_intent_grace_s,
-            reconcile_period_s=settings.placement_reconcile_period_s,
+            claim_s=settings.kit.rpc_timeout_ms / 1000 + 1,
+            grace_s=settings.placement.intent_grace_s,
+            reconcile_period_s=settings.placement.reconcile_period_s,
         ),
         clock=runtime.clock,
         log=runtime.log,
         # Tests only: `exit` dies the way a SIGKILL would, between the ledger's commit and the decision row.
-        after_commit=fault_hook(settings.placement_fault_after_commit),
+        after_commit=fault_hook(settings.placement.fault_after_commit),
         queueing=Queueing(
-            timeout_s=settings.placement_queue_timeout_s,
-            retry_s=settings.placement_queue_retry_s,
-            page=settings.placement_queue_page,
+            timeout_s=settings.placement.queue_timeout_s,
+            retry_s=settings.placement.queue_retry_s,
+            page=settings.placement.queue_page,
         ),
         quotas=settings.quotas(),
         admission=admission,
@@ -128,7 +128,7 @@ SERVICE = ServiceDefinition(
     on_start=(lambda ctx: ctx.admission.start(), lambda ctx: ctx.handlers.tally.start()),
     # The fleet view, admission's engines and holds, the reservations and the rebalancer's word: follows.py.
     follows=FOLLOWS,
-    stale_after_ms=lambda settings: settings.placement_stale_after_ms,
+    stale_after_ms=lambda settings: settings.placement.stale_after_ms,
     # What the ledger did to placement's allocations (committed / expired / released), durably: the
     # decisions learn that their allocation ended, and the reconciler finds those no decision owns.
     consumers=(

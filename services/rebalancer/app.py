@@ -39,11 +39,11 @@ def wire(runtime: Runtime) -> Ctx:
         rpc=runtime.rpc,
         clock=runtime.clock,
         config=config_of(settings),
-        skus=load_skus(settings.sku_catalog),
-        models=load_models(settings.model_catalog),
+        skus=load_skus(settings.kit.sku_catalog),
+        models=load_models(settings.kit.model_catalog),
         log=runtime.log,
         metrics=RebalanceMetrics(runtime.metrics),
-        restate_s=restate_every_s(settings.stream_rebalance_max_age_s),  # docs/RETENTION.md
+        restate_s=restate_every_s(settings.kit.stream_rebalance_max_age_s),  # docs/RETENTION.md
     )
     return Ctx(handlers=handlers)
 

@@ -30,37 +30,37 @@ class RebalanceConfig:
 
 def config_of(settings: Settings) -> RebalanceConfig:
     """The detectors' rules from the settings (defaults from the brief)."""
-    hysteresis = settings.rebalance_hysteresis
-    drift_stale = max(settings.rebalance_drift_window_s, settings.rebalance_drift_check_s)
+    hysteresis = settings.rebalancer.hysteresis
+    drift_stale = max(settings.rebalancer.drift_window_s, settings.rebalancer.drift_check_s)
     return RebalanceConfig(
-        hot=Rule("hbm_hot", settings.rebalance_hot_util, settings.rebalance_hot_window_s, hysteresis=hysteresis),
+        hot=Rule("hbm_hot", settings.rebalancer.hot_util, settings.rebalancer.hot_window_s, hysteresis=hysteresis),
         cold=Rule(
             "hbm_cold",
-            settings.rebalance_cold_util,
-            settings.rebalance_cold_window_s,
+            settings.rebalancer.cold_util,
+            settings.rebalancer.cold_window_s,
             above=False,
             hysteresis=hysteresis,
         ),
         fragmentation=Rule(
             "tpu_fragmentation",
-            settings.rebalance_frag_threshold,
-            settings.rebalance_frag_window_s,
+            settings.rebalancer.frag_threshold,
+            settings.rebalancer.frag_window_s,
             hysteresis=hysteresis,
         ),
-        pcie=Rule("pcie_hot", settings.rebalance_pcie_util, settings.rebalance_pcie_window_s, hysteresis=hysteresis),
+        pcie=Rule("pcie_hot", settings.rebalancer.pcie_util, settings.rebalancer.pcie_window_s, hysteresis=hysteresis),
         # Drift is sampled every `drift_check_s` on agents that report every 30 s: a target is kept well past
         # a silent gap, so a drift that lasts fires its alarm once.
         drift_alarm=Rule(
-            "hbm_drift_alarm", settings.rebalance_drift_ratio, 0, hysteresis=0.02, stale_s=max(300.0, 3 * drift_stale)
+            "hbm_drift_alarm", settings.rebalancer.drift_ratio, 0, hysteresis=0.02, stale_s=max(300.0, 3 * drift_stale)
         ),
         drift=Rule(
             "hbm_drift",
-            settings.rebalance_drift_ratio,
-            settings.rebalance_drift_window_s,
+            settings.rebalancer.drift_ratio,
+            settings.rebalancer.drift_window_s,
             hysteresis=0.02,
             stale_s=max(300.0, 3 * drift_stale),
         ),
-        migrations_per_min=settings.rebalance_migrations_per_min,
-        drift_check_s=settings.rebalance_drift_check_s,
-        tick_s=settings.rebalance_tick_s,
+        migrations_per_min=settings.rebalancer.migrations_per_min,
+        drift_check_s=settings.rebalancer.drift_check_s,
+        tick_s=settings.rebalancer.tick_s,
     )

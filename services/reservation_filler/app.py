@@ -38,24 +38,24 @@ class Ctx:
 def wire(runtime: Runtime) -> Ctx:
     settings = runtime.settings
     policy = LendingPolicy(
-        fill_target=settings.reservation_fill_target,
-        backoff_s=settings.reservation_backoff_s,
-        backoff_max_s=settings.reservation_backoff_max_s,
+        fill_target=settings.reservations.fill_target,
+        backoff_s=settings.reservations.backoff_s,
+        backoff_max_s=settings.reservations.backoff_max_s,
     )
     handlers = ReservationHandlers(
         uow=runtime.uow,
         rpc=runtime.rpc,
         store=ReservationStore(),
         policy=policy,
-        skus=load_skus(settings.sku_catalog),
-        regions=load_regions(settings.regions_file),
-        tick_s=settings.reservation_tick_s,
+        skus=load_skus(settings.kit.sku_catalog),
+        regions=load_regions(settings.kit.regions_file),
+        tick_s=settings.reservations.tick_s,
         log=runtime.log,
         # Tests only: `exit` dies as a SIGKILL would, between writing preemptions and asking the ledger.
-        after_record=fault_hook(settings.reservation_fault_after_record),
+        after_record=fault_hook(settings.reservations.fault_after_record),
         metrics=ReservationMetrics(runtime.metrics),
         quotas=settings.quotas(),
-        restate_s=restate_every_s(settings.stream_reservation_max_age_s),
+        restate_s=restate_every_s(settings.kit.stream_reservation_max_age_s),
     )
     return Ctx(handlers=handlers)
 

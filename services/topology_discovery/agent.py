@@ -36,24 +36,24 @@ SOURCE = "topology-agent"
 
 
 def node_name(settings: Settings) -> str:
-    return settings.topology_node or socket.gethostname()
+    return settings.topology.node or socket.gethostname()
 
 
 def make_provider(settings: Settings) -> TopologyProvider:
     place = NodePlace(
         name=node_name(settings),
-        region=settings.region,
-        cluster=settings.topology_cluster,
-        rack=settings.topology_rack,
+        region=settings.kit.region,
+        cluster=settings.topology.cluster,
+        rack=settings.topology.rack,
     )
-    if settings.topology_provider == "nvidia-smi":
+    if settings.topology.provider == "nvidia-smi":
         return NvidiaSmiProvider(
             place=place,
-            topo_file=settings.topology_smi_topo_file,
-            query_file=settings.topology_smi_query_file,
-            sku_override=settings.topology_sku,
+            topo_file=settings.topology.smi_topo_file,
+            query_file=settings.topology.smi_query_file,
+            sku_override=settings.topology.sku,
         )
-    return NvmlProvider(place=place, sku_override=settings.topology_sku)
+    return NvmlProvider(place=place, sku_override=settings.topology.sku)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +65,9 @@ class AgentIntervals:
     @staticmethod
     def from_settings(settings: Settings) -> AgentIntervals:
         return AgentIntervals(
-            scan_s=settings.topology_scan_s,
-            heartbeat_s=settings.topology_heartbeat_s,
-            telemetry_s=settings.telemetry_interval_s,
+            scan_s=settings.topology.scan_s,
+            heartbeat_s=settings.topology.heartbeat_s,
+            telemetry_s=settings.topology.telemetry_interval_s,
         )
 
 

@@ -35,14 +35,14 @@ def wire(runtime: Runtime, *, clock_ms: MonotonicMs = monotonic_ms) -> Ctx:
     handlers = TopologyHandlers(
         uow=runtime.uow,
         monotonic_ms=clock_ms,
-        skus=load_skus(settings.sku_catalog),
+        skus=load_skus(settings.kit.sku_catalog),
         tracker=LivenessTracker(
-            interval_ms=settings.topology_heartbeat_s * 1000, missed_beats=settings.topology_missed_heartbeats
+            interval_ms=settings.topology.heartbeat_s * 1000, missed_beats=settings.topology.missed_heartbeats
         ),
         log=runtime.log,
-        inventory=settings.topology_inventory,
+        inventory=settings.topology.inventory,
         max_payload=lambda: runtime.nats.max_payload,
-        liveness_period_s=max(settings.topology_heartbeat_s / 4, 0.05),
+        liveness_period_s=max(settings.topology.heartbeat_s / 4, 0.05),
         metrics=TopologyMetrics(runtime.metrics, clock=runtime.clock),
     )
     return Ctx(handlers=handlers)
@@ -116,6 +116,6 @@ AGENT = ServiceDefinition(
 
 
 def bootstrap(settings: Settings, **overrides: Any) -> tuple[FastStream, Runtime]:
-    if settings.topology_mode == "agent":
+    if settings.topology.mode == "agent":
         return build_app(AGENT, settings, database=False, **overrides)
     return build_app(SERVICE, settings, **overrides)

@@ -65,9 +65,9 @@ def database_tls(settings: Settings) -> ssl.SSLContext | None:
     """TLS for connections to an operator's Postgres: with ``HETSCHED_DATABASE_TLS_CA_FILE`` set, the
     server's certificate must chain to that CA and name the URL's host (libpq's ``verify-full``);
     unset, asyncpg's default (TLS if the server offers it, unverified, else plain)."""
-    if settings.database_tls_ca_file is None:
+    if settings.kit.database_tls_ca_file is None:
         return None
-    return tls_context(ca_file=str(settings.database_tls_ca_file))
+    return tls_context(ca_file=str(settings.kit.database_tls_ca_file))
 
 
 def tls_context(*, ca_file: str) -> ssl.SSLContext:
@@ -111,10 +111,10 @@ def make_sessions(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
 def service_database_url(settings: Settings, schema: str) -> str:
     """The URL a service connects with: the configured server and database, as the service's own role
     (unless ``HETSCHED_DATABASE_ROLES`` is off), so a read of another service's schema fails loudly."""
-    url = settings.database_url or DEFAULT_DATABASE_URL
-    if not settings.database_roles:
+    url = settings.kit.database_url or DEFAULT_DATABASE_URL
+    if not settings.kit.database_roles:
         return url
-    password = settings.database_role_password.get_secret_value() if settings.database_role_password else None
+    password = settings.kit.database_role_password.get_secret_value() if settings.kit.database_role_password else None
     # Never the URL's own password (the migrating user's): ``URL.set(password=None)`` would keep it.
     parsed = make_url(url)._replace(username=role_of(schema), password=password)
     return parsed.render_as_string(hide_password=False)

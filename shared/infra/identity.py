@@ -237,10 +237,10 @@ def connect_options(settings: Settings, *, operator_fallback: bool = False) -> d
     reply-subject prefix and TLS. ``operator_fallback`` (the CLI): with no seed configured, use the
     operator's seed from the data directory when it exists, with the operator's own inbox."""
     options: dict[str, Any] = {}
-    seed = settings.nats_nkey_seed_file
-    inbox = settings.nats_inbox_prefix
+    seed = settings.kit.nats_nkey_seed_file
+    inbox = settings.kit.nats_inbox_prefix
     if seed is None and operator_fallback:
-        candidate = operator_seed_path(settings.data_dir)
+        candidate = operator_seed_path(settings.kit.data_dir)
         with contextlib.suppress(OSError):
             if candidate.is_file() and os.access(candidate, os.R_OK):
                 seed = candidate
@@ -256,11 +256,11 @@ def connect_options(settings: Settings, *, operator_fallback: bool = False) -> d
 def tls_context(settings: Settings) -> ssl.SSLContext | None:
     """A client TLS context when ``HETSCHED_NATS_TLS_CA_FILE`` is set (with a client certificate for
     mutual TLS when one is configured)."""
-    if settings.nats_tls_ca_file is None:
+    if settings.kit.nats_tls_ca_file is None:
         return None
-    context = ssl.create_default_context(cafile=str(settings.nats_tls_ca_file))
-    if settings.nats_tls_cert_file is not None:
-        context.load_cert_chain(str(settings.nats_tls_cert_file), keyfile=_str(settings.nats_tls_key_file))
+    context = ssl.create_default_context(cafile=str(settings.kit.nats_tls_ca_file))
+    if settings.kit.nats_tls_cert_file is not None:
+        context.load_cert_chain(str(settings.kit.nats_tls_cert_file), keyfile=_str(settings.kit.nats_tls_key_file))
     return context
 
 

@@ -40,14 +40,14 @@ log = logging.getLogger("hetsched.retention")
 def stream_specs_for(settings: Settings, *, subjects: Subjects | None = None) -> tuple[StreamSpec, ...]:
     """Every stream with the limits ``settings`` give it (what services and ``hetsched up`` create)."""
     return stream_specs(
-        subjects=subjects or Subjects(settings.subject_prefix),
-        stream_prefix=settings.stream_prefix,
-        duplicate_window_s=settings.stream_duplicate_window_s,
-        telemetry_max_age_s=settings.telemetry_max_age_s,
-        deadletter_max_age_s=settings.deadletter_retention_s,
-        max_age_s=settings.stream_max_ages(),
-        max_bytes=settings.stream_max_bytes or None,
-        replicas=settings.stream_replicas,
+        subjects=subjects or Subjects(settings.kit.subject_prefix),
+        stream_prefix=settings.kit.stream_prefix,
+        duplicate_window_s=settings.kit.stream_duplicate_window_s,
+        telemetry_max_age_s=settings.kit.telemetry_max_age_s,
+        deadletter_max_age_s=settings.kit.deadletter_retention_s,
+        max_age_s=settings.kit.stream_max_ages(),
+        max_bytes=settings.kit.stream_max_bytes or None,
+        replicas=settings.kit.stream_replicas,
     )
 
 
@@ -62,9 +62,9 @@ class Retention:
     @classmethod
     def of(cls, settings: Settings) -> Retention:
         return cls(
-            outbox_s=settings.outbox_retention_s,
-            inbox_s=settings.inbox_retention_s,
-            deadletter_s=settings.deadletter_retention_s,
+            outbox_s=settings.kit.outbox_retention_s,
+            inbox_s=settings.kit.inbox_retention_s,
+            deadletter_s=settings.kit.deadletter_retention_s,
         )
 
 

@@ -249,7 +249,7 @@ class ServiceDefinition:
 
 def grant_of(definition: ServiceDefinition, settings: Settings) -> ServiceGrant:
     """What ``definition`` does on the bus under ``settings``: the input of its NATS permissions."""
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.kit.subject_prefix)
     return ServiceGrant(
         name=definition.name,
         identity=service_identity(definition.schema),
@@ -310,7 +310,7 @@ def _health(
 ) -> Callable[[HealthRequest], Awaitable[BaseModel]]:
     async def handler(_request: HealthRequest) -> BaseModel:
         checks: dict[str, str] = {}
-        slow_s = runtime.settings.dependency_slow_ms / 1000
+        slow_s = runtime.settings.kit.dependency_slow_ms / 1000
         if runtime.uses_database:
             started = time.monotonic()
             try:
@@ -322,7 +322,7 @@ def _health(
                 checks["postgres"] = f"error: {type(exc).__name__}"
         checks["nats"] = "ok" if runtime.nc is not None and runtime.nc.is_connected else "error: disconnected"
         if requests is not None:
-            checks["workers"] = _workers_check(requests, after_s=runtime.settings.request_saturated_ms / 1000)
+            checks["workers"] = _workers_check(requests, after_s=runtime.settings.kit.request_saturated_ms / 1000)
         if probes:
             await _probe(runtime, probes)
         slow = runtime.rpc.stats.slow(slow_s=slow_s)
@@ -355,7 +355,7 @@ def _describe_slow(slow: Mapping[str, str]) -> str:
 
 def durable_name(settings: Settings, schema: str, name: str) -> str:
     """A consumer's durable name on the server: unique per deployment (subject prefix) and service."""
-    return f"{settings.subject_prefix}-{schema}-{name}"
+    return f"{settings.kit.subject_prefix}-{schema}-{name}"
 
 
 def _durable(runtime: Runtime, name: str) -> str:
@@ -644,13 +644,13 @@ def _event_loop(
     return _EventLoop(
         subject=subject,
         together=together,
-        stream=stream_name(context, stream_prefix=settings.stream_prefix),
+        stream=stream_name(context, stream_prefix=settings.kit.stream_prefix),
         durable=durable,
         apply=apply,
         deadletter_subject=runtime.subjects.deadletter(context, durable),
-        max_deliveries=settings.event_max_deliveries,
-        backoff_s=settings.event_redelivery_backoff_ms / 1000,
-        backoff_max_s=settings.event_redelivery_backoff_max_ms / 1000,
+        max_deliveries=settings.kit.event_max_deliveries,
+        backoff_s=settings.kit.event_redelivery_backoff_ms / 1000,
+        backoff_max_s=settings.kit.event_redelivery_backoff_max_ms / 1000,
     )
 
 
@@ -707,8 +707,8 @@ def build_app(
     health does not check Postgres. ``clock`` and ``rpc`` let a test hand in its own.
     """
     log = logging.getLogger(f"hetsched.{definition.name}")
-    tracer_provider, meter_provider = configure_telemetry(service=definition.name, exporter=settings.otel_exporter)
-    nats_url = settings.nats_url or DEFAULT_NATS_URL
+    tracer_provider, meter_provider = configure_telemetry(service=definition.name, exporter=settings.kit.otel_exporter)
+    nats_url = settings.kit.nats_url or DEFAULT_NATS_URL
     nats_options = connect_options(settings)  # its own NKey, inbox and TLS (docs/SECURITY.md)
     broker_options = {k: v for k, v in nats_options.items() if k != "tls"}
     if "tls" in nats_options:  # FastStream takes the TLS context as its security object
@@ -722,17 +722,17 @@ def build_app(
         log_level=logging.DEBUG,  # per-message "Received/Processed" lines only at debug
         # Tracing costs about a millisecond per message: only when something exports the spans.
         middlewares=[NatsTelemetryMiddleware(tracer_provider=tracer_provider, meter_provider=meter_provider)]
-        if settings.otel_exporter != "none"
+        if settings.kit.otel_exporter != "none"
         else [],
     )
     engine = make_engine(
         service_database_url(settings, definition.schema),
-        pool_size=settings.db_pool_size,
+        pool_size=settings.kit.db_pool_size,
         application_name=application_name(definition.schema),  # hetsched-ledger in pg_stat_activity
         tls=database_tls(settings),
     )
     sessions = make_sessions(engine)
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.kit.subject_prefix)
     holder: list[Runtime] = []
     runtime = Runtime(
         name=definition.name,
@@ -749,9 +749,9 @@ def build_app(
             subjects=subjects,
             clock=clock,
             wake=lambda: holder[0].wake_relay(),
-            max_event_bytes=settings.event_max_bytes,
+            max_event_bytes=settings.kit.event_max_bytes,
         ),
-        rpc=rpc or RpcClient(lambda: holder[0].nats, subjects, timeout_s=settings.rpc_timeout_ms / 1000),
+        rpc=rpc or RpcClient(lambda: holder[0].nats, subjects, timeout_s=settings.kit.rpc_timeout_ms / 1000),
         clock=clock,
         uses_database=database,
         metrics=ServiceMetrics(definition.name),
@@ -759,7 +759,7 @@ def build_app(
     holder.append(runtime)
     runtime.read_side = ReadSide.of(
         definition.follows,
-        stream_of=lambda context: stream_name(context, stream_prefix=settings.stream_prefix),
+        stream_of=lambda context: stream_name(context, stream_prefix=settings.kit.stream_prefix),
         subject_of=subjects.events_of,
         jetstream=lambda: holder[0].jetstream,
         clock=clock,
@@ -769,9 +769,9 @@ def build_app(
     ctx: Any = definition.wire(runtime)
     runtime.read_side.bind(ctx)
     read_side = runtime.read_side
-    queue = f"{settings.subject_prefix}.{definition.schema}"
+    queue = f"{settings.kit.subject_prefix}.{definition.schema}"
     requests = RequestServer(
-        max_request_bytes=settings.request_max_bytes, default_deadline_ms=settings.request_deadline_ms
+        max_request_bytes=settings.kit.request_max_bytes, default_deadline_ms=settings.kit.request_deadline_ms
     )
     extra_checks = (lambda: definition.checks(ctx)) if definition.checks is not None else None  # type: ignore[misc]
     requests.add(
@@ -791,7 +791,7 @@ def build_app(
                 queue,
                 route.model,
                 handler,
-                settings.request_workers,
+                settings.kit.request_workers,
                 scope_of=route.scope_of,
             )
         )
@@ -803,13 +803,13 @@ def build_app(
 
     @app.on_startup
     async def _connect() -> None:
-        if settings.metrics_port >= 0:  # -1: no endpoint (e.g. several services in one test process)
+        if settings.kit.metrics_port >= 0:  # -1: no endpoint (e.g. several services in one test process)
             try:
                 runtime.metrics.serve(
-                    settings.metrics_host,
-                    settings.metrics_port,
-                    max_connections=settings.metrics_max_connections,
-                    read_timeout_s=settings.metrics_read_timeout_s,
+                    settings.kit.metrics_host,
+                    settings.kit.metrics_port,
+                    max_connections=settings.kit.metrics_max_connections,
+                    read_timeout_s=settings.kit.metrics_read_timeout_s,
                 )
             except OSError as exc:  # a port taken: the service runs, its metrics say why they are missing
                 log.warning("metrics endpoint not served", extra={"error": str(exc)[:200]})
@@ -827,12 +827,12 @@ def build_app(
         )
         runtime.js = runtime.nc.jetstream()
         specs = stream_specs_for(settings, subjects=runtime.subjects)  # with their limits (docs/RETENTION.md)
-        if settings.nats_nkey_seed_file is not None:
+        if settings.kit.nats_nkey_seed_file is not None:
             # An identity of its own: it manages only its own streams (and may create DEADLETTER); the
             # operator (`hetsched up`) or the owners create the rest, which its consumers wait for.
-            owned = {stream_name(c, stream_prefix=settings.stream_prefix) for c in owned_streams(definition.name)}
+            owned = {stream_name(c, stream_prefix=settings.kit.stream_prefix) for c in owned_streams(definition.name)}
             creatable = (
-                {deadletter_stream_name(stream_prefix=settings.stream_prefix)} if definition.consumers else set()
+                {deadletter_stream_name(stream_prefix=settings.kit.stream_prefix)} if definition.consumers else set()
             )
             await ensure_streams(runtime.js, tuple(s for s in specs if s.name in owned))
             await ensure_streams(runtime.js, tuple(s for s in specs if s.name in creatable), update=False)
@@ -843,8 +843,8 @@ def build_app(
                 sessions=runtime.sessions,
                 js=runtime.js,
                 schema=definition.schema,
-                batch=settings.outbox_batch,
-                poll_ms=settings.outbox_poll_ms,
+                batch=settings.kit.outbox_batch,
+                poll_ms=settings.kit.outbox_poll_ms,
             )
             runtime.spawn(runtime.relay.run(), name="outbox-relay")
             runtime.pruner = Pruner(
@@ -852,8 +852,8 @@ def build_app(
                 schema=definition.schema,
                 clock=runtime.clock,
                 retention=Retention.of(settings),
-                every_s=settings.retention_prune_s,
-                batch=settings.retention_prune_batch,
+                every_s=settings.kit.retention_prune_s,
+                batch=settings.kit.retention_prune_batch,
             )
             runtime.spawn(runtime.pruner.run(), name="retention-prune")
         for seeding in read_side.seedings:  # one attempt first, so the first requests find a seeded view
@@ -873,7 +873,7 @@ def build_app(
 
     @app.after_startup
     async def _ready() -> None:
-        log.info("service ready", extra={"nats": nats_url, "subject_prefix": settings.subject_prefix})
+        log.info("service ready", extra={"nats": nats_url, "subject_prefix": settings.kit.subject_prefix})
 
     @app.on_shutdown
     async def _stop() -> None:
@@ -910,7 +910,7 @@ def run_service(bootstrap: Callable[[Settings], tuple[FastStream, Runtime]], *, 
     from shared.infra.settings import load_settings
 
     settings = load_settings()
-    configure_logging(service=name, level=settings.log_level, fmt=settings.log_format)
+    configure_logging(service=name, level=settings.kit.log_level, fmt=settings.kit.log_format)
     app, _runtime = bootstrap(settings)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)

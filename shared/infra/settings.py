@@ -1,12 +1,23 @@
-"""Settings from the environment (prefix ``HETSCHED_``) or a ``.env``-style settings file."""
+"""Settings: one typed section per service and one for the kit, each field read from its published
+environment variable (``HETSCHED_...``) or a line of the ``.env``-style file named by
+``HETSCHED_SETTINGS_FILE``.
+
+``settings.placement.queue_page`` is read from ``HETSCHED_PLACEMENT_QUEUE_PAGE``: a section's fields take
+its prefix unless a field names its own variable (``validation_alias``); a bad value's error names the
+variable. README.md's configuration table is generated from these models (``shared.infra.settings_doc``).
+"""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Annotated, Any, ClassVar
 
-from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+import yaml
+from pydantic import AliasGenerator, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.contracts.streams import (
     DEFAULT_DEADLETTER_MAX_AGE_S,
@@ -15,7 +26,12 @@ from shared.contracts.streams import (
     DEFAULT_TELEMETRY_MAX_AGE_S,
 )
 from shared.contracts.subjects import Context
+from shared.domain.admission.engines import Engine
 from shared.domain.quotas import Quota, Quotas, parse_overrides
+from shared.domain.routing.cost import Weights
+
+PREFIX = "HETSCHED_"
+_SETTINGS_FILE = os.environ.get("HETSCHED_SETTINGS_FILE")
 
 
 def _default_data_dir() -> Path:
@@ -23,16 +39,101 @@ def _default_data_dir() -> Path:
     return (Path(base) if base else Path.home() / ".local" / "share") / "hetsched"
 
 
-class Settings(BaseSettings):
-    """Every knob of hetsched. Each field is read from ``HETSCHED_<FIELD>`` (upper case)."""
-
-    model_config = SettingsConfigDict(
-        env_prefix="HETSCHED_",
-        env_file=os.environ.get("HETSCHED_SETTINGS_FILE"),
+def _section_config(env_prefix: str) -> SettingsConfigDict:
+    return SettingsConfigDict(
+        env_file=_SETTINGS_FILE,
         extra="ignore",
         frozen=True,
+        alias_generator=AliasGenerator(validation_alias=lambda name: f"{env_prefix}{name.upper()}"),
     )
 
+
+def doc_default(text: str) -> dict[str, Any]:
+    """``json_schema_extra`` for a field whose README default is not its value (e.g. computed at start)."""
+    return {"doc_default": text}
+
+
+# -- maps: JSON (or a YAML flow mapping), and for one release the old `name=value,...` text ----------------
+
+
+def _mapping_text(value: object) -> object:
+    """A map given as text: JSON or a YAML flow mapping (``{acme: 2}``); the deprecated ``a=1,b=2`` form
+    too. Anything else is left to the field's type."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"not a JSON or YAML mapping: {text!r} ({exc.__class__.__name__})") from None
+    pairs: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, number = part.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f'expected a JSON map like {{"name": 1}} (or the deprecated name=value,...), got {part!r}')
+        pairs[name.strip()] = number.strip()
+    return pairs
+
+
+def _legacy_route_weights(text: str) -> Weights:
+    """The deprecated ``"rtt,price,power,affinity"`` text (e.g. ``"0.4,0.3,0.1,0.2"``)."""
+    parts = [part.strip() for part in text.split(",")]
+    if len(parts) != 4:
+        raise ValueError(
+            f"expected a JSON map of rtt, price, power, affinity (or 4 comma-separated weights), got {text!r}"
+        )
+    try:
+        return Weights(*(float(part) for part in parts))
+    except ValueError:
+        raise ValueError(f"weights must be finite numbers >= 0, got {text!r}") from None
+
+
+def _route_weights(value: object) -> object:
+    if isinstance(value, str) and value.strip() and not value.strip().startswith("{"):
+        return _legacy_route_weights(value)
+    value = _mapping_text(value)
+    if not isinstance(value, Mapping):
+        return value
+    unknown = sorted(set(map(str, value)) - {"rtt", "price", "power", "affinity"})
+    if unknown:
+        raise ValueError(f"unknown route weight {', '.join(unknown)}: rtt, price, power, affinity")
+    try:  # built here: the section's variable names would otherwise be taken for the weights' keys
+        return Weights(**{str(name): float(weight) for name, weight in value.items()})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"route weights must be finite numbers >= 0: {exc}") from None
+
+
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class Section(BaseSettings):
+    """One group of settings. ``title`` heads its part of the README table."""
+
+    title: ClassVar[str] = ""
+    model_config = _section_config(PREFIX)
+
+    def __init__(self, **values: Any) -> None:
+        # Fields passed by name (tests, the launcher) go in under their variable: the environment is read by
+        # variable only (``populate_by_name`` would also read a bare ``NODE`` or ``TOKEN``).
+        fields = type(self).model_fields
+        super().__init__(**{(env_var(type(self), key) if key in fields else key): v for key, v in values.items()})
+
+
+class KitSettings(Section):
+    """The kit every service and the CLI share: NATS, Postgres, streams, events, retention, requests,
+    metrics, logging, catalogs and per-tenant quotas. Each field is ``HETSCHED_<FIELD>``."""
+
+    title: ClassVar[str] = "Kit (`settings.kit`): servers, streams, events, requests, retention, catalogs, quotas"
+    model_config = _section_config(PREFIX)
+
+    # -- servers and identity ---------------------------------------------------------------------------
     nats_url: str | None = Field(
         default=None,
         description="NATS server URL. Unset: `hetsched up` starts an embedded NATS with JetStream.",
@@ -45,59 +146,73 @@ class Settings(BaseSettings):
     )
     data_dir: Path = Field(
         default_factory=_default_data_dir,
-        description="Where `hetsched up` keeps the embedded servers' data and its state file.",
+        description="Where `hetsched up` keeps the embedded servers' data, logs and its state file.",
+        json_schema_extra=doc_default("`~/.local/share/hetsched`"),
     )
     subject_prefix: str = Field(
         default="hetsched",
         pattern=r"^[A-Za-z0-9_-]+$",
-        description="First token of every subject; a test run or a tenant-isolated deployment changes it.",
+        description="First token of every subject; a test run or an isolated deployment changes it.",
     )
     stream_prefix: str = Field(
-        default="",
-        pattern=r"^[A-Za-z0-9_-]*$",
-        description="Prepended to every JetStream stream name (stream names are otherwise the context name).",
+        default="", pattern=r"^[A-Za-z0-9_-]*$", description="Prepended to every JetStream stream name."
     )
     region: str = Field(default="local", description="Region this service instance serves.")
     log_level: str = Field(default="INFO", description="Python logging level.")
-    log_format: str = Field(default="json", pattern=r"^(json|text)$", description="`json` or `text`.")
+    log_format: str = Field(
+        default="json", pattern=r"^(json|text)$", description="`json` (one object per line) or `text`."
+    )
+    request_timeout_ms: int = Field(default=5000, gt=0, description="Timeout of CLI requests over NATS.")
     nats_nkey_seed_file: Path | None = Field(
         default=None,
         description="NKey seed file this process connects to NATS with (a service: its own; the CLI: the "
-        "operator's, `<data-dir>/nats/admin.nk` when unset and that file exists). Unset: no NATS authentication.",
+        "operator's `<data-dir>/nats/admin.nk` when unset and present). Unset: no NATS authentication "
+        "(docs/SECURITY.md).",
     )
     nats_inbox_prefix: str = Field(
         default="_INBOX",
         pattern=r"^[A-Za-z0-9_$-]+$",
-        description="Prefix of this process's reply subjects; an identity's permissions let it receive replies "
-        "only under its own (`_INBOX_<identity>`, written into each credential's README line by `hetsched "
-        "credentials issue`).",
+        description="Prefix of this process's reply subjects; an identity may receive replies only under its own "
+        "(`_INBOX_<identity>`, printed by `hetsched credentials issue`).",
     )
     nats_tls_ca_file: Path | None = Field(
-        default=None, description="CA certificate that signed the NATS server's certificate: connect with TLS."
+        default=None,
+        description="CA certificate of the NATS server's certificate: connect with TLS and verify it.",
     )
     nats_tls_cert_file: Path | None = Field(
-        default=None, description="Client certificate for NATS servers that verify clients (mutual TLS)."
+        default=None, description="Client certificate, for servers that verify clients (mutual TLS)."
     )
     nats_tls_key_file: Path | None = Field(default=None, description="Key of `HETSCHED_NATS_TLS_CERT_FILE`.")
-    request_timeout_ms: int = Field(default=5000, gt=0, description="Timeout of CLI requests over NATS.")
     dependency_slow_ms: int = Field(
         default=1000,
         gt=0,
         description="Health says `degraded` when Postgres answers `SELECT 1`, or another service's median answer "
-        "over the last 50 calls, slower than this (or when a recent call got no answer).",
+        "over the last 50 calls, slower than this, or when a recent call to it got no answer.",
     )
     rpc_timeout_ms: int = Field(
-        default=10_000, gt=0, description="Timeout of a service's requests to another service (e.g. ledger.commit)."
+        default=10_000,
+        gt=0,
+        description="Timeout of a service's requests to another service (e.g. placement's `ledger.commit`).",
     )
     database_roles: bool = Field(
         default=True,
-        description="Each service connects as its own Postgres role `hetsched_<schema>` (rights on its schema only; "
-        "created by the migrations). Off: every service connects as the user of `HETSCHED_DATABASE_URL`.",
+        description="Each service connects as its own Postgres role `hetsched_<schema>` with rights on its own "
+        "schema only (the migrations create the roles). `false`: every service connects as the user in "
+        "`HETSCHED_DATABASE_URL`.",
     )
     database_role_password: SecretStr | None = Field(
         default=None,
-        description="Password of the per-service roles (set by the migrations when given; none with trust auth).",
+        description="One password for every per-service role: the migrations set it and the services connect "
+        "with it. Unset: `hetsched up` with its embedded Postgres generates one per role (`<data-dir>/pg-roles/`); "
+        "with `HETSCHED_DATABASE_URL`, the roles' passwords are left as they are (e.g. trust or peer auth).",
     )
+    database_tls_ca_file: Path | None = Field(
+        default=None,
+        description="CA certificate that signed the Postgres server's certificate: services, migrations and "
+        "`hetsched up` connect with TLS and verify the server's chain and host name (libpq's `verify-full`). "
+        "Unset: TLS only if the server offers it, unverified.",
+    )
+    # -- outbox, streams and retention (docs/RETENTION.md) ---------------------------------------------
     outbox_poll_ms: int = Field(default=100, gt=0, description="Outbox relay poll interval.")
     outbox_batch: int = Field(default=256, gt=0, le=10_000, description="Rows the relay publishes per pass.")
     stream_duplicate_window_s: float = Field(
@@ -106,21 +221,126 @@ class Settings(BaseSettings):
     telemetry_max_age_s: float = Field(
         default=DEFAULT_TELEMETRY_MAX_AGE_S, gt=0, description="Max age of TELEMETRY messages."
     )
-    metrics_host: str = Field(default="127.0.0.1", description="Where a service serves its Prometheus metrics.")
+    stream_topology_max_age_s: float = Field(
+        default=DEFAULT_MAX_AGE_S,
+        gt=0,
+        description="Max age of TOPOLOGY events (7 days; docs/RETENTION.md says why per stream).",
+    )
+    stream_ledger_max_age_s: float = Field(default=DEFAULT_MAX_AGE_S, gt=0, description="Max age of LEDGER events.")
+    stream_placement_max_age_s: float = Field(
+        default=DEFAULT_MAX_AGE_S, gt=0, description="Max age of PLACEMENT events."
+    )
+    stream_reservation_max_age_s: float = Field(
+        default=DEFAULT_MAX_AGE_S,
+        gt=0,
+        description="Max age of RESERVATION events; the filler restates every active reservation each quarter of it.",
+    )
+    stream_routing_max_age_s: float = Field(default=DEFAULT_MAX_AGE_S, gt=0, description="Max age of ROUTING events.")
+    stream_rebalance_max_age_s: float = Field(
+        default=DEFAULT_MAX_AGE_S,
+        gt=0,
+        description="Max age of REBALANCE events; the rebalancer restates its throttles and draining replicas each "
+        "quarter of it.",
+    )
+    stream_max_bytes: int = Field(
+        default=DEFAULT_MAX_BYTES,
+        ge=0,
+        description="Size cap of each stream (oldest events go first); JetStream reserves it at creation, so all "
+        "streams must fit the server's store. `0`: no cap.",
+    )
+    deadletter_retention_s: float = Field(
+        default=DEFAULT_DEADLETTER_MAX_AGE_S,
+        gt=0,
+        description="How long dead letters are kept: DEADLETTER's max age, and quarantined outbox rows.",
+    )
+    outbox_retention_s: float = Field(
+        default=86_400.0, gt=0, description="Sent outbox rows are deleted this long after they were sent."
+    )
+    inbox_retention_s: float = Field(
+        default=DEFAULT_DEADLETTER_MAX_AGE_S,
+        gt=0,
+        description="Inbox rows are deleted this long after the event was applied; at least the longest stream "
+        "max age and the dead-letter retention (checked at start).",
+    )
+    retention_prune_s: float = Field(
+        default=300.0, gt=0, description="How often every service prunes its outbox and inbox."
+    )
+    retention_prune_batch: int = Field(
+        default=5_000, gt=0, le=100_000, description="Rows one pruning transaction deletes at most."
+    )
+    stream_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=5,
+        description="Replicas of every JetStream stream: 3 on a 3-node cluster (R3), 1 on a single server.",
+    )
+    # -- events: size check, redelivery and dead letters -------------------------------------------------
+    event_max_bytes: int = Field(
+        default=900_000,
+        gt=0,
+        description="Largest event (UTF-8 JSON bytes) a transaction may emit, below NATS `max_payload`; a larger "
+        "one fails the request with `invalid_request`.",
+    )
+    event_max_deliveries: int = Field(
+        default=5,
+        gt=0,
+        description="Deliveries of an event whose handler keeps failing before the consumer moves it to the "
+        "`DEADLETTER` stream.",
+    )
+    event_redelivery_backoff_ms: int = Field(
+        default=500, gt=0, description="Delay before a failed event is redelivered; doubles on each redelivery."
+    )
+    event_redelivery_backoff_max_ms: int = Field(
+        default=10_000, gt=0, description="Longest delay between two deliveries of a failing event."
+    )
+    # -- the request path: workers, limits, deadlines -----------------------------------------------------
+    request_workers: int = Field(
+        default=64,
+        gt=0,
+        le=1024,
+        description="Requests a service serves at once, per subject (concurrent requests share group commits).",
+    )
+    request_max_bytes: int = Field(
+        default=512 * 1024,
+        gt=0,
+        description="Largest request body a service reads; a larger one is `invalid_request` (docs/API.md "
+        '"Limits"). Keep it under NATS `max_payload`.',
+    )
+    request_deadline_ms: int = Field(
+        default=10_000,
+        gt=0,
+        description="Deadline of a request that carries no `Hetsched-Deadline` header, counted from its arrival "
+        '(docs/API.md "Deadlines").',
+    )
+    request_saturated_ms: int = Field(
+        default=2_000,
+        gt=0,
+        description="A service's health turns `degraded` (check `workers`) when every worker of one of its "
+        "subjects has been busy for longer than this.",
+    )
+    db_pool_size: int = Field(default=10, gt=0, description="SQLAlchemy pool size per service.")
+    # -- observability ---------------------------------------------------------------------------------
+    otel_exporter: str = Field(
+        default="none",
+        pattern=r"^(none|console|otlp)$",
+        description="OpenTelemetry trace exporter: `none`, `console` or `otlp`.",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1", description="Where each service serves its Prometheus metrics (`/metrics`)."
+    )
     metrics_port: int = Field(
         default=0,
         ge=-1,
         le=65535,
-        description="Port of a service's Prometheus metrics endpoint (0: a free one, named in its health reply "
-        "and `hetsched status --json` as `metrics_url`; -1: none).",
+        description="Port of a service's metrics endpoint: 0 picks a free one (named in `hetsched status --json` "
+        "as `metrics_url`), -1 serves none.",
     )
-    # -- operator HTTP endpoints: limits of both servers, the console's access (issue 23 rows 5, 6) -------
     metrics_max_connections: int = Field(
         default=16,
         gt=0,
         le=10_000,
         description="Connections a service's metrics endpoint holds at once; a new one displaces the oldest that "
-        "has not sent its request yet, else it gets 503.",
+        "has not sent its request yet, else gets 503 (docs/SECURITY.md).",
     )
     metrics_read_timeout_s: float = Field(
         default=5.0,
@@ -129,219 +349,49 @@ class Settings(BaseSettings):
         description="A connection to the metrics endpoint that has not sent its request within this long (or "
         "not taken the answer within as long again) is closed.",
     )
-    console_token: SecretStr | None = Field(
-        default=None,
-        description="Token `hetsched console` requires (at least 16 characters). Unset or empty: a new random one "
-        "at each start, printed with the URL to open.",
-    )
-    console_allowed_hosts: str = Field(
-        default="localhost,127.0.0.1,[::1]",
-        description="Host header values the console answers, comma-separated (a name without a port means the "
-        "console's port; the address given to `--host` is added). Any other Host gets 421 and no data.",
-    )
-    console_max_connections: int = Field(
-        default=64, gt=0, le=10_000, description="Connections the console holds at once (as the metrics endpoint)."
-    )
-    console_read_timeout_s: float = Field(
-        default=10.0,
-        gt=0,
-        le=300,
-        description="A connection to the console that has not sent its request within this long is closed.",
-    )
-    otel_exporter: str = Field(
-        default="none", pattern=r"^(none|console|otlp)$", description="OpenTelemetry exporter for traces."
-    )
-    db_pool_size: int = Field(default=10, gt=0, description="SQLAlchemy pool size per service.")
-    request_workers: int = Field(
-        default=64,
-        gt=0,
-        le=1024,
-        description="Requests a service serves at once, per subject (concurrent requests share group commits).",
-    )
+    # -- catalogs ----------------------------------------------------------------------------------------
     model_catalog: Path | None = Field(
-        default=None, description="A model catalog file (YAML) merged over the shipped one: add or override models."
-    )
-    placement_default_lease_s: int = Field(
-        default=3600, gt=0, description="Lease of a placed replica when the request names none."
-    )
-    placement_refresh_ms: int = Field(
-        default=0,
-        ge=0,
-        description="When > 0, placement re-syncs its whole view (`fleet.get` + `ledger.snapshot`) this often; "
-        "0: never (TOPOLOGY and LEDGER events keep it current).",
-    )
-    placement_stale_after_ms: int = Field(
-        default=5000,
-        gt=0,
-        description="Placement's health check `view` turns from `ok` to `behind` when events older than this "
-        "wait to be applied to its view of the fleet.",
+        default=None,
+        description="A model catalog file (YAML, same shape as `shared/catalog/models.yaml`) merged over the "
+        "shipped one.",
     )
     sku_catalog: Path | None = Field(
-        default=None, description="A SKU catalog file (YAML) merged over the shipped one: add SKUs or override prices."
+        default=None,
+        description="A SKU catalog file (YAML, same shape as `shared/catalog/skus.yaml`) merged over the shipped one.",
     )
-    topology_mode: str = Field(
-        default="fleet",
-        pattern=r"^(fleet|agent)$",
-        description="`fleet`: own the fleet (inventory, agent reports, liveness); `agent`: profile this node.",
+    model_groups: Path | None = Field(
+        default=None,
+        description="A model-group file (YAML, the shape of `shared/catalog/model_groups.yaml`) replacing the "
+        "shipped one: one API name for several models served by different engines.",
     )
-    topology_inventory: Path | None = Field(
-        default=None, description="Fleet inventory file (YAML) the fleet-mode topology service loads."
+    regions_file: Path | None = Field(
+        default=None,
+        description="Regions (RTT matrix, price per SKU-hour, $/kWh, PUE) replacing `shared/catalog/regions.yaml`; "
+        "the router re-reads it when it changes.",
     )
-    topology_provider: str = Field(
-        default="nvml", pattern=r"^(nvml|nvidia-smi)$", description="Agent mode: how to profile the node."
-    )
-    topology_node: str | None = Field(default=None, description="Agent mode: node name (default: the host name).")
-    topology_cluster: str = Field(default="default", description="Agent mode: the node's cluster.")
-    topology_rack: str = Field(default="default", description="Agent mode: the node's rack.")
-    topology_sku: str | None = Field(
-        default=None, description="Agent mode: SKU name when the device name is not enough."
-    )
-    topology_smi_topo_file: Path | None = Field(
-        default=None, description="Agent mode, nvidia-smi: read a captured `topo -m` output instead of running it."
-    )
-    topology_smi_query_file: Path | None = Field(
-        default=None, description="Agent mode, nvidia-smi: read a captured `--query-gpu` CSV instead of running it."
-    )
-    topology_heartbeat_s: float = Field(default=30.0, gt=0, description="Heartbeat interval of agents.")
-    topology_missed_heartbeats: int = Field(
-        default=3, gt=0, description="Missed heartbeats after which a node is published as lost."
-    )
-    topology_scan_s: float = Field(default=60.0, gt=0, description="Agent mode: how often the node is profiled again.")
-    telemetry_interval_s: float = Field(default=30.0, gt=0, description="Agent mode: GPU telemetry interval.")
-    ledger_ceiling: float = Field(
-        default=0.92, gt=0, le=1, description="Share of each accelerator's HBM the ledger may allocate."
-    )
-    ledger_default_lease_s: int = Field(default=300, gt=0, description="Lease of a commit that names none.")
-    ledger_max_batch: int = Field(
-        default=256, gt=0, le=10_000, description="Most commits the ledger applies in one transaction (group commit)."
-    )
-    ledger_cross_domain_budget_bytes_per_s: int = Field(
-        default=256_000_000_000,
-        ge=0,
-        description="Cross-domain TP traffic (bytes/s) the ledger lets the replicas of one cluster send in all "
-        "(the brief's 256 GB/s); a commit past it is `no_capacity`. 0: not enforced by the ledger.",
-    )
-    ledger_sweep_ms: int = Field(default=500, gt=0, description="How often expired leases are released.")
-    drift_threshold: float = Field(
-        default=0.10,
-        gt=0,
-        lt=1,
-        description="Observed vs reserved HBM difference, as a share of usable HBM, that counts as drift.",
-    )
-    drift_consecutive: int = Field(
-        default=2, gt=0, description="Samples in a row over the threshold before a drift event."
-    )
-    # -- supervision / cluster (issue 10) ------------------------------------------------------------
-    stream_replicas: int = Field(
-        default=1,
-        ge=1,
-        le=5,
-        description="Replicas of every JetStream stream: 3 on a 3-node cluster (R3), 1 on a single server.",
-    )
-    # -- events: outbox size check, quarantine, redelivery and dead letters (issue 10) ---------------
-    event_max_bytes: int = Field(
-        default=900_000,
-        gt=0,
-        description="Largest event (UTF-8 JSON bytes) a transaction may emit; below NATS `max_payload` (1 MiB by "
-        "default). A larger one fails the transaction with `invalid_request`.",
-    )
-    event_max_deliveries: int = Field(
-        default=5,
-        gt=0,
-        description="Deliveries of an event whose handler keeps failing before the consumer dead-letters it.",
-    )
-    event_redelivery_backoff_ms: int = Field(
-        default=500, gt=0, description="Delay before a failed event is redelivered; doubles on each redelivery."
-    )
-    event_redelivery_backoff_max_ms: int = Field(
-        default=10_000, gt=0, description="Longest delay between two deliveries of a failing event."
-    )
-
-    # -- request path: limits and deadlines (issue 10) ---------------------------------------------
-    request_max_bytes: int = Field(
-        default=512 * 1024,
-        gt=0,
-        description="Largest request body a service reads (bytes); a larger one is `invalid_request`. Keep it "
-        "under NATS `max_payload` (1 MiB by default).",
-    )
-    request_deadline_ms: int = Field(
-        default=10_000,
-        gt=0,
-        description="Deadline of a request that carries no `Hetsched-Deadline` header, from its arrival.",
-    )
-    request_saturated_ms: int = Field(
-        default=2_000,
-        gt=0,
-        description="Health turns `degraded` when every worker of a subject has been busy for longer than this.",
-    )
-
-    # -- placement ownership: intents, the reconciler, fault injection (issue 10) -------------------
-    placement_reconcile_period_s: float = Field(
-        default=30.0,
-        gt=0,
-        description="How often placement's reconciler releases ledger allocations no placement decision owns.",
-    )
-    placement_intent_grace_s: float = Field(
-        default=300.0,
-        gt=0,
-        description="A placement intent still `committing` this long is abandoned (its allocation, if any, is "
-        "released by the reconciler); a retry with the same id inside it recovers the allocation.",
-    )
-    placement_fault_after_commit: str = Field(
-        default="",
-        pattern=r"^(|exit)$",
-        description="Tests only: `exit` makes placement exit right after a ledger commit, before its decision row.",
-    )
-
-    # -- placement's queue and PCIe budget (issue 12) ------------------------------------------------
-    placement_queue_timeout_s: int = Field(
-        default=600,
-        gt=0,
-        le=24 * 3600,
-        description="How long a `queued` placement waits for capacity when its request names no `queue_timeout_s`; "
-        "then it is rejected `no_capacity` (queue timeout).",
-    )
-    placement_queue_retry_s: float = Field(
-        default=5.0,
-        gt=0,
-        description="Placement retries its queue this often, besides whenever an allocation is released or expires.",
-    )
-    placement_pcie_window_s: float = Field(
-        default=60.0,
-        ge=0,
-        description="A node's PCIe utilisation is the lowest sample of this window (telemetry): it counts as over "
-        "the threshold only when it stayed over it that long; 0: the latest sample.",
-    )
-    placement_queue_page: int = Field(
-        default=200,
-        gt=0,
-        le=10_000,
-        description="Queued placements read per page: each pass of the queue pages through all of them.",
-    )
-
-    # -- per-tenant quotas (issue 23 row 7); 0: unlimited -----------------------------------------------
+    # -- per-tenant quotas (placement and reservations enforce them); 0: unlimited ------------------------
     quota_gpus_reserved_per_tenant: int = Field(
         default=10_000,
         ge=0,
-        description="Accelerators one tenant's active reservations may hold in all; `reservation.create` past it "
-        "is `quota_exceeded`. 0: unlimited.",
+        description="Accelerators one tenant's active reservations may hold in all; a `reservation.create` past "
+        "it is `quota_exceeded`. 0: unlimited.",
     )
     quota_gpus_placed_per_tenant: int = Field(
         default=10_000,
         ge=0,
-        description="Accelerators one tenant's live replicas may hold (each counted once, commits in flight "
-        "included); `placement.place` past it is `quota_exceeded`. 0: unlimited.",
+        description="Accelerators one tenant's live replicas may hold (each counted once; commits in flight "
+        "count); a `placement.place` past it is `quota_exceeded`. 0: unlimited.",
     )
     quota_queued_requests_per_tenant: int = Field(
         default=1_000,
         ge=0,
-        description="Placements one tenant may have waiting in placement's queue; one more is `quota_exceeded`. "
-        "0: unlimited.",
+        description="Placements one tenant may have waiting in the queue; one more is `quota_exceeded`. 0: unlimited.",
     )
     quota_tenant_overrides: dict[str, dict[str, int]] = Field(
         default_factory=dict,
         description='Per-tenant limits over the three above, JSON: `{"acme": {"gpus_placed": 64, '
-        '"queued_requests": 10}}` (quotas `gpus_reserved`, `gpus_placed`, `queued_requests`; 0: unlimited).',
+        '"queued_requests": 10}}` (quotas `gpus_reserved`, `gpus_placed`, `queued_requests`; 0: unlimited). '
+        "An unknown quota name fails the start.",
     )
 
     @field_validator("quota_tenant_overrides")
@@ -361,165 +411,6 @@ class Settings(BaseSettings):
             overrides=parse_overrides(self.quota_tenant_overrides),
         )
 
-    # -- the request path (issue 14): admission and cross-region routing ------------------------------
-    model_groups: Path | None = Field(
-        default=None,
-        description="YAML map of model group -> model names (several engines answering one API), replacing the "
-        "shipped shared/catalog/model_groups.yaml.",
-    )
-    engine_stale_s: float = Field(
-        default=15.0, gt=0, description="A replica with no engine status report for this long leaves rotation."
-    )
-    admit_max_queue_depth: int = Field(
-        default=16, gt=0, description="A replica whose engine queue is this deep takes no new request."
-    )
-    admit_long_context_tokens: int = Field(
-        default=32000, gt=0, description="Input above this prefers an engine whose memory does not grow (SSM)."
-    )
-    admit_strict_ttft_ms: float = Field(
-        default=100.0, gt=0, description="A TTFT SLO under this prefers the fastest engine that meets it."
-    )
-    admit_tenant_rate: float = Field(
-        default=200.0, gt=0, description="Per-tenant token bucket: admissions per second within a tenant's profile."
-    )
-    admit_tenant_burst: float = Field(default=400.0, gt=0, description="Per-tenant token bucket depth.")
-    admit_tenant_weights: str = Field(
-        default="",
-        description="Fair-queueing weights, `tenant=weight,...` (others weigh 1).",
-    )
-    admit_queue_ttl_s: float = Field(
-        default=30.0, gt=0, description="A queued request waits this long for capacity before it is dropped."
-    )
-    admit_kv_guarantees: str = Field(
-        default="",
-        description="Guaranteed KV share per engine on a node, `transformer=0.4,moe=0.3,ssm=0.3` (default: equal "
-        "among the engines present); an idle engine's share is lent (donors MoE > Transformer > SSM).",
-    )
-    regions_file: Path | None = Field(
-        default=None, description="Regions (RTT, prices, power, PUE), replacing shared/catalog/regions.yaml."
-    )
-    route_weights: str = Field(
-        default="0.4,0.3,0.1,0.2",
-        description="Weights of cost = a*RTT + b*price + c*power*PUE - d*affinity (alpha, beta, gamma, delta).",
-    )
-    route_damping_s: float = Field(
-        default=1800.0, ge=0, description="A tenant's region changes at most once per this many seconds."
-    )
-    route_affinity_days: int = Field(default=7, gt=0, description="Traffic window of a tenant's region affinity.")
-    route_flush_ms: int = Field(
-        default=500, gt=0, description="How often the router writes its traffic counts (affinity) to Postgres."
-    )
-
-    # -- reservations (issue 15) -------------------------------------------------------------------
-    reservation_fill_target: float = Field(
-        default=0.85,
-        gt=0,
-        le=1,
-        description="A soft or spot reservation's idle accelerators are lent while its owner fills less than this "
-        "share of it (the brief's 0.85).",
-    )
-    reservation_backoff_s: float = Field(
-        default=30.0,
-        ge=0,
-        description="An accelerator reclaimed from a borrower is not lent again for this long; each reclaim within "
-        "`reservation_backoff_max_s` of the last doubles it.",
-    )
-    reservation_backoff_max_s: float = Field(
-        default=1800.0, gt=0, description="The longest backoff, and how long a reclaim is remembered."
-    )
-    # -- rebalancer (issue 16) ---------------------------------------------------------------------
-    rebalance_hot_util: float = Field(default=0.85, gt=0, le=1, description="A replica's GPUs above this HBM use ...")
-    rebalance_hot_window_s: float = Field(default=60.0, ge=0, description="... for this long: replicate it.")
-    rebalance_cold_util: float = Field(default=0.30, gt=0, le=1, description="A node below this HBM use ...")
-    rebalance_cold_window_s: float = Field(default=300.0, ge=0, description="... for this long: consolidate.")
-    rebalance_frag_threshold: float = Field(
-        default=0.3, gt=0, le=1, description="A TPU pod fragmented above this: defragment it."
-    )
-    rebalance_frag_window_s: float = Field(default=60.0, ge=0, description="How long the fragmentation must last.")
-    rebalance_pcie_util: float = Field(default=0.7, gt=0, le=1, description="A node's PCIe above this ...")
-    rebalance_pcie_window_s: float = Field(default=60.0, ge=0, description="... for this long: throttle cold starts.")
-    rebalance_drift_ratio: float = Field(
-        default=0.10, gt=0, description="|observed - reserved| HBM over this share of an allocation is drift."
-    )
-    rebalance_drift_check_s: float = Field(default=10.0, gt=0, description="How often drift is checked per node.")
-    rebalance_drift_window_s: float = Field(
-        default=60.0, ge=0, description="Drift lasting this long re-places the allocation (an alarm comes at once)."
-    )
-    rebalance_hysteresis: float = Field(
-        default=0.05, ge=0, description="A firing detector clears only this far past its threshold."
-    )
-    rebalance_migrations_per_min: float = Field(
-        default=2.0, gt=0, description="Replica copies the rebalancer starts per minute and cluster."
-    )
-    rebalance_tick_s: float = Field(default=1.0, gt=0, description="How often the rebalancer plans and runs plans.")
-    reservation_fault_after_record: str = Field(
-        default="",
-        description="Tests only: `exit` makes the filler exit the way a SIGKILL would, right after it has written "
-        "a reclaim's preemptions and before it asks the ledger.",
-    )
-    reservation_tick_s: float = Field(
-        default=1.0,
-        gt=0,
-        description="How often the filler re-issues preemptions the ledger has not acknowledged and re-offers "
-        "accelerators whose backoff ended.",
-    )
-
-    # -- Postgres security (issue 11) --------------------------------------------------------------
-    database_tls_ca_file: Path | None = Field(
-        default=None,
-        description="CA certificate that signed the Postgres server's certificate: services, migrations and "
-        "`hetsched up` connect with TLS, verify the chain and the URL's host name (libpq's `verify-full`). "
-        "Unset: TLS only if the server offers it, unverified.",
-    )
-
-    # -- retention: stream limits, pruned tables (issue 23 row 7; docs/RETENTION.md) ------------------
-    stream_topology_max_age_s: float = Field(
-        default=DEFAULT_MAX_AGE_S, gt=0, description="Max age of TOPOLOGY events (7 days)."
-    )
-    stream_ledger_max_age_s: float = Field(default=DEFAULT_MAX_AGE_S, gt=0, description="Max age of LEDGER events.")
-    stream_placement_max_age_s: float = Field(
-        default=DEFAULT_MAX_AGE_S, gt=0, description="Max age of PLACEMENT events."
-    )
-    stream_reservation_max_age_s: float = Field(
-        default=DEFAULT_MAX_AGE_S,
-        gt=0,
-        description="Max age of RESERVATION events; the filler restates every live reservation each quarter of it.",
-    )
-    stream_routing_max_age_s: float = Field(default=DEFAULT_MAX_AGE_S, gt=0, description="Max age of ROUTING events.")
-    stream_rebalance_max_age_s: float = Field(
-        default=DEFAULT_MAX_AGE_S,
-        gt=0,
-        description="Max age of REBALANCE events; the rebalancer restates its throttles and draining replicas each "
-        "quarter of it.",
-    )
-    stream_max_bytes: int = Field(
-        default=DEFAULT_MAX_BYTES,
-        ge=0,
-        description="Size cap of each stream (bytes; the oldest events go first). JetStream reserves it on the "
-        "server at creation, so all streams together must fit its store. 0: no cap.",
-    )
-    deadletter_retention_s: float = Field(
-        default=DEFAULT_DEADLETTER_MAX_AGE_S,
-        gt=0,
-        description="How long dead letters are kept: the DEADLETTER stream's max age, and quarantined outbox rows.",
-    )
-    outbox_retention_s: float = Field(
-        default=86_400.0, gt=0, description="Sent outbox rows are deleted this long after they were sent."
-    )
-    inbox_retention_s: float = Field(
-        default=DEFAULT_DEADLETTER_MAX_AGE_S,
-        gt=0,
-        description="Inbox rows (events a consumer applied) are deleted this long after. At least the longest "
-        "stream max age and `HETSCHED_DEADLETTER_RETENTION_S`: a copy of an event read or replayed later must "
-        "still find its row.",
-    )
-    retention_prune_s: float = Field(
-        default=300.0, gt=0, description="How often every service prunes its outbox and inbox."
-    )
-    retention_prune_batch: int = Field(
-        default=5_000, gt=0, le=100_000, description="Rows one pruning transaction deletes at most."
-    )
-
     def stream_max_ages(self) -> dict[Context, float]:
         """Each context stream's max age under these settings (``shared.contracts.streams.stream_specs``)."""
         return {
@@ -533,16 +424,471 @@ class Settings(BaseSettings):
         }
 
     @model_validator(mode="after")
-    def _inbox_outlives_its_copies(self) -> Settings:
+    def _inbox_outlives_its_copies(self) -> KitSettings:
         # A consumer may meet an event again as long as a stream or DEADLETTER can still hand it a copy.
         floor = max(*self.stream_max_ages().values(), self.deadletter_retention_s, self.stream_duplicate_window_s)
         if self.inbox_retention_s < floor:
             raise ValueError(
-                f"inbox_retention_s ({self.inbox_retention_s:.0f}) must be at least the longest stream max age, the "
-                f"dead-letter retention and the duplicate window ({floor:.0f} s): a redelivered or replayed copy of an "
-                "event would otherwise be applied twice"
+                f"HETSCHED_INBOX_RETENTION_S (inbox_retention_s, {self.inbox_retention_s:.0f}) must be at least the "
+                f"longest stream max age, the dead-letter retention and the duplicate window ({floor:.0f} s): a "
+                "redelivered or replayed copy of an event would otherwise be applied twice"
             )
         return self
+
+
+class ConsoleSettings(Section):
+    """``hetsched console``: its token and the limits of its HTTP server."""
+
+    title: ClassVar[str] = "Console (`settings.console`)"
+    model_config = _section_config(f"{PREFIX}CONSOLE_")
+
+    token: SecretStr | None = Field(
+        default=None,
+        description="Token `hetsched console` requires on every route but its login page (at least 16 "
+        "characters); unset or empty, it makes a new one at each start and prints it once, in the URL to open.",
+        json_schema_extra=doc_default("unset (a new random one at each start)"),
+    )
+    allowed_hosts: str = Field(
+        default="localhost,127.0.0.1,[::1]",
+        description="Host header values the console answers, comma-separated; a name without a port means the "
+        "console's port, and the address given to `--host` is added. Any other Host gets 421 and no data.",
+    )
+    max_connections: int = Field(
+        default=64, gt=0, le=10_000, description="Connections the console holds at once (as the metrics endpoint)."
+    )
+    read_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="A connection to the console that has not sent its request within this long is closed.",
+    )
+
+
+class LedgerSettings(Section):
+    """The capacity ledger: HBM ceiling, leases, group commit, cross-domain budget, drift."""
+
+    title: ClassVar[str] = "Capacity ledger (`settings.ledger`)"
+    model_config = _section_config(f"{PREFIX}LEDGER_")
+
+    ceiling: float = Field(
+        default=0.92,
+        gt=0,
+        le=1,
+        description="Share of each accelerator's HBM the ledger may allocate (usable = total x ceiling).",
+    )
+    default_lease_s: int = Field(
+        default=300,
+        gt=0,
+        description="Lease of a commit that names none; an allocation not renewed in time expires.",
+    )
+    max_batch: int = Field(
+        default=256,
+        gt=0,
+        le=10_000,
+        description="Most commits the ledger applies in one transaction: commits arriving together share it "
+        "(group commit).",
+    )
+    cross_domain_budget_bytes_per_s: int = Field(
+        default=256_000_000_000,
+        ge=0,
+        description="Cross-domain TP traffic the replicas of one cluster may send in all (the brief's 256 GB/s); "
+        "the ledger refuses a commit past it (`no_capacity`); placement shares it out by SLO below it. "
+        "0: not enforced.",
+    )
+    sweep_ms: int = Field(default=500, gt=0, description="How often the ledger releases expired leases.")
+    drift_threshold: float = Field(
+        default=0.10,
+        gt=0,
+        lt=1,
+        validation_alias=f"{PREFIX}DRIFT_THRESHOLD",
+        description="Observed vs reserved HBM difference, as a share of usable HBM, that counts as drift.",
+    )
+    drift_consecutive: int = Field(
+        default=2,
+        gt=0,
+        validation_alias=f"{PREFIX}DRIFT_CONSECUTIVE",
+        description="Telemetry samples in a row over the threshold before a `drift_detected` event.",
+    )
+
+
+class TopologySettings(Section):
+    """Topology discovery: the fleet owner, or an agent profiling its node."""
+
+    title: ClassVar[str] = "Topology discovery (`settings.topology`)"
+    model_config = _section_config(f"{PREFIX}TOPOLOGY_")
+
+    mode: str = Field(
+        default="fleet",
+        pattern=r"^(fleet|agent)$",
+        description="`fleet`: the topology service owns the fleet (inventory, agent reports, liveness); `agent`: "
+        "profile this node.",
+    )
+    inventory: Path | None = Field(
+        default=None,
+        description="Fleet inventory file the fleet-mode topology service loads.",
+        json_schema_extra=doc_default("unset (`hetsched up`: the demo fleet)"),
+    )
+    provider: str = Field(
+        default="nvml", pattern=r"^(nvml|nvidia-smi)$", description="Agent mode: `nvml` or `nvidia-smi`."
+    )
+    node: str | None = Field(
+        default=None, description="Agent mode: the node's name.", json_schema_extra=doc_default("host name")
+    )
+    cluster: str = Field(
+        default="default", description="Agent mode: the node's cluster (its region is `HETSCHED_REGION`)."
+    )
+    rack: str = Field(default="default", description="Agent mode: the node's rack.")
+    sku: str | None = Field(default=None, description="Agent mode: SKU name when the device name does not tell it.")
+    smi_topo_file: Path | None = Field(
+        default=None,
+        description="Agent mode, nvidia-smi: read a captured `nvidia-smi topo -m` instead of running it.",
+    )
+    smi_query_file: Path | None = Field(
+        default=None, description="Agent mode, nvidia-smi: read a captured `--query-gpu` CSV instead of running it."
+    )
+    heartbeat_s: float = Field(default=30.0, gt=0, description="Agents' heartbeat interval.")
+    missed_heartbeats: int = Field(
+        default=3, gt=0, description="Missed heartbeats after which a node is published as lost."
+    )
+    scan_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Agent mode: how often the node is profiled again (a change is reported at once).",
+    )
+    telemetry_interval_s: float = Field(
+        default=30.0,
+        gt=0,
+        validation_alias=f"{PREFIX}TELEMETRY_INTERVAL_S",
+        description="Agent mode: GPU telemetry interval (TELEMETRY stream).",
+    )
+
+
+class PlacementSettings(Section):
+    """Placement: leases, its view of the fleet, ownership of commits, the queue, and admission
+    (``placement.admit``, whose fields keep their ``HETSCHED_ADMIT_`` variables)."""
+
+    title: ClassVar[str] = "Placement and admission (`settings.placement`)"
+    model_config = _section_config(f"{PREFIX}PLACEMENT_")
+
+    default_lease_s: int = Field(
+        default=3600,
+        gt=0,
+        description="Lease of a placed replica when the request names none (renew with `placement.renew`).",
+    )
+    refresh_ms: int = Field(
+        default=0,
+        ge=0,
+        description="When > 0, placement re-reads its whole view of the fleet (`fleet.get` + `ledger.snapshot`) "
+        "this often; TOPOLOGY and LEDGER events keep it current anyway.",
+        json_schema_extra=doc_default("`0` (off)"),
+    )
+    stale_after_ms: int = Field(
+        default=5000,
+        gt=0,
+        description="Placement's health check `view` reports `behind` when events older than this wait to be "
+        "applied to its view (docs/API.md).",
+    )
+    reconcile_period_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How often placement's reconciler releases ledger allocations that no placement decision owns "
+        '(docs/API.md "Placement request ids").',
+    )
+    intent_grace_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="A placement intent still `committing` this long is abandoned and what it reserved released; "
+        "a retry with the same id inside it recovers the allocation.",
+    )
+    fault_after_commit: str = Field(
+        default="",
+        pattern=r"^(|exit)$",
+        description="Tests only: `exit` makes placement exit right after a ledger commit, before it records the "
+        "decision.",
+    )
+    queue_timeout_s: int = Field(
+        default=600,
+        gt=0,
+        le=24 * 3600,
+        description="How long a `queued` placement waits for capacity when its request names no `queue_timeout_s`; "
+        'then it is rejected `no_capacity` ("queue timeout"). docs/API.md "Queue".',
+    )
+    queue_retry_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Placement retries its queue this often, besides whenever an allocation is released or "
+        "expires or a node comes (back).",
+    )
+    pcie_window_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="A node's PCIe utilisation (GPU telemetry) is the lowest sample over this window, so it counts "
+        "as over the 0.7 threshold (no cold loads) only when it stayed over it that long; `0`: the latest sample.",
+    )
+    queue_page: int = Field(
+        default=200,
+        gt=0,
+        le=10_000,
+        description="Queued placements read per page: every pass of the queue pages through all of them (round "
+        'robin by tenant; docs/API.md "Queue").',
+    )
+    # -- admission: the request path (placement.admit) -----------------------------------------------------
+    engine_stale_s: float = Field(
+        default=15.0,
+        gt=0,
+        validation_alias=f"{PREFIX}ENGINE_STALE_S",
+        description="A replica whose engine has not reported its status (`engine_status`) for this long leaves "
+        "admission's rotation until it reports again.",
+    )
+    admit_max_queue_depth: int = Field(
+        default=16,
+        gt=0,
+        validation_alias=f"{PREFIX}ADMIT_MAX_QUEUE_DEPTH",
+        description="`placement.admit` sends nothing more to a replica whose engine queue is this deep "
+        "(admissions since its last report count).",
+    )
+    admit_long_context_tokens: int = Field(
+        default=32000,
+        gt=0,
+        validation_alias=f"{PREFIX}ADMIT_LONG_CONTEXT_TOKENS",
+        description="Input above this prefers an engine whose memory does not grow with context (SSM, then hybrid).",
+    )
+    admit_strict_ttft_ms: float = Field(
+        default=100.0,
+        gt=0,
+        validation_alias=f"{PREFIX}ADMIT_STRICT_TTFT_MS",
+        description="A TTFT SLO under this prefers the fastest engine that meets it; otherwise least cost "
+        "(`10·queue + 200·max(0, kv_use−0.85) + latency + 5·max(0, latency−SLO)`).",  # noqa: RUF001
+    )
+    admit_tenant_rate: float = Field(
+        default=200.0,
+        gt=0,
+        validation_alias=f"{PREFIX}ADMIT_TENANT_RATE",
+        description="Per-tenant token bucket of admission (requests/s): a tenant within it is served first when "
+        "requests wait (weighted fair queueing).",
+    )
+    admit_tenant_burst: float = Field(
+        default=400.0,
+        gt=0,
+        validation_alias=f"{PREFIX}ADMIT_TENANT_BURST",
+        description="Depth of that token bucket.",
+    )
+    admit_tenant_weights: Annotated[dict[str, PositiveFloat], NoDecode] = Field(
+        default_factory=dict,
+        validation_alias=f"{PREFIX}ADMIT_TENANT_WEIGHTS",
+        description='Fair-queueing weights per tenant, JSON (or YAML) `{"acme": 2, "beta": 0.5}` (others weigh '
+        "1). Deprecated, accepted for one release: `acme=2,beta=0.5`.",
+    )
+    admit_queue_ttl_s: float = Field(
+        default=30.0,
+        gt=0,
+        validation_alias=f"{PREFIX}ADMIT_QUEUE_TTL_S",
+        description="A `queued` admission waits this long for a replica to free, then is dropped (asking again "
+        "starts over).",
+    )
+    admit_kv_guarantees: Annotated[dict[Engine, PositiveFloat], NoDecode] = Field(
+        default_factory=dict,
+        validation_alias=f"{PREFIX}ADMIT_KV_GUARANTEES",
+        description='Guaranteed share of a node\'s KV per engine, JSON (or YAML) `{"transformer": 0.4, "moe": '
+        '0.3, "ssm": 0.3}` (default: equal among the engines on the node); an idle engine\'s share is lent, '
+        "donors MoE > Transformer > SSM. Deprecated, accepted for one release: `transformer=0.4,moe=0.3,ssm=0.3`.",
+    )
+
+    @field_validator("admit_tenant_weights", "admit_kv_guarantees", mode="before")
+    @classmethod
+    def _map(cls, value: object) -> object:
+        return _mapping_text(value)
+
+
+class ReservationSettings(Section):
+    """The reservation filler: lending idle reserved accelerators and reclaiming them."""
+
+    title: ClassVar[str] = "Reservations (`settings.reservations`)"
+    model_config = _section_config(f"{PREFIX}RESERVATION_")
+
+    fill_target: float = Field(
+        default=0.85,
+        gt=0,
+        le=1,
+        description="A soft or spot reservation's idle GPUs are lent while its owner fills less than this share of it.",
+    )
+    backoff_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="A GPU reclaimed from a borrower is not lent again for this long; each reclaim within the max "
+        "doubles it.",
+    )
+    backoff_max_s: float = Field(
+        default=1800.0, gt=0, description="The longest backoff, and how long a reclaim is remembered."
+    )
+    tick_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="How often the filler re-issues preemptions the ledger has not acknowledged and re-offers GPUs "
+        "whose backoff ended.",
+    )
+    fault_after_record: str = Field(
+        default="",
+        description="Tests only: `exit` kills the filler between writing a reclaim's preemptions and asking the "
+        "ledger.",
+    )
+
+
+class RoutingSettings(Section):
+    """The cross-region router: route cost weights, damping, affinity."""
+
+    title: ClassVar[str] = "Cross-region routing (`settings.routing`)"
+    model_config = _section_config(f"{PREFIX}ROUTE_")
+
+    weights: Annotated[Weights, NoDecode] = Field(
+        default_factory=Weights,
+        description="α,β,γ,δ of the route cost α·RTT + β·price + γ·power·PUE − δ·affinity (normalised terms): a "  # noqa: RUF001
+        "JSON (or YAML) map of `rtt`, `price`, `power`, `affinity`; a weight left out keeps its default. "
+        "Deprecated, accepted for one release: the four numbers, `0.4,0.3,0.1,0.2`.",
+    )
+    damping_s: float = Field(
+        default=1800.0,
+        ge=0,
+        description="A tenant's region changes at most once per this long, unless its region is down, drained or full.",
+    )
+    affinity_days: int = Field(
+        default=7,
+        gt=0,
+        description="Window of the traffic that makes a tenant's region affinity (>= 95% of it in one region "
+        "scores 1.0).",
+    )
+    flush_ms: int = Field(
+        default=500,
+        gt=0,
+        description="How often the router writes its traffic counts (affinity) to Postgres; a crash loses at most "
+        "this much of them.",
+    )
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _weights(cls, value: object) -> object:
+        return _route_weights(value)
+
+
+class RebalancerSettings(Section):
+    """The rebalancer's detectors (hot, cold, fragmentation, PCIe, drift) and its pace."""
+
+    title: ClassVar[str] = "Rebalancer (`settings.rebalancer`)"
+    model_config = _section_config(f"{PREFIX}REBALANCE_")
+
+    hot_util: float = Field(default=0.85, gt=0, le=1, description="A replica whose GPUs stay above this HBM use ...")
+    hot_window_s: float = Field(default=60.0, ge=0, description="... for this long gets a copy (`replicate`).")
+    cold_util: float = Field(default=0.30, gt=0, le=1, description="A node that stays below this HBM use ...")
+    cold_window_s: float = Field(
+        default=300.0, ge=0, description="... for this long has its replicas moved off it (`consolidate`)."
+    )
+    frag_threshold: float = Field(
+        default=0.3, gt=0, le=1, description="A TPU pod whose fragmentation stays above this ..."
+    )
+    frag_window_s: float = Field(
+        default=60.0, ge=0, description="... for this long has an 8x8 block freed (`defragment`)."
+    )
+    pcie_util: float = Field(default=0.7, gt=0, le=1, description="A node whose PCIe stays above this ...")
+    pcie_window_s: float = Field(
+        default=60.0, ge=0, description="... for this long takes no new replica until it clears (`throttle`)."
+    )
+    drift_ratio: float = Field(
+        default=0.10,
+        gt=0,
+        description="An allocation alone on its GPUs whose observed HBM differs from its reservation by more than "
+        "this share of it raises `drift_alarm`.",
+    )
+    drift_check_s: float = Field(
+        default=10.0, gt=0, description="Least time between two drift checks of one node's allocations."
+    )
+    drift_window_s: float = Field(
+        default=60.0, ge=0, description="Drift lasting this long re-places the replica (`replace`)."
+    )
+    hysteresis: float = Field(
+        default=0.05,
+        ge=0,
+        description="A firing hot, cold, fragmentation or PCIe detector clears only this far past its threshold.",
+    )
+    migrations_per_min: float = Field(
+        default=2.0,
+        gt=0,
+        description="Replica copies the rebalancer starts per minute and cluster (also the burst).",
+    )
+    tick_s: float = Field(default=1.0, gt=0, description="How often the rebalancer plans and advances its plans.")
+
+
+class Settings(BaseModel):
+    """Every knob of hetsched: one section per service and one for the kit. ``Settings()`` reads each section
+    from the environment; ``Settings(kit={"nats_url": ...})`` overrides fields by name (the rest still from the
+    environment); ``settings.updated(placement={"queue_page": 5})`` copies with changes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kit: KitSettings = Field(default_factory=KitSettings)
+    console: ConsoleSettings = Field(default_factory=ConsoleSettings)
+    ledger: LedgerSettings = Field(default_factory=LedgerSettings)
+    topology: TopologySettings = Field(default_factory=TopologySettings)
+    placement: PlacementSettings = Field(default_factory=PlacementSettings)
+    reservations: ReservationSettings = Field(default_factory=ReservationSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    rebalancer: RebalancerSettings = Field(default_factory=RebalancerSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections_from_mappings(cls, data: object) -> object:
+        # A section given as a mapping is built like Settings() builds it: the rest from the environment.
+        if not isinstance(data, Mapping):
+            return data
+        built = dict(data)
+        for name, value in data.items():
+            section = _section_type(name)
+            if section is not None and isinstance(value, Mapping):
+                built[name] = section(**value)
+        return built
+
+    def updated(self, **changes: Mapping[str, object]) -> Settings:
+        """A copy with fields of sections replaced, e.g. ``updated(kit={"nats_url": url})`` (not validated,
+        like ``model_copy``); a name that is no section or field raises ``ValueError``."""
+        sections: dict[str, object] = {}
+        for name, fields in changes.items():
+            section_type = _section_type(name)
+            if section_type is None:
+                raise ValueError(f"no settings section {name!r}: {', '.join(SECTIONS)}")
+            unknown = sorted(set(fields) - set(section_type.model_fields))
+            if unknown:
+                raise ValueError(f"settings.{name} has no field {', '.join(unknown)}")
+            sections[name] = getattr(self, name).model_copy(update=dict(fields))
+        return self.model_copy(update=sections)
+
+    def quotas(self) -> Quotas:
+        """The per-tenant quotas these settings give (``KitSettings.quotas``)."""
+        return self.kit.quotas()
+
+
+def _section_type(name: str) -> type[Section] | None:
+    field = Settings.model_fields.get(name)
+    annotation = field.annotation if field is not None else None
+    return annotation if isinstance(annotation, type) and issubclass(annotation, Section) else None
+
+
+SECTIONS: tuple[str, ...] = tuple(Settings.model_fields)
+
+
+def env_var(section: type[Section], field: str) -> str:
+    """The environment variable a section's field is read from."""
+    alias = section.model_fields[field].validation_alias
+    assert isinstance(alias, str), (section.__name__, field)
+    return alias
+
+
+def env_vars() -> dict[str, str]:
+    """Every setting's environment variable -> its path in ``Settings`` (e.g. ``placement.queue_page``)."""
+    return {
+        env_var(section, field): f"{name}.{field}"
+        for name in SECTIONS
+        if (section := _section_type(name)) is not None
+        for field in section.model_fields
+    }
 
 
 def nats_servers(url: str) -> list[str]:
@@ -550,6 +896,7 @@ def nats_servers(url: str) -> list[str]:
     return [part.strip() for part in url.split(",") if part.strip()]
 
 
-def load_settings(**overrides: object) -> Settings:
-    """Settings from the environment, with explicit overrides (used by tests and the launcher)."""
-    return Settings(**overrides)  # type: ignore[arg-type]
+def load_settings(**sections: Mapping[str, object] | Section) -> Settings:
+    """Settings from the environment, with fields overridden per section (used by tests and the launcher),
+    e.g. ``load_settings(kit={"data_dir": path})``."""
+    return Settings.model_validate(sections)

@@ -135,7 +135,9 @@ def test_up_restarts_a_killed_nats_server_and_postgres(tmp_path: Path) -> None:
 def test_a_server_that_cannot_come_back_is_named(tmp_path: Path) -> None:
     """Its port taken while it was down: `up` gives up after its tries, naming the dead server."""
     # A database URL: no embedded Postgres (the stack never connects to it here).
-    settings = Settings(data_dir=tmp_path, nats_url=None, database_url="postgresql://unused@127.0.0.1:1/x")
+    settings = Settings(
+        kit={"data_dir": tmp_path, "nats_url": None, "database_url": "postgresql://unused@127.0.0.1:1/x"}
+    )
     said: list[str] = []
     stack = Stack(settings, echo=said.append)
     squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

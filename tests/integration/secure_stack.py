@@ -85,7 +85,7 @@ class SecureBus:
         return caller
 
     def stream(self, context: Context) -> str:
-        return stream_name(context, stream_prefix=self.settings.stream_prefix)
+        return stream_name(context, stream_prefix=self.settings.kit.stream_prefix)
 
 
 @contextlib.asynccontextmanager
@@ -107,10 +107,8 @@ async def secure_stack(
     server never share a durable name; the database is ``hetsched_<tag>_<run>``."""
     directory = tmp / "identities"
     run = uuid.uuid4().hex[:8]
-    secure = settings.model_copy(
-        update={"subject_prefix": f"{tag}{run}", "stream_prefix": f"{tag.upper()}{run.upper()}_"}
-    )
-    registry = Registry(subject_prefix=secure.subject_prefix, stream_prefix=secure.stream_prefix)
+    secure = settings.updated(kit={"subject_prefix": f"{tag}{run}", "stream_prefix": f"{tag.upper()}{run.upper()}_"})
+    registry = Registry(subject_prefix=secure.kit.subject_prefix, stream_prefix=secure.kit.stream_prefix)
     seeds = {"operator": ensure_operator(directory, registry)}
     for definition in SERVICES.values():
         identity = service_identity(definition.schema)
@@ -129,15 +127,15 @@ async def secure_stack(
     database = f"hetsched_{tag}_{run}"
     url = await servers.create_database(database)
     await asyncio.to_thread(upgrade, url, role_password=SecretStr(ROLE_PASSWORD))
-    secure = secure.model_copy(update={"nats_url": server.url, "database_url": url, "data_dir": tmp / "data"})
+    secure = secure.updated(kit={"nats_url": server.url, "database_url": url, "data_dir": tmp / "data"})
     state = SecureBus(
-        url=server.url, settings=secure, directory=directory, seeds=seeds, subjects=Subjects(secure.subject_prefix)
+        url=server.url, settings=secure, directory=directory, seeds=seeds, subjects=Subjects(secure.kit.subject_prefix)
     )
     procs = ServiceProcesses(secure, tmp)
     try:
         operator = await state.connect("operator")
         await ensure_streams(
-            operator.nc.jetstream(), stream_specs(subjects=state.subjects, stream_prefix=secure.stream_prefix)
+            operator.nc.jetstream(), stream_specs(subjects=state.subjects, stream_prefix=secure.kit.stream_prefix)
         )
         for package in services:
             identity = service_identity(SERVICES[package].schema)

@@ -38,7 +38,7 @@ class SampledNode:
 
 
 async def test_agent_publishes_gpu_telemetry(settings: Settings) -> None:
-    tuned = settings.model_copy(update={"telemetry_interval_s": 0.1, "topology_node": "tele-01"})
+    tuned = settings.updated(topology={"telemetry_interval_s": 0.1, "node": "tele-01"})
     provider = SampledNode()
     # The agent as deployed, with a fake provider and only its telemetry loop running.
     definition = dataclasses.replace(
@@ -50,12 +50,12 @@ async def test_agent_publishes_gpu_telemetry(settings: Settings) -> None:
     async with app:
         # A third sample is taken only after the second one was published.
         await wait_for(lambda: provider.sampled >= 3, 20, what="three telemetry samples taken")
-    nc = await nats.connect(settings.nats_url or "")  # the agent has stopped: the stream holds what it published
+    nc = await nats.connect(settings.kit.nats_url or "")  # the agent has stopped: the stream holds what it published
     try:
         found = await read_all(
             nc.jetstream(),
-            stream=stream_name(Context.TELEMETRY, stream_prefix=settings.stream_prefix),
-            subject=Subjects(settings.subject_prefix).event(Context.TELEMETRY, GPU_TELEMETRY, node="tele-01"),
+            stream=stream_name(Context.TELEMETRY, stream_prefix=settings.kit.stream_prefix),
+            subject=Subjects(settings.kit.subject_prefix).event(Context.TELEMETRY, GPU_TELEMETRY, node="tele-01"),
         )
     finally:
         await nc.close()

@@ -183,10 +183,13 @@ async def rpc(service_processes: ServiceProcesses, settings: Settings) -> AsyncI
     service_processes.start("reservation_filler", name=NAMES["reservation_filler"])
     service_processes.start("rebalancer", name=NAMES["rebalancer"])
     health = await wait_healthy(
-        nats_url=settings.nats_url or "", subjects=Subjects(settings.subject_prefix), deadline_s=60, only=set(NAMES)
+        nats_url=settings.kit.nats_url or "",
+        subjects=Subjects(settings.kit.subject_prefix),
+        deadline_s=60,
+        only=set(NAMES),
     )
     assert all(h["status"] == "ok" for h in health.values()), health
-    client = await RpcClient.connect(settings.nats_url or "", Subjects(settings.subject_prefix), timeout_s=15)
+    client = await RpcClient.connect(settings.kit.nats_url or "", Subjects(settings.kit.subject_prefix), timeout_s=15)
 
     async def placement_knows_the_fleet() -> bool:
         probe = PlaceRequest(

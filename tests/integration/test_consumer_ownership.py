@@ -290,10 +290,10 @@ async def test_a_deleted_durable_is_recreated_and_the_view_catches_up(secure_bus
 
 
 async def _followed_stream(settings: Settings) -> tuple[Any, str, str]:
-    nc = await nats.connect(settings.nats_url or "")
+    nc = await nats.connect(settings.kit.nats_url or "")
     js = nc.jetstream()
-    stream = f"{settings.stream_prefix}FOLLOW_{uuid.uuid4().hex[:8].upper()}"
-    subject = f"{settings.subject_prefix}.follow{uuid.uuid4().hex[:8]}"
+    stream = f"{settings.kit.stream_prefix}FOLLOW_{uuid.uuid4().hex[:8].upper()}"
+    subject = f"{settings.kit.subject_prefix}.follow{uuid.uuid4().hex[:8]}"
     await js.add_stream(StreamConfig(name=stream, subjects=[f"{subject}.>"]))
     return nc, stream, subject
 

@@ -90,7 +90,7 @@ def probe_service(probe: Probe, *, durable: str) -> ServiceDefinition:
 
 async def create_probe_table(settings: Settings) -> None:
     # The service connects as its own role, which may not create tables: the migrating user does.
-    admin = create_async_engine(async_url(settings.database_url or ""))
+    admin = create_async_engine(async_url(settings.kit.database_url or ""))
     async with admin.begin() as conn:
         await conn.execute(
             text(f"CREATE TABLE IF NOT EXISTS {PROBE_TABLE} (event_id uuid PRIMARY KEY, n int, payload text)")
@@ -124,10 +124,10 @@ async def test_consumer_applies_each_event_once_redelivers_on_error_and_parks_wh
     not_handled = ledger_event(LedgerEvent.CAPACITY_CHANGED, capacity.model_dump(mode="json"))
     probe = Probe(failures_left={flaky.event_id: 1})
     app, runtime = build_app(probe_service(probe, durable=durable), settings)
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.kit.subject_prefix)
 
     async with app:
-        nc = await nats.connect(settings.nats_url or "")
+        nc = await nats.connect(settings.kit.nats_url or "")
         js = nc.jetstream()
 
         async def publish(event: EventEnvelope, *, msg_id: str | None = None) -> None:
@@ -148,8 +148,8 @@ async def test_consumer_applies_each_event_once_redelivers_on_error_and_parks_wh
         await publish(flaky)
         await publish(flagged)
 
-        stream = stream_name(Context.LEDGER, stream_prefix=settings.stream_prefix)
-        consumer = f"{settings.subject_prefix}-rebalance-{durable}"  # the durable build_app names
+        stream = stream_name(Context.LEDGER, stream_prefix=settings.kit.stream_prefix)
+        consumer = f"{settings.kit.subject_prefix}-rebalance-{durable}"  # the durable build_app names
         applied = {plain.event_id, flaky.event_id, flagged.event_id}
 
         async def settled() -> bool:

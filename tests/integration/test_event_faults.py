@@ -102,7 +102,7 @@ def node_event(node: str, *, name: TopologyEvent = TopologyEvent.NODE_LOST) -> E
 
 async def letters_of(js: JetStreamContext, settings: Settings, consumer: str) -> dict[uuid.UUID, deadletter.DeadLetter]:
     """The dead letters ``consumer`` parked, by event id (other tests' consumers park theirs too)."""
-    stream = deadletter_stream_name(stream_prefix=settings.stream_prefix)
+    stream = deadletter_stream_name(stream_prefix=settings.kit.stream_prefix)
     found = {}
     for letter in await deadletter.list_dead_letters(js, stream=stream, limit=100_000):
         if letter.consumer == consumer:
@@ -115,9 +115,9 @@ async def cli(settings: Settings, *args: str) -> str:
     """Run `hetsched <args>` as an operator does, against this run's NATS and streams; returns stdout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETSCHED_")}
     env.update(
-        HETSCHED_NATS_URL=settings.nats_url or "",
-        HETSCHED_STREAM_PREFIX=settings.stream_prefix,
-        HETSCHED_SUBJECT_PREFIX=settings.subject_prefix,
+        HETSCHED_NATS_URL=settings.kit.nats_url or "",
+        HETSCHED_STREAM_PREFIX=settings.kit.stream_prefix,
+        HETSCHED_SUBJECT_PREFIX=settings.kit.subject_prefix,
         COLUMNS="200",
     )
     proc = await asyncio.create_subprocess_exec(
@@ -130,14 +130,14 @@ async def cli(settings: Settings, *args: str) -> str:
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def admin(settings: Settings) -> AsyncIterator[AsyncEngine]:
-    engine = make_engine(settings.database_url or "")
+    engine = make_engine(settings.kit.database_url or "")
     yield engine
     await engine.dispose()
 
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def js(settings: Settings) -> AsyncIterator[JetStreamContext]:
-    client = await nats.connect(settings.nats_url or "")
+    client = await nats.connect(settings.kit.nats_url or "")
     yield client.jetstream()
     await client.close()
 
@@ -166,7 +166,7 @@ async def test_an_event_is_measured_as_published_utf8_and_refused_over_the_limit
 async def test_row4_an_unpublishable_event_is_quarantined_and_the_outbox_goes_on(
     settings: Settings, admin: AsyncEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.kit.subject_prefix)
     lost = subjects.event(Context.TOPOLOGY, TopologyEvent.NODE_LOST)
     # 400k two-byte characters: 800 KB as UTF-8 (fits NATS), 2.4 MB as ASCII-escaped JSON (did not).
     escaped = node_event("ñ" * 400_000)
@@ -218,14 +218,14 @@ async def test_row5_a_failing_event_is_redelivered_with_backoff_then_dead_letter
     settings: Settings, js: JetStreamContext, caplog: pytest.LogCaptureFixture
 ) -> None:
     max_deliveries, backoff_s = 3, 0.2
-    tuned = settings.model_copy(
-        update={
+    tuned = settings.updated(
+        kit={
             "event_max_deliveries": max_deliveries,
             "event_redelivery_backoff_ms": int(backoff_s * 1000),
             "event_redelivery_backoff_max_ms": 2000,
         }
     )
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.kit.subject_prefix)
     poisoned = node_event(f"bad-{uuid.uuid4().hex[:6]}")
     before = node_event(f"before-{uuid.uuid4().hex[:6]}")
     after = node_event(f"after-{uuid.uuid4().hex[:6]}", name=TopologyEvent.NODE_RECOVERED)
@@ -234,8 +234,8 @@ async def test_row5_a_failing_event_is_redelivered_with_backoff_then_dead_letter
     probe = Probe(poison={poisoned.event_id})
     durable = f"faults-{uuid.uuid4().hex[:8]}"
     app, runtime = build_app(probe_service(probe, durable=durable), tuned)
-    server_durable = f"{settings.subject_prefix}-{SCHEMA}-{durable}"
-    stream = stream_name(Context.TOPOLOGY, stream_prefix=settings.stream_prefix)
+    server_durable = f"{settings.kit.subject_prefix}-{SCHEMA}-{durable}"
+    stream = stream_name(Context.TOPOLOGY, stream_prefix=settings.kit.stream_prefix)
 
     async def publish(event: EventEnvelope) -> int:
         name = event.type.rsplit(".", 1)[-1]
@@ -304,16 +304,16 @@ async def test_a_consumer_applying_batches_together_parks_a_failing_event_and_co
     # Consumer(together=True): a batch in one transaction; a failing event in the middle rolls the batch
     # back, the events before it are applied again (together), the failing one is redelivered with
     # backoff and then dead-lettered, and the events after it follow. Each event is recorded once.
-    tuned = settings.model_copy(
-        update={"event_max_deliveries": 2, "event_redelivery_backoff_ms": 100, "event_redelivery_backoff_max_ms": 200}
+    tuned = settings.updated(
+        kit={"event_max_deliveries": 2, "event_redelivery_backoff_ms": 100, "event_redelivery_backoff_max_ms": 200}
     )
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.kit.subject_prefix)
     events = [node_event(f"batch{n}-{uuid.uuid4().hex[:6]}") for n in range(6)]
     poisoned = events[3]
     probe = Probe(poison={poisoned.event_id})
     durable = f"together-{uuid.uuid4().hex[:8]}"
     app, _runtime = build_app(probe_service(probe, durable=durable, together=True), tuned)
-    server_durable = f"{settings.subject_prefix}-{SCHEMA}-{durable}"
+    server_durable = f"{settings.kit.subject_prefix}-{SCHEMA}-{durable}"
     for event in events:  # published before the consumer starts: its first fetch takes them as one batch
         await js.publish(
             subjects.event(Context.TOPOLOGY, TopologyEvent.NODE_LOST),
@@ -340,14 +340,14 @@ async def test_a_consumer_applying_batches_together_parks_a_failing_event_and_co
 async def test_a_dead_letter_can_be_replayed_onto_its_original_subject(
     settings: Settings, js: JetStreamContext
 ) -> None:
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.kit.subject_prefix)
     event = node_event(f"replayed-{uuid.uuid4().hex[:6]}")
     probe = Probe(poison={event.event_id})
     durable = f"faults-{uuid.uuid4().hex[:8]}"
-    tuned = settings.model_copy(update={"event_max_deliveries": 1})
+    tuned = settings.updated(kit={"event_max_deliveries": 1})
     app, runtime = build_app(probe_service(probe, durable=durable), tuned)
-    stream = deadletter_stream_name(stream_prefix=settings.stream_prefix)
-    server_durable = f"{settings.subject_prefix}-{SCHEMA}-{durable}"
+    stream = deadletter_stream_name(stream_prefix=settings.kit.stream_prefix)
+    server_durable = f"{settings.kit.subject_prefix}-{SCHEMA}-{durable}"
     async with app:
         await js.publish(
             subjects.event(Context.TOPOLOGY, TopologyEvent.NODE_LOST),
@@ -389,7 +389,7 @@ class FlakyJetStream:
 async def test_a_transient_publish_error_stalls_the_relay_without_quarantining(
     settings: Settings, admin: AsyncEngine, js: JetStreamContext
 ) -> None:
-    subject = Subjects(settings.subject_prefix).event(Context.TOPOLOGY, TopologyEvent.NODE_LOST)
+    subject = Subjects(settings.kit.subject_prefix).event(Context.TOPOLOGY, TopologyEvent.NODE_LOST)
     first, stuck = node_event("first"), node_event("stuck")
     sessions = make_sessions(admin)
     schema = "reservation"

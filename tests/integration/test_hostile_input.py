@@ -61,10 +61,10 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
         service_processes.start(package, name=f"hostile_{package}", **env)
         names.append(f"hostile_{package}")
     health = await wait_healthy(
-        nats_url=settings.nats_url or "", subjects=Subjects(settings.subject_prefix), deadline_s=60
+        nats_url=settings.kit.nats_url or "", subjects=Subjects(settings.kit.subject_prefix), deadline_s=60
     )
     assert all(h["status"] == "ok" for h in health.values()), health
-    client = await nats.connect(settings.nats_url or "")
+    client = await nats.connect(settings.kit.nats_url or "")
 
     async def learnt() -> bool:
         reply = await ask(client, settings, Rpc.LEDGER_SNAPSHOT, {"node": "dgx-h100-01"})
@@ -79,7 +79,7 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
 
 async def ask(nc: Client, settings: Settings, rpc: Rpc, body: dict[str, Any] | bytes, **kw: Any) -> dict[str, Any]:
     raw = body if isinstance(body, bytes) else json.dumps(body, default=str).encode()
-    msg = await nc.request(Subjects(settings.subject_prefix).rpc(rpc), raw, timeout=kw.pop("timeout", 10), **kw)
+    msg = await nc.request(Subjects(settings.kit.subject_prefix).rpc(rpc), raw, timeout=kw.pop("timeout", 10), **kw)
     reply: dict[str, Any] = json.loads(msg.data)
     return reply
 
@@ -114,7 +114,7 @@ async def test_every_subject_answers_hostile_bodies_with_invalid_request(
     stack: Client, settings: Settings, service_processes: ServiceProcesses, package: str, rpc: Rpc
 ) -> None:
     for what, body in HOSTILE.items():
-        msg = await stack.request(Subjects(settings.subject_prefix).rpc(rpc), body, timeout=5)
+        msg = await stack.request(Subjects(settings.kit.subject_prefix).rpc(rpc), body, timeout=5)
         assert len(msg.data) < 2000, (what, len(msg.data))  # the input is never echoed whole
         reply = json.loads(msg.data)
         assert reply["status"] == "rejected" and reply["error"]["code"] == "invalid_request", (what, reply)
@@ -235,7 +235,7 @@ class Stall:
         self.acc = acc
 
     async def __aenter__(self) -> Stall:
-        self.conn = await asyncpg.connect(plain_url(self.settings.database_url or ""))
+        self.conn = await asyncpg.connect(plain_url(self.settings.kit.database_url or ""))
         self.lock = self.conn.transaction()
         self.released = False
         await self.lock.start()
@@ -269,7 +269,7 @@ async def commit_until_timeout(rpc: RpcClient, body: dict[str, Any]) -> str:
 async def test_commits_stalled_past_their_callers_deadline_are_not_applied(stack: Client, settings: Settings) -> None:
     acc = "dgx-h100-01/gpu4"
     before = await reserved(stack, settings, acc)
-    rpc = await RpcClient.connect(settings.nats_url or "", Subjects(settings.subject_prefix), timeout_s=1.5)
+    rpc = await RpcClient.connect(settings.kit.nats_url or "", Subjects(settings.kit.subject_prefix), timeout_s=1.5)
     stalled = [commit(acc, 1) for _ in range(20)]
     async with Stall(settings, acc) as stall:
         sending = asyncio.gather(*(commit_until_timeout(rpc, b) for b in stalled))
@@ -290,9 +290,9 @@ async def test_commits_stalled_past_their_callers_deadline_are_not_applied(stack
 
 async def test_health_says_degraded_while_a_subjects_workers_are_all_stuck(stack: Client, settings: Settings) -> None:
     acc = "dgx-h100-01/gpu3"
-    rpc = await RpcClient.connect(settings.nats_url or "", Subjects(settings.subject_prefix), timeout_s=3)
+    rpc = await RpcClient.connect(settings.kit.nats_url or "", Subjects(settings.kit.subject_prefix), timeout_s=3)
     async with Stall(settings, acc):
-        stuck = settings.request_workers + 4  # every worker of the subject busy, and some waiting
+        stuck = settings.kit.request_workers + 4  # every worker of the subject busy, and some waiting
         sending = asyncio.gather(*(commit_until_timeout(rpc, commit(acc, 1)) for _ in range(stuck)))
 
         async def degraded() -> dict[str, Any] | None:

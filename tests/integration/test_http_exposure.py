@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hetsched.stack import probe_health
 from shared.contracts.subjects import Rpc
 from shared.infra.rpc import RpcClient
-from shared.infra.settings import Settings
+from shared.infra.settings import ConsoleSettings, KitSettings
 from tests.conftest import REPO, service_env
 from tests.integration import test_security as security
 from tests.waiting import wait_for, wait_for_sync
@@ -39,9 +39,9 @@ bus = security.bus  # this module's own authenticated stack (a module-scoped fix
 TENANT = "acme"
 IDLE_CONNECTIONS = 200
 CONSOLE_READ_TIMEOUT_S = 3.0
-METRICS_CAP = Settings.model_fields["metrics_max_connections"].default
-METRICS_READ_TIMEOUT_S = Settings.model_fields["metrics_read_timeout_s"].default
-CONSOLE_CAP = Settings.model_fields["console_max_connections"].default
+METRICS_CAP = KitSettings.model_fields["metrics_max_connections"].default
+METRICS_READ_TIMEOUT_S = KitSettings.model_fields["metrics_read_timeout_s"].default
+CONSOLE_CAP = ConsoleSettings.model_fields["max_connections"].default
 LOGIN_PAGE = (REPO / "hetsched" / "console" / "static" / "login.html").read_bytes()
 
 

@@ -48,7 +48,7 @@ DEMO_ACCELERATORS = 76 + 256 + 512  # the demo's GPUs and its TPU chips (v5e 16x
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def ledger(service_processes: ServiceProcesses, settings: Settings) -> AsyncIterator[Client]:
     await service_processes.start_demo_ledger(prefix="ledger_", sweep_ms=100)
-    client = await nats.connect(settings.nats_url or "")
+    client = await nats.connect(settings.kit.nats_url or "")
 
     async def learnt() -> bool:
         snap = await call(client, settings, Rpc.LEDGER_SNAPSHOT, {})
@@ -64,7 +64,7 @@ async def ledger(service_processes: ServiceProcesses, settings: Settings) -> Asy
 
 async def call(nc: Client, settings: Settings, rpc: Rpc, body: dict[str, Any]) -> dict[str, Any]:
     msg = await nc.request(
-        Subjects(settings.subject_prefix).rpc(rpc), json.dumps(body, default=str).encode(), timeout=10
+        Subjects(settings.kit.subject_prefix).rpc(rpc), json.dumps(body, default=str).encode(), timeout=10
     )
     reply: dict[str, Any] = json.loads(msg.data)
     return reply
@@ -90,8 +90,8 @@ async def reserved(nc: Client, settings: Settings, node: str) -> dict[str, int]:
 async def ledger_events(nc: Client, settings: Settings, event: str = ">") -> list[dict[str, Any]]:
     return await read_all(
         nc.jetstream(),
-        stream=stream_name(Context.LEDGER, stream_prefix=settings.stream_prefix),
-        subject=f"{settings.subject_prefix}.events.ledger.{event}",
+        stream=stream_name(Context.LEDGER, stream_prefix=settings.kit.stream_prefix),
+        subject=f"{settings.kit.subject_prefix}.events.ledger.{event}",
     )
 
 
@@ -105,14 +105,14 @@ async def publish(nc: Client, settings: Settings, context: Context, event: str, 
     )
     node = payload.get("node") if event in NODE_SCOPED_EVENTS.get(context, ()) else None
     await nc.jetstream().publish(
-        Subjects(settings.subject_prefix).event(context, event, node=node),
+        Subjects(settings.kit.subject_prefix).event(context, event, node=node),
         env.model_dump_json().encode(),
         headers={"Nats-Msg-Id": str(env.event_id)},
     )
 
 
 async def superuser(settings: Settings) -> asyncpg.Connection:
-    return await asyncpg.connect(plain_url(settings.database_url or ""))
+    return await asyncpg.connect(plain_url(settings.kit.database_url or ""))
 
 
 async def test_capacity_comes_from_topology_with_the_ceiling(ledger: Client, settings: Settings) -> None:
@@ -247,7 +247,7 @@ async def test_snapshot_pages_cover_every_accelerator_once(ledger: Client, setti
         expected = [i for i in whole if "node" not in request or i.startswith(f"{request['node']}/")]
         assert seen == expected
     # The typed client follows the cursor the same way.
-    rpc = RpcClient(ledger, Subjects(settings.subject_prefix))
+    rpc = RpcClient(ledger, Subjects(settings.kit.subject_prefix))
     merged = await rpc.ledger_snapshot(limit=250)
     assert not isinstance(merged, Rejected)
     assert [a.id for a in merged.accelerators] == whole
@@ -768,7 +768,7 @@ async def test_replaying_the_ledger_stream_rebuilds_the_tables(ledger: Client, s
 async def test_fleet_get_shows_what_the_ledger_reserved(ledger: Client, settings: Settings) -> None:
     held = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit("dgx-h100-01/gpu5", 30))
     assert held["status"] == "committed"
-    rpc = RpcClient(ledger, Subjects(settings.subject_prefix))
+    rpc = RpcClient(ledger, Subjects(settings.kit.subject_prefix))
 
     async def fleet_with_it() -> dict[str, Any] | None:
         # Topology learns reservations from LEDGER events: asynchronous, so poll.

@@ -78,7 +78,7 @@ async def as_ledger(connect: Connect) -> AsyncIterator[asyncpg.Connection]:
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def as_superuser(settings: Settings) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(plain_url(settings.database_url or ""))
+    conn = await asyncpg.connect(plain_url(settings.kit.database_url or ""))
     tx = conn.transaction()
     await tx.start()
     try:

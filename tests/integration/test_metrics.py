@@ -106,10 +106,12 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
     for package in SERVICES[1:]:
         extra = {"HETSCHED_RESERVATION_TICK_S": "0.2"} if package == "reservation_filler" else {}
         service_processes.start(package, name=f"mt_{package}", **extra)
-    subjects = Subjects(settings.subject_prefix)
-    health = await wait_healthy(nats_url=settings.nats_url or "", subjects=subjects, deadline_s=60, only=set(SERVICES))
+    subjects = Subjects(settings.kit.subject_prefix)
+    health = await wait_healthy(
+        nats_url=settings.kit.nats_url or "", subjects=subjects, deadline_s=60, only=set(SERVICES)
+    )
     assert all(h["status"] == "ok" for h in health.values()), health
-    rpc = await RpcClient.connect(settings.nats_url or "", subjects, timeout_s=10)
+    rpc = await RpcClient.connect(settings.kit.nats_url or "", subjects, timeout_s=10)
     tries = itertools.count()
 
     async def placed() -> PlaceReply | None:  # once placement's view holds the demo fleet

@@ -29,7 +29,7 @@ async def test_services_and_clients_use_tls_with_the_operators_ca(settings: Sett
     ca, cert, key = certificates(tmp_path / "tls", "nats")
     other_ca, _, _ = certificates(tmp_path / "other", "other")
     directory = tmp_path / "identities"
-    registry = Registry(subject_prefix=settings.subject_prefix, stream_prefix=settings.stream_prefix)
+    registry = Registry(subject_prefix=settings.kit.subject_prefix, stream_prefix=settings.kit.stream_prefix)
     operator = ensure_operator(directory, registry)
     rebalancer = SERVICES["rebalancer"]
     seed = ensure_seeded(
@@ -49,15 +49,15 @@ async def test_services_and_clients_use_tls_with_the_operators_ca(settings: Sett
         stderr=subprocess.STDOUT,
     )
     url = f"tls://127.0.0.1:{port}"
-    procs = ServiceProcesses(settings.model_copy(update={"nats_url": url}), tmp_path)
+    procs = ServiceProcesses(settings.updated(kit={"nats_url": url}), tmp_path)
     try:
         await asyncio.to_thread(_wait_port, "127.0.0.1", port, proc=server, deadline_s=20, what="nats-server")
-        trusted = settings.model_copy(update={"nats_nkey_seed_file": operator, "nats_tls_ca_file": ca})
+        trusted = settings.updated(kit={"nats_nkey_seed_file": operator, "nats_tls_ca_file": ca})
         nc = await nats.connect(url, max_reconnect_attempts=0, **connect_options(trusted))
         assert nc.is_connected and (await nc.jetstream().account_info()) is not None
         await nc.close()
         # Another CA's certificate does not verify; a client without TLS is refused.
-        wrong = trusted.model_copy(update={"nats_tls_ca_file": other_ca})
+        wrong = trusted.updated(kit={"nats_tls_ca_file": other_ca})
         with pytest.raises((ssl.SSLError, OSError, nats.errors.Error)):
             await nats.connect(url, max_reconnect_attempts=0, allow_reconnect=False, **connect_options(wrong))
         with pytest.raises(Exception):  # noqa: B017 - refused however the client reports it
@@ -73,7 +73,7 @@ async def test_services_and_clients_use_tls_with_the_operators_ca(settings: Sett
         )
         health = await wait_healthy(
             nats_url=url,
-            subjects=Subjects(settings.subject_prefix),
+            subjects=Subjects(settings.kit.subject_prefix),
             deadline_s=60,
             only={"rebalancer"},
             **connect_options(trusted),

@@ -37,7 +37,7 @@ class RelayCrash(Exception):
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def engine(settings: Settings) -> AsyncIterator[AsyncEngine]:
-    eng = make_engine(settings.database_url or "")
+    eng = make_engine(settings.kit.database_url or "")
     async with eng.begin() as conn:
         await conn.execute(text("CREATE TABLE IF NOT EXISTS public.probe_state (id uuid PRIMARY KEY, n int)"))
     yield eng
@@ -51,10 +51,10 @@ def sessions(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def js(settings: Settings) -> AsyncIterator[JetStreamContext]:
-    client: Client = await nats.connect(settings.nats_url or "")
+    client: Client = await nats.connect(settings.kit.nats_url or "")
     ctx = client.jetstream()
     await ensure_streams(
-        ctx, stream_specs(subjects=Subjects(settings.subject_prefix), stream_prefix=settings.stream_prefix)
+        ctx, stream_specs(subjects=Subjects(settings.kit.subject_prefix), stream_prefix=settings.kit.stream_prefix)
     )
     yield ctx
     await client.close()
@@ -88,7 +88,7 @@ async def _count_in_stream(js: JetStreamContext, stream: str, subject: str, even
 async def test_state_change_and_event_commit_or_roll_back_together(
     sessions: async_sessionmaker[AsyncSession], settings: Settings
 ) -> None:
-    subject = Subjects(settings.subject_prefix).event(Context.LEDGER, "probe")
+    subject = Subjects(settings.kit.subject_prefix).event(Context.LEDGER, "probe")
     kept, dropped = _event(), _event()
     async with sessions() as session, session.begin():
         await session.execute(text("INSERT INTO public.probe_state VALUES (:id, 1)"), {"id": kept.event_id})
@@ -109,7 +109,7 @@ async def test_state_change_and_event_commit_or_roll_back_together(
 async def test_relay_crash_after_publish_before_mark_yields_exactly_one_event(
     sessions: async_sessionmaker[AsyncSession], js: JetStreamContext, settings: Settings
 ) -> None:
-    subject = Subjects(settings.subject_prefix).event(Context.LEDGER, "crash_probe")
+    subject = Subjects(settings.kit.subject_prefix).event(Context.LEDGER, "crash_probe")
     event = _event("crash_probe")
     async with sessions() as session, session.begin():
         await enqueue(session=session, schema=SCHEMA, subject=subject, event=event)
@@ -136,14 +136,14 @@ async def test_relay_crash_after_publish_before_mark_yields_exactly_one_event(
             await session.execute(select(table.c.sent_at).where(table.c.event_id == event.event_id))
         ).scalar_one()
     assert sent_at is not None
-    stream = stream_name(Context.LEDGER, stream_prefix=settings.stream_prefix)
+    stream = stream_name(Context.LEDGER, stream_prefix=settings.kit.stream_prefix)
     assert await _count_in_stream(js, stream, subject, event.event_id) == 1
 
 
 async def test_idempotent_consumer_applies_a_redelivered_event_once(
     sessions: async_sessionmaker[AsyncSession], js: JetStreamContext, settings: Settings
 ) -> None:
-    subject = Subjects(settings.subject_prefix).event(Context.LEDGER, "idem_probe")
+    subject = Subjects(settings.kit.subject_prefix).event(Context.LEDGER, "idem_probe")
     event = _event("idem_probe")
     body = event.model_dump_json().encode()
     # The same event twice under different message ids: JetStream keeps both, as after a
@@ -159,14 +159,14 @@ async def test_idempotent_consumer_applies_a_redelivered_event_once(
 
     handler = consume(
         uow=UnitOfWorkFactory(
-            sessions=sessions, schema=SCHEMA, source="probe", subjects=Subjects(settings.subject_prefix)
+            sessions=sessions, schema=SCHEMA, source="probe", subjects=Subjects(settings.kit.subject_prefix)
         ),
         schema=SCHEMA,
         consumer="probe-consumer",
         context=Context.LEDGER,
         handlers={"idem_probe": apply},
     )
-    stream = stream_name(Context.LEDGER, stream_prefix=settings.stream_prefix)
+    stream = stream_name(Context.LEDGER, stream_prefix=settings.kit.stream_prefix)
     sub = await js.pull_subscribe(subject, durable=f"probe-{uuid.uuid4().hex[:8]}", stream=stream)
     handled = 0
     for msg in await sub.fetch(2, timeout=5):
@@ -204,18 +204,18 @@ async def test_relay_process_killed_after_publish_yields_exactly_one_event(
     import asyncio
     import sys
 
-    subject = Subjects(settings.subject_prefix).event(Context.LEDGER, "kill_probe")
+    subject = Subjects(settings.kit.subject_prefix).event(Context.LEDGER, "kill_probe")
     event = _event("kill_probe")
     async with sessions() as session, session.begin():
         await enqueue(session=session, schema=SCHEMA, subject=subject, event=event)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", RELAY_THAT_DIES, settings.nats_url or "", settings.database_url or "", SCHEMA
+        sys.executable, "-c", RELAY_THAT_DIES, settings.kit.nats_url or "", settings.kit.database_url or "", SCHEMA
     )
     assert await proc.wait() == 137
     restarted = OutboxRelay(sessions=sessions, js=js, schema=SCHEMA)
     while await restarted.run_once():
         pass
-    stream = stream_name(Context.LEDGER, stream_prefix=settings.stream_prefix)
+    stream = stream_name(Context.LEDGER, stream_prefix=settings.kit.stream_prefix)
     assert await _count_in_stream(js, stream, subject, event.event_id) == 1
 
 

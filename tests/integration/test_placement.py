@@ -55,7 +55,7 @@ CHURN_REGION = "churn-1"
 
 
 async def call(nc: Client, settings: Settings, rpc: Rpc, body: dict[str, Any]) -> dict[str, Any]:
-    msg = await nc.request(Subjects(settings.subject_prefix).rpc(rpc), json.dumps(body).encode(), timeout=15)
+    msg = await nc.request(Subjects(settings.kit.subject_prefix).rpc(rpc), json.dumps(body).encode(), timeout=15)
     reply: dict[str, Any] = json.loads(msg.data)
     return reply
 
@@ -78,13 +78,13 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
     service_processes.start("capacity_ledger", name="pl_ledger")
     service_processes.start("placement", name="pl_placement")
     health = await wait_healthy(
-        nats_url=settings.nats_url or "",
-        subjects=Subjects(settings.subject_prefix),
+        nats_url=settings.kit.nats_url or "",
+        subjects=Subjects(settings.kit.subject_prefix),
         deadline_s=60,
         only={"topology_discovery", "capacity_ledger", "placement"},
     )
     assert all(h["status"] == "ok" for h in health.values()), health
-    nc = await nats.connect(settings.nats_url or "")
+    nc = await nats.connect(settings.kit.nats_url or "")
     probe = {"request_id": "probe", "tenant": "t", "model": "llama3-8b", "context_tokens": 4096, "backend": "tpu"}
 
     async def sees_the_demo_fleet() -> bool:  # GPUs and TPU chips known
@@ -232,8 +232,8 @@ async def test_every_decision_is_an_event(stack: Client, settings: Settings) -> 
     async def mine() -> list[dict[str, Any]] | None:
         found = await read_all(
             stack.jetstream(),
-            stream=stream_name(Context.PLACEMENT, stream_prefix=settings.stream_prefix),
-            subject=f"{settings.subject_prefix}.events.placement.>",
+            stream=stream_name(Context.PLACEMENT, stream_prefix=settings.kit.stream_prefix),
+            subject=f"{settings.kit.subject_prefix}.events.placement.>",
         )
         ours = [
             e
@@ -289,7 +289,7 @@ async def test_the_view_converges_to_the_ledger_while_placements_churn_and_nodes
     """A second placement replica runs in this process so its view can be read; requests reach both.
     Nodes are reported (added) and fall silent (lost), one recovers; meanwhile placements and releases
     run concurrently. Then the view must equal the ledger's snapshot."""
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.kit.subject_prefix)
     kept: list[Ctx] = []
 
     def wire_and_keep(runtime: Runtime) -> Ctx:
@@ -297,7 +297,7 @@ async def test_the_view_converges_to_the_ledger_while_placements_churn_and_nodes
         return kept[-1]
 
     app, _runtime = build_app(dataclasses.replace(SERVICE, wire=wire_and_keep), settings)
-    rpc = await RpcClient.connect(settings.nats_url or "", subjects, timeout_s=15)
+    rpc = await RpcClient.connect(settings.kit.nats_url or "", subjects, timeout_s=15)
     nodes = [f"churn-{k}" for k in range(3)]
     beating = set(nodes)
     rng = random.Random(9)
@@ -404,7 +404,7 @@ async def test_a_queued_request_is_placed_once_a_release_frees_its_capacity(stac
     """One 8-GPU node alone in its region: a TP=8 group takes it whole, a second waits `queued`
     (reserving nothing) and is placed, on the same request id, once the first is released; a third
     with a 1 s `queue_timeout_s` is rejected `no_capacity` meanwhile."""
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.kit.subject_prefix)
     name = "queue-0"
     profile = agent_profile(name)
     profile = profile.model_copy(update={"region": QUEUE_REGION, "cluster": "queue-c", "rack": "r-queue"})
@@ -475,7 +475,7 @@ async def test_gpu_telemetry_from_a_nodes_own_agent_sets_its_pcie_utilisation(
     """A placement replica in this process (so its view can be read) follows the TELEMETRY stream: the
     node's PCIe utilisation is the lowest sample over the window; a sample naming the node on another
     node's subject, or from another source than an agent, is dropped."""
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.kit.subject_prefix)
     kept: list[Ctx] = []
 
     def wire_and_keep(runtime: Runtime) -> Ctx:

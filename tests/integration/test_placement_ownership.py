@@ -31,7 +31,7 @@ PROBE = {"request_id": "po-probe", "tenant": "t", "model": "llama3-8b", "context
 
 
 async def call(nc: Client, settings: Settings, rpc: Rpc, body: dict[str, Any], timeout: float = 15) -> dict[str, Any]:
-    msg = await nc.request(Subjects(settings.subject_prefix).rpc(rpc), json.dumps(body).encode(), timeout=timeout)
+    msg = await nc.request(Subjects(settings.kit.subject_prefix).rpc(rpc), json.dumps(body).encode(), timeout=timeout)
     reply: dict[str, Any] = json.loads(msg.data)
     return reply
 
@@ -80,8 +80,8 @@ class Stack:
         """The LEDGER stream's ``name`` events of the ledger request id ``request_id``."""
         events = await read_all(
             self.nc.jetstream(),
-            stream=stream_name(Context.LEDGER, stream_prefix=self.settings.stream_prefix),
-            subject=Subjects(self.settings.subject_prefix).event(Context.LEDGER, name),
+            stream=stream_name(Context.LEDGER, stream_prefix=self.settings.kit.stream_prefix),
+            subject=Subjects(self.settings.kit.subject_prefix).event(Context.LEDGER, name),
         )
         return [e for e in events if e.get("payload", {}).get("request_id") == request_id]
 
@@ -93,7 +93,7 @@ class Stack:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(service_processes: ServiceProcesses, settings: Settings) -> AsyncIterator[Stack]:
     await service_processes.start_demo_ledger(prefix="po_", sweep_ms=200)
-    nc = await nats.connect(settings.nats_url or "")
+    nc = await nats.connect(settings.kit.nats_url or "")
     yield Stack(nc, settings, service_processes)
     await nc.close()
     for name in (PLACEMENT, "po_ledger", "po_topology"):

@@ -413,15 +413,17 @@ async def test_tls_with_the_operators_ca_verifies_the_server_and_a_wrong_ca_is_r
     try:
         server.create_database("hetsched")
         url = server.url("hetsched")
-        settings = Settings(database_url=url, database_tls_ca_file=ca, database_role_password=SecretStr("tls-roles"))
-        wrong = database_tls(Settings(database_tls_ca_file=wrong_ca))
+        settings = Settings(
+            kit={"database_url": url, "database_tls_ca_file": ca, "database_role_password": SecretStr("tls-roles")}
+        )
+        wrong = database_tls(Settings(kit={"database_tls_ca_file": wrong_ca}))
         right = database_tls(settings)
         assert right is not None and wrong is not None
 
         # The migration path verifies the server too: the wrong CA stops it before anything runs.
         with pytest.raises(ssl.SSLCertVerificationError):
             await asyncio.to_thread(upgrade, url, tls=wrong)
-        await asyncio.to_thread(upgrade, url, role_password=settings.database_role_password, tls=right)
+        await asyncio.to_thread(upgrade, url, role_password=settings.kit.database_role_password, tls=right)
 
         engine = make_engine(
             service_database_url(settings, "ledger"), application_name=application_name("ledger"), tls=right

@@ -38,10 +38,10 @@ SCHEMA = "routing"  # the probe service's schema: its outbox and inbox
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def js(settings: Settings) -> AsyncIterator[JetStreamContext]:
-    client = await nats.connect(settings.nats_url or "")
+    client = await nats.connect(settings.kit.nats_url or "")
     context = client.jetstream()
     await ensure_streams(
-        context, stream_specs(subjects=Subjects(settings.subject_prefix), stream_prefix=settings.stream_prefix)
+        context, stream_specs(subjects=Subjects(settings.kit.subject_prefix), stream_prefix=settings.kit.stream_prefix)
     )
     yield context
     await client.close()
@@ -58,7 +58,7 @@ def node_event(node: str, name: TopologyEvent = TopologyEvent.NODE_LOST) -> Even
 
 
 async def publish(js: JetStreamContext, settings: Settings, event: EventEnvelope) -> int:
-    subject = Subjects(settings.subject_prefix).event(Context.TOPOLOGY, event.type.rsplit(".", 1)[-1])
+    subject = Subjects(settings.kit.subject_prefix).event(Context.TOPOLOGY, event.type.rsplit(".", 1)[-1])
     ack = await js.publish(subject, event.model_dump_json().encode(), headers={"Nats-Msg-Id": str(event.event_id)})
     return int(ack.seq)
 
@@ -99,8 +99,8 @@ def lost_service(probe: Lost, *, durable: str) -> ServiceDefinition:
 async def test_a_consumer_batch_that_rolls_back_leaves_the_fold_unchanged_and_each_event_folds_once(
     settings: Settings, js: JetStreamContext
 ) -> None:
-    tuned = settings.model_copy(
-        update={"event_max_deliveries": 2, "event_redelivery_backoff_ms": 100, "event_redelivery_backoff_max_ms": 200}
+    tuned = settings.updated(
+        kit={"event_max_deliveries": 2, "event_redelivery_backoff_ms": 100, "event_redelivery_backoff_max_ms": 200}
     )
     tag = uuid.uuid4().hex[:6]
     events = [node_event(f"fold{n}-{tag}") for n in range(6)]
@@ -138,11 +138,11 @@ async def test_a_follower_whose_consumer_is_deleted_gets_a_new_one_and_its_fold_
             seen[payload.node] = seen.get(payload.node, 0) + 1
             applied.append(meta.sequence)
 
-    stream = stream_name(Context.TOPOLOGY, stream_prefix=settings.stream_prefix)
+    stream = stream_name(Context.TOPOLOGY, stream_prefix=settings.kit.stream_prefix)
     follower = Follower(
         Follow(Context.TOPOLOGY, on={TopologyEvent.NODE_LOST: lambda _ctx: fold}, start=Start.NEW),
         stream=stream,
-        subject=Subjects(settings.subject_prefix).events_of(Context.TOPOLOGY),
+        subject=Subjects(settings.kit.subject_prefix).events_of(Context.TOPOLOGY),
         jetstream=lambda: js,
         log=logging.getLogger("test.read_side"),
         idle_heartbeat_s=1.0,  # two missed (its consumer gone) and nats-py makes a new one

@@ -56,7 +56,7 @@ class Stack:
         self.rpc = rpc
         self.nc = nc
         self.settings = settings
-        self.subjects = Subjects(settings.subject_prefix)
+        self.subjects = Subjects(settings.kit.subject_prefix)
 
     async def place(self, rid: str, **extra: Any) -> PlaceReply:
         request = PlaceRequest(
@@ -127,14 +127,14 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
         HETSCHED_REBALANCE_DRIFT_RATIO="100",  # synthetic HBM figures: no drift plans in this module
     )
     health = await wait_healthy(
-        nats_url=settings.nats_url or "",
-        subjects=Subjects(settings.subject_prefix),
+        nats_url=settings.kit.nats_url or "",
+        subjects=Subjects(settings.kit.subject_prefix),
         deadline_s=60,
         only=set(NAMES),
     )
     assert all(h["status"] == "ok" for h in health.values()), health
-    rpc = await RpcClient.connect(settings.nats_url or "", Subjects(settings.subject_prefix), timeout_s=15)
-    nc = await nats.connect(settings.nats_url or "")
+    rpc = await RpcClient.connect(settings.kit.nats_url or "", Subjects(settings.kit.subject_prefix), timeout_s=15)
+    nc = await nats.connect(settings.kit.nats_url or "")
     s = Stack(rpc, nc, settings)
     yield s
     # The session's database is shared with later modules: give back what this module's tenant holds.

@@ -53,11 +53,14 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
         HETSCHED_REBALANCE_TICK_S="0.2",
     )
     health = await wait_healthy(
-        nats_url=settings.nats_url or "", subjects=Subjects(settings.subject_prefix), deadline_s=60, only=set(NAMES)
+        nats_url=settings.kit.nats_url or "",
+        subjects=Subjects(settings.kit.subject_prefix),
+        deadline_s=60,
+        only=set(NAMES),
     )
     assert all(h["status"] == "ok" for h in health.values()), health
-    rpc = await RpcClient.connect(settings.nats_url or "", Subjects(settings.subject_prefix), timeout_s=15)
-    nc = await nats.connect(settings.nats_url or "")
+    rpc = await RpcClient.connect(settings.kit.nats_url or "", Subjects(settings.kit.subject_prefix), timeout_s=15)
+    nc = await nats.connect(settings.kit.nats_url or "")
     yield Stack(rpc, nc, settings)
     await rpc.close()
     await nc.close()
@@ -115,7 +118,7 @@ async def test_a_drifting_allocation_raises_an_alarm_and_is_replaced(stack: Stac
         reporter.cancel()
     events = await read_all(
         stack.nc.jetstream(),
-        stream=stream_name(Context.REBALANCE, stream_prefix=stack.settings.stream_prefix),
+        stream=stream_name(Context.REBALANCE, stream_prefix=stack.settings.kit.stream_prefix),
         subject=stack.subjects.events_of(Context.REBALANCE),
     )
     alarms = [e for e in events if e["type"].endswith("drift_alarm") and e["payload"]["allocation_id"] == old]

@@ -92,7 +92,7 @@ class Stack:
     async def report(self, name: str, **load: Any) -> None:
         allocation_id, node = self.replicas[name]
         status = EngineLoad(jitter=0, **load).status(replica_id=allocation_id, node=node, rng=random.Random(0))
-        await publish_engine_status(self.nc.jetstream(), Subjects(self.settings.subject_prefix), status)
+        await publish_engine_status(self.nc.jetstream(), Subjects(self.settings.kit.subject_prefix), status)
 
     async def admit(self, **fields: Any) -> AdmitReply | Rejected:
         body = {"tenant": "acme", "output_tokens": 256, "region": "us-west-1", **fields}
@@ -121,14 +121,14 @@ async def stack(
         HETSCHED_ROUTE_FLUSH_MS="100",
     )
     health = await wait_healthy(
-        nats_url=settings.nats_url or "",
-        subjects=Subjects(settings.subject_prefix),
+        nats_url=settings.kit.nats_url or "",
+        subjects=Subjects(settings.kit.subject_prefix),
         deadline_s=60,
         only={"topology_discovery", "capacity_ledger", "placement", "cross_region_router"},
     )
     assert all(h["status"] == "ok" for h in health.values()), health
-    rpc = await RpcClient.connect(settings.nats_url or "", Subjects(settings.subject_prefix), timeout_s=10)
-    nc = await nats.connect(settings.nats_url or "")
+    rpc = await RpcClient.connect(settings.kit.nats_url or "", Subjects(settings.kit.subject_prefix), timeout_s=10)
+    nc = await nats.connect(settings.kit.nats_url or "")
     s = Stack(rpc, nc, settings, regions_file)
 
     async def placed_ssm() -> bool:
@@ -159,8 +159,8 @@ async def active_holds(stack: Stack) -> set[str]:
     """`request` allocations the ledger committed and has not ended (from its events)."""
     events = await read_all(
         stack.nc.jetstream(),
-        stream=stream_name(Context.LEDGER, stream_prefix=stack.settings.stream_prefix),
-        subject=Subjects(stack.settings.subject_prefix).events_of(Context.LEDGER),
+        stream=stream_name(Context.LEDGER, stream_prefix=stack.settings.kit.stream_prefix),
+        subject=Subjects(stack.settings.kit.subject_prefix).events_of(Context.LEDGER),
     )
     committed = {
         e["payload"]["allocation_id"]
@@ -301,8 +301,8 @@ async def test_in_flight_sessions_keep_their_region_while_prices_move_and_move_w
 
     events = await read_all(
         stack.nc.jetstream(),
-        stream=stream_name(Context.ROUTING, stream_prefix=stack.settings.stream_prefix),
-        subject=Subjects(stack.settings.subject_prefix).events_of(Context.ROUTING),
+        stream=stream_name(Context.ROUTING, stream_prefix=stack.settings.kit.stream_prefix),
+        subject=Subjects(stack.settings.kit.subject_prefix).events_of(Context.ROUTING),
     )
     switched = [e for e in events if e["type"].endswith("route_switched")]
     assert {e["payload"]["tenant"] for e in switched} >= {f"tenant-{i}" for i in range(10)}
@@ -312,7 +312,7 @@ async def test_in_flight_sessions_keep_their_region_while_prices_move_and_move_w
 
 async def test_bad_input_on_both_subjects_gets_typed_errors_and_changes_nothing(stack: Stack) -> None:
     async def raw(rpc: Rpc, body: bytes) -> dict[str, Any]:
-        msg = await stack.nc.request(Subjects(stack.settings.subject_prefix).rpc(rpc), body, timeout=10)
+        msg = await stack.nc.request(Subjects(stack.settings.kit.subject_prefix).rpc(rpc), body, timeout=10)
         return dict(json.loads(msg.data))
 
     holds = await active_holds(stack)

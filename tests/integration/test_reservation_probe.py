@@ -63,7 +63,7 @@ class Stack:
     def __init__(self, bus: SecureBus, rpc: RpcClient) -> None:
         self.bus = bus
         self.rpc = rpc
-        self.rpc_timeout_s = bus.settings.rpc_timeout_ms / 1000
+        self.rpc_timeout_s = bus.settings.kit.rpc_timeout_ms / 1000
 
     def start_filler(self, **env: str) -> None:
         identity = service_identity(SERVICES[FILLER].schema)
@@ -174,7 +174,7 @@ class Stack:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(bus: SecureBus) -> AsyncIterator[Stack]:
     rpc = await RpcClient.connect(
-        bus.url, bus.subjects, timeout_s=bus.settings.rpc_timeout_ms / 1000, nkeys_seed=str(bus.seeds["operator"])
+        bus.url, bus.subjects, timeout_s=bus.settings.kit.rpc_timeout_ms / 1000, nkeys_seed=str(bus.seeds["operator"])
     )
     s = Stack(bus, rpc)
     s.start_filler()

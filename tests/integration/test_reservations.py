@@ -116,8 +116,8 @@ class Stack:
     async def events(self) -> list[dict[str, Any]]:
         return await read_all(
             self.nc.jetstream(),
-            stream=stream_name(Context.RESERVATION, stream_prefix=self.settings.stream_prefix),
-            subject=Subjects(self.settings.subject_prefix).events_of(Context.RESERVATION),
+            stream=stream_name(Context.RESERVATION, stream_prefix=self.settings.kit.stream_prefix),
+            subject=Subjects(self.settings.kit.subject_prefix).events_of(Context.RESERVATION),
         )
 
     async def ledger(self) -> SnapshotReply:
@@ -148,12 +148,15 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
     )
     service_processes.start("capacity_ledger", name=NAMES["capacity_ledger"], HETSCHED_LEDGER_SWEEP_MS="200")
     service_processes.start("placement", name=NAMES["placement"])
-    rpc = await RpcClient.connect(settings.nats_url or "", Subjects(settings.subject_prefix), timeout_s=10)
-    nc = await nats.connect(settings.nats_url or "")
+    rpc = await RpcClient.connect(settings.kit.nats_url or "", Subjects(settings.kit.subject_prefix), timeout_s=10)
+    nc = await nats.connect(settings.kit.nats_url or "")
     s = Stack(rpc, nc, settings, service_processes)
     s.start_filler()
     health = await wait_healthy(
-        nats_url=settings.nats_url or "", subjects=Subjects(settings.subject_prefix), deadline_s=60, only=set(SERVICES)
+        nats_url=settings.kit.nats_url or "",
+        subjects=Subjects(settings.kit.subject_prefix),
+        deadline_s=60,
+        only=set(SERVICES),
     )
     assert all(h["status"] == "ok" for h in health.values()), health
 
@@ -186,7 +189,7 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
 
 
 async def _stored(stack: Stack, reservation_id: str) -> ReservationState:
-    engine = make_engine(stack.settings.database_url or "")
+    engine = make_engine(stack.settings.kit.database_url or "")
     try:
         async with engine.connect() as conn:
             body = (
@@ -343,7 +346,7 @@ async def test_replaying_the_reservation_stream_rebuilds_what_the_filler_holds(s
         if event.get("source") != "reservation-filler":
             continue
         book.apply(reservation_of(ReservationEvent.model_validate(event["payload"]).reservation))
-    engine = make_engine(stack.settings.database_url or "")
+    engine = make_engine(stack.settings.kit.database_url or "")
     try:
         async with engine.connect() as conn:
             rows = (await conn.execute(text("SELECT reservation_id, body FROM reservation.reservations"))).all()
@@ -394,7 +397,7 @@ async def test_bad_input_gets_typed_errors_and_changes_nothing(stack: Stack) -> 
         (Rpc.RESERVATION_RECLAIM, {"request_id": "x", "tenant": "acme", "allocation_ids": ["al-nope"]}, "not_found"),
         (Rpc.RESERVATION_RECLAIM, {"request_id": "x", "tenant": "acme", "allocation_ids": []}, "invalid_request"),
     ]
-    subjects = Subjects(stack.settings.subject_prefix)
+    subjects = Subjects(stack.settings.kit.subject_prefix)
     raw_bodies = [json.dumps(body).encode() for _rpc, body, _code in cases]
     for (rpc, body, code), raw in zip(cases, raw_bodies, strict=True):
         msg = await stack.nc.request(subjects.rpc(rpc), raw, timeout=10)
@@ -419,8 +422,8 @@ async def test_a_filler_killed_during_a_reclaim_reissues_it_when_it_starts(stack
     stack.processes.stop(NAMES["reservation_filler"])
     stack.start_filler(HETSCHED_RESERVATION_FAULT_AFTER_RECORD="exit")
     await wait_healthy(
-        nats_url=stack.settings.nats_url or "",
-        subjects=Subjects(stack.settings.subject_prefix),
+        nats_url=stack.settings.kit.nats_url or "",
+        subjects=Subjects(stack.settings.kit.subject_prefix),
         deadline_s=60,
         only={"reservation_filler"},
     )

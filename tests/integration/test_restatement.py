@@ -57,7 +57,7 @@ class Bus:
     subjects: Subjects
 
     def stream(self, context: Context) -> str:
-        return stream_name(context, stream_prefix=self.settings.stream_prefix)
+        return stream_name(context, stream_prefix=self.settings.kit.stream_prefix)
 
     async def request(self, rpc: Rpc, body: dict[str, Any]) -> dict[str, Any]:
         reply = await self.nc.request(self.subjects.rpc(rpc), json.dumps(body).encode(), timeout=10)
@@ -116,13 +116,13 @@ def _profile() -> dict[str, Any]:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def bus(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Bus]:
     run = uuid.uuid4().hex[:8]
-    own = settings.model_copy(update={"subject_prefix": f"rs{run}", "stream_prefix": f"RS{run.upper()}_"})
+    own = settings.updated(kit={"subject_prefix": f"rs{run}", "stream_prefix": f"RS{run.upper()}_"})
     procs = ServiceProcesses(own, tmp_path_factory.mktemp("restatement"))
     short = {
         "HETSCHED_STREAM_RESERVATION_MAX_AGE_S": str(MAX_AGE_S),
         "HETSCHED_STREAM_REBALANCE_MAX_AGE_S": str(MAX_AGE_S),
     }
-    nc = await nats.connect(own.nats_url or "")
+    nc = await nats.connect(own.kit.nats_url or "")
     try:
         procs.start("reservation_filler", **short)
         procs.start(
@@ -132,9 +132,9 @@ async def bus(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> A
             HETSCHED_REBALANCE_TICK_S="0.2",
             HETSCHED_REBALANCE_DRIFT_RATIO="100",  # synthetic HBM figures: no drift plans
         )
-        subjects = Subjects(own.subject_prefix)
+        subjects = Subjects(own.kit.subject_prefix)
         health = await wait_healthy(
-            nats_url=own.nats_url or "", subjects=subjects, deadline_s=60, only={"reservation_filler", "rebalancer"}
+            nats_url=own.kit.nats_url or "", subjects=subjects, deadline_s=60, only={"reservation_filler", "rebalancer"}
         )
         assert all(h["status"] == "ok" for h in health.values()), health
         state = Bus(nc=nc, settings=own, subjects=subjects)
@@ -145,7 +145,7 @@ async def bus(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> A
         with contextlib.suppress(Exception):  # this module's streams only (its own prefix)
             js = nc.jetstream()
             for info in await js.streams_info():
-                if info.config.name and info.config.name.startswith(own.stream_prefix):
+                if info.config.name and info.config.name.startswith(own.kit.stream_prefix):
                     await js.delete_stream(info.config.name)
         await nc.close()
 

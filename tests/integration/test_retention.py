@@ -160,8 +160,8 @@ async def bus(settings: Settings, planted: list[Row], tmp_path_factory: pytest.T
     tmp = tmp_path_factory.mktemp("retention")
     directory = tmp / "identities"
     run = uuid.uuid4().hex[:8]
-    own = settings.model_copy(update={"subject_prefix": f"r{run}", "stream_prefix": f"R{run.upper()}_"})
-    registry = Registry(subject_prefix=own.subject_prefix, stream_prefix=own.stream_prefix)
+    own = settings.updated(kit={"subject_prefix": f"r{run}", "stream_prefix": f"R{run.upper()}_"})
+    registry = Registry(subject_prefix=own.kit.subject_prefix, stream_prefix=own.kit.stream_prefix)
     operator_seed = ensure_operator(directory, registry)
     identity = service_identity(SERVICES[ROUTER].schema)
     seed = ensure_seeded(directory, registry, id=identity, kind="service", name=SERVICES[ROUTER].name)
@@ -170,12 +170,12 @@ async def bus(settings: Settings, planted: list[Row], tmp_path_factory: pytest.T
         store_dir=tmp / "js", auth_conf=write_auth_conf(directory, registry, service_permission_map(own))
     )
     await asyncio.to_thread(server.start, log_file=tmp / "nats.log")
-    own = own.model_copy(update={"nats_url": server.url, "stream_routing_max_age_s": ROUTING_MAX_AGE_S})
+    own = own.updated(kit={"nats_url": server.url, "stream_routing_max_age_s": ROUTING_MAX_AGE_S})
     operator = await nats.connect(server.url, nkeys_seed=str(operator_seed), max_reconnect_attempts=0)
     # Every stream as an older hetsched made it: no max age but TELEMETRY's and DEADLETTER's, no size cap.
     old = tuple(
         dataclasses.replace(spec, max_bytes=None, max_age_s=spec.max_age_s if "TELEMETRY" in spec.name else None)
-        for spec in stream_specs(subjects=Subjects(own.subject_prefix), stream_prefix=own.stream_prefix)
+        for spec in stream_specs(subjects=Subjects(own.kit.subject_prefix), stream_prefix=own.kit.stream_prefix)
     )
     old = tuple(dataclasses.replace(s, max_age_s=30 * 86_400.0) if "DEADLETTER" in s.name else s for s in old)
     await ensure_streams(operator.jetstream(), old)
@@ -189,7 +189,7 @@ async def bus(settings: Settings, planted: list[Row], tmp_path_factory: pytest.T
         )
         health = await wait_healthy(
             nats_url=server.url,
-            subjects=Subjects(own.subject_prefix),
+            subjects=Subjects(own.kit.subject_prefix),
             deadline_s=60,
             only={ROUTER},
             nkeys_seed=str(operator_seed),
@@ -209,9 +209,9 @@ async def _limits(bus: Bus, name: str) -> tuple[float, int]:
 
 
 async def test_a_service_gives_its_own_stream_its_limits_in_place_and_leaves_the_rest(bus: Bus) -> None:
-    prefix = bus.settings.stream_prefix
+    prefix = bus.settings.kit.stream_prefix
     routing = stream_name(Context.ROUTING, stream_prefix=prefix)
-    assert await _limits(bus, routing) == (ROUTING_MAX_AGE_S, bus.settings.stream_max_bytes)
+    assert await _limits(bus, routing) == (ROUTING_MAX_AGE_S, bus.settings.kit.stream_max_bytes)
     # Streams the router does not own keep what they had (it may not update them) ...
     assert await _limits(bus, stream_name(Context.LEDGER, stream_prefix=prefix)) == (0.0, -1)
     assert await _limits(bus, stream_name(Context.PLACEMENT, stream_prefix=prefix)) == (0.0, -1)
@@ -225,14 +225,14 @@ async def test_the_operators_pass_gives_every_stream_its_limits(bus: Bus) -> Non
     specs = stream_specs_for(bus.settings)
     await ensure_streams(bus.operator.jetstream(), specs)
     wanted = {
-        stream_name(Context.TOPOLOGY, stream_prefix=bus.settings.stream_prefix): 7 * 86_400.0,
-        stream_name(Context.LEDGER, stream_prefix=bus.settings.stream_prefix): 7 * 86_400.0,
-        stream_name(Context.PLACEMENT, stream_prefix=bus.settings.stream_prefix): 7 * 86_400.0,
-        stream_name(Context.RESERVATION, stream_prefix=bus.settings.stream_prefix): 7 * 86_400.0,
-        stream_name(Context.ROUTING, stream_prefix=bus.settings.stream_prefix): ROUTING_MAX_AGE_S,
-        stream_name(Context.REBALANCE, stream_prefix=bus.settings.stream_prefix): 7 * 86_400.0,
-        stream_name(Context.TELEMETRY, stream_prefix=bus.settings.stream_prefix): 3600.0,
-        deadletter_stream_name(stream_prefix=bus.settings.stream_prefix): 14 * 86_400.0,
+        stream_name(Context.TOPOLOGY, stream_prefix=bus.settings.kit.stream_prefix): 7 * 86_400.0,
+        stream_name(Context.LEDGER, stream_prefix=bus.settings.kit.stream_prefix): 7 * 86_400.0,
+        stream_name(Context.PLACEMENT, stream_prefix=bus.settings.kit.stream_prefix): 7 * 86_400.0,
+        stream_name(Context.RESERVATION, stream_prefix=bus.settings.kit.stream_prefix): 7 * 86_400.0,
+        stream_name(Context.ROUTING, stream_prefix=bus.settings.kit.stream_prefix): ROUTING_MAX_AGE_S,
+        stream_name(Context.REBALANCE, stream_prefix=bus.settings.kit.stream_prefix): 7 * 86_400.0,
+        stream_name(Context.TELEMETRY, stream_prefix=bus.settings.kit.stream_prefix): 3600.0,
+        deadletter_stream_name(stream_prefix=bus.settings.kit.stream_prefix): 14 * 86_400.0,
     }
     assert {s.name for s in specs} == set(wanted)
     for name, max_age_s in wanted.items():
@@ -263,7 +263,7 @@ async def test_a_size_cap_the_servers_store_cannot_reserve_leaves_the_stream_unc
     """JetStream reserves a stream's ``max_bytes`` in its store at creation (error 10047 when it cannot):
     a cap larger than any disk here must not keep the stack from starting. The streams are made without
     it, with their max ages, and one ERROR line per stream names the setting."""
-    nc = await nats.connect(settings.nats_url or "")
+    nc = await nats.connect(settings.kit.nats_url or "")
     js = nc.jetstream()
     run = uuid.uuid4().hex[:8]
     specs = stream_specs(subjects=Subjects(f"cap{run}"), stream_prefix=f"CAP{run.upper()}_", max_bytes=1024**5)

@@ -29,7 +29,7 @@ COUPLINGS = [
 async def test_a_service_role_reads_its_own_schema_and_no_other(
     settings: Settings, connect: Connect, schema: str
 ) -> None:
-    assert settings.database_roles, "the services connect as their own roles by default"
+    assert settings.kit.database_roles, "the services connect as their own roles by default"
     conn = await connect(schema)
     assert await conn.fetchval("SELECT current_user") == role_of(schema)
     assert await conn.fetchval(f"SELECT count(*) FROM {schema}.outbox") >= 0

@@ -168,7 +168,7 @@ async def test_an_event_whose_source_is_not_its_publisher_is_dead_lettered(bus: 
 
 async def wait_for_letter(bus: SecureBus, event_id: str, reason: str) -> None:
     operator = await bus.connect("operator")
-    stream = deadletter_stream_name(stream_prefix=bus.settings.stream_prefix)
+    stream = deadletter_stream_name(stream_prefix=bus.settings.kit.stream_prefix)
 
     async def parked() -> bool:
         with contextlib.suppress(Exception):

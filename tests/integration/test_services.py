@@ -29,7 +29,7 @@ async def running(service_processes: ServiceProcesses, settings: Settings) -> As
     for package in SERVICES:
         service_processes.start(package)
     health = await wait_healthy(
-        nats_url=settings.nats_url or "", subjects=Subjects(settings.subject_prefix), deadline_s=60
+        nats_url=settings.kit.nats_url or "", subjects=Subjects(settings.kit.subject_prefix), deadline_s=60
     )
     yield health
     service_processes.stop_all()
@@ -37,7 +37,7 @@ async def running(service_processes: ServiceProcesses, settings: Settings) -> As
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def nc(settings: Settings) -> AsyncIterator[Client]:
-    client = await nats.connect(settings.nats_url or "")
+    client = await nats.connect(settings.kit.nats_url or "")
     yield client
     await client.close()
 
@@ -78,7 +78,7 @@ async def test_bad_input_gets_typed_reply_and_service_keeps_serving(
     package: str,
     route: Route,
 ) -> None:
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.kit.subject_prefix)
     subject = subjects.rpc(route.rpc)
     for body, code in BAD_BODIES:
         reply = await ask(nc, subject, body)

@@ -35,14 +35,16 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
     service_processes.start("capacity_ledger", name="sl_ledger")
     service_processes.start("placement", name="sl_placement")
     health = await wait_healthy(
-        nats_url=settings.nats_url or "",
-        subjects=Subjects(settings.subject_prefix),
+        nats_url=settings.kit.nats_url or "",
+        subjects=Subjects(settings.kit.subject_prefix),
         deadline_s=60,
         only={"topology_discovery", "capacity_ledger", "placement"},
     )
     assert all(h["status"] == "ok" for h in health.values()), health
     rpc = await RpcClient.connect(
-        settings.nats_url or "", Subjects(settings.subject_prefix), timeout_s=settings.request_timeout_ms / 1000
+        settings.kit.nats_url or "",
+        Subjects(settings.kit.subject_prefix),
+        timeout_s=settings.kit.request_timeout_ms / 1000,
     )
     probe = PlaceRequest(request_id="probe", tenant="t", model="llama3-8b", context_tokens=4096, backend="gpu")
 
@@ -67,9 +69,9 @@ async def test_live_simulation_places_through_the_stack_and_releases(stack: RpcC
 
     def run() -> dict[str, Any]:
         policy = LivePolicy(
-            nats_url=settings.nats_url or "",
-            subjects=Subjects(settings.subject_prefix),
-            timeout_s=settings.request_timeout_ms / 1000,
+            nats_url=settings.kit.nats_url or "",
+            subjects=Subjects(settings.kit.subject_prefix),
+            timeout_s=settings.kit.request_timeout_ms / 1000,
         )
         try:
             results, _trace = run_sim(demo_fleet_path(), TRACE, seed=3, live=policy)

@@ -44,22 +44,22 @@ AGENT = "topology_agent"
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def nc(settings: Settings) -> AsyncIterator[Client]:
-    client = await nats.connect(settings.nats_url or "")
+    client = await nats.connect(settings.kit.nats_url or "")
     yield client
     await client.close()
 
 
 async def ask(nc: Client, settings: Settings, rpc: Rpc, body: dict[str, Any]) -> dict[str, Any]:
-    msg = await nc.request(Subjects(settings.subject_prefix).rpc(rpc), json.dumps(body).encode(), timeout=15)
+    msg = await nc.request(Subjects(settings.kit.subject_prefix).rpc(rpc), json.dumps(body).encode(), timeout=15)
     reply: dict[str, Any] = json.loads(msg.data)
     return reply
 
 
 async def events(nc: Client, settings: Settings, event: str) -> list[dict[str, Any]]:
-    subjects = Subjects(settings.subject_prefix)
+    subjects = Subjects(settings.kit.subject_prefix)
     return await read_all(
         nc.jetstream(),
-        stream=stream_name(Context.TOPOLOGY, stream_prefix=settings.stream_prefix),
+        stream=stream_name(Context.TOPOLOGY, stream_prefix=settings.kit.stream_prefix),
         subject=subjects.event(Context.TOPOLOGY, event),
     )
 
@@ -77,8 +77,8 @@ def start_fleet(procs: ServiceProcesses, inventory: Path | None) -> None:
 
 async def wait_topology_healthy(settings: Settings) -> None:
     health = await wait_healthy(
-        nats_url=settings.nats_url or "",
-        subjects=Subjects(settings.subject_prefix),
+        nats_url=settings.kit.nats_url or "",
+        subjects=Subjects(settings.kit.subject_prefix),
         deadline_s=60,
         only={"topology_discovery"},
     )
@@ -254,7 +254,7 @@ async def test_large_answers_come_in_pages_that_add_up(
     assert first["tpu_pods"] and first["total_nodes"] == whole["total_nodes"]
     second = await ask(nc, settings, Rpc.FLEET_GET, {"limit": 5, "cursor": first["next_cursor"]})
     assert second["nodes"][0]["name"] > first["nodes"][-1]["name"] and second["tpu_pods"] == []
-    rpc = RpcClient(nc, Subjects(settings.subject_prefix))
+    rpc = RpcClient(nc, Subjects(settings.kit.subject_prefix))
     merged = await rpc.fleet(limit=5)
     assert isinstance(merged, FleetGetReply)
     assert [n.name for n in merged.nodes] == [n["name"] for n in whole["nodes"]]
@@ -286,7 +286,7 @@ async def test_reserved_bytes_follow_ledger_events_once_each(
         links=links,
         accelerators=[AcceleratorProfile(index=i, sku="H100-SXM-80GB", hbm_bytes=80 * GB) for i in range(3)],
     )
-    rpc = RpcClient(nc, Subjects(settings.subject_prefix))
+    rpc = RpcClient(nc, Subjects(settings.kit.subject_prefix))
     reply = await rpc.ask(
         Rpc.TOPOLOGY_REPORT, TopologyReportRequest(node="reserved-01", profile=profile), TopologyReportReply
     )
@@ -305,7 +305,7 @@ async def test_reserved_bytes_follow_ledger_events_once_each(
         )
         # A fresh Nats-Msg-Id each time: a redelivered event must be dropped by topology's inbox, not by JetStream.
         await js.publish(
-            Subjects(settings.subject_prefix).event(Context.LEDGER, name),
+            Subjects(settings.kit.subject_prefix).event(Context.LEDGER, name),
             env.model_dump_json().encode(),
             headers={"Nats-Msg-Id": str(uuid.uuid4())},
         )

@@ -102,10 +102,12 @@ async def traced(service_processes: ServiceProcesses, settings: Settings) -> Asy
     service_processes.start(
         "cross_region_router", name=PROCESSES["cross_region_router"], HETSCHED_ROUTE_FLUSH_MS="100", **TRACED
     )
-    subjects = Subjects(settings.subject_prefix)
-    health = await wait_healthy(nats_url=settings.nats_url or "", subjects=subjects, deadline_s=60, only=set(PROCESSES))
+    subjects = Subjects(settings.kit.subject_prefix)
+    health = await wait_healthy(
+        nats_url=settings.kit.nats_url or "", subjects=subjects, deadline_s=60, only=set(PROCESSES)
+    )
     assert all(h["status"] == "ok" for h in health.values()), health
-    rpc = await RpcClient.connect(settings.nats_url or "", subjects, timeout_s=10)
+    rpc = await RpcClient.connect(settings.kit.nats_url or "", subjects, timeout_s=10)
 
     async def placed() -> PlaceReply | None:
         reply = await rpc.ask(
@@ -129,7 +131,7 @@ async def traced(service_processes: ServiceProcesses, settings: Settings) -> Asy
     status = EngineLoad(jitter=0, queue_depth=0, base_latency_ms=40).status(
         replica_id=replica.allocation_id, node=replica.placements[0].node, rng=random.Random(0)
     )
-    nc = await nats.connect(settings.nats_url or "")
+    nc = await nats.connect(settings.kit.nats_url or "")
     try:
         await publish_engine_status(nc.jetstream(), subjects, status)
     finally:
@@ -147,12 +149,12 @@ async def traced(service_processes: ServiceProcesses, settings: Settings) -> Asy
 
 async def committed_event(settings: Settings, allocation_id: str) -> tuple[dict[str, Any], dict[str, str]] | None:
     """The ledger's ``allocation_committed`` of ``allocation_id`` and its NATS headers, once published."""
-    nc = await nats.connect(settings.nats_url or "")
+    nc = await nats.connect(settings.kit.nats_url or "")
     try:
         js = nc.jetstream()
-        stream = stream_name(Context.LEDGER, stream_prefix=settings.stream_prefix)
+        stream = stream_name(Context.LEDGER, stream_prefix=settings.kit.stream_prefix)
         last = (await js.stream_info(stream)).state.last_seq
-        subject = Subjects(settings.subject_prefix).event(Context.LEDGER, LedgerEvent.ALLOCATION_COMMITTED)
+        subject = Subjects(settings.kit.subject_prefix).event(Context.LEDGER, LedgerEvent.ALLOCATION_COMMITTED)
         sub = await js.pull_subscribe(subject, stream=stream)
         try:
             while True:
@@ -252,7 +254,7 @@ async def test_without_an_exporter_no_span_is_made_and_the_trace_still_crosses_a
     """``HETSCHED_OTEL_EXPORTER=none``: the request server makes no span, yet the handler runs in its
     caller's trace, so what it calls or emits carries that trace on."""
     monkeypatch.setattr(tracing, "_tracer", None)  # as configure_telemetry leaves it without an exporter
-    subjects = Subjects(f"{settings.subject_prefix}-tr")  # no service answers here but this test's server
+    subjects = Subjects(f"{settings.kit.subject_prefix}-tr")  # no service answers here but this test's server
     seen: list[str | None] = []
 
     async def handler(_request: HealthRequest) -> HealthReply:
@@ -261,7 +263,7 @@ async def test_without_an_exporter_no_span_is_made_and_the_trace_still_crosses_a
 
     server = RequestServer()
     server.add(Endpoint(subjects.rpc(Rpc.ROUTE_HEALTH), "tr", HealthRequest, handler, 1))
-    rpc = await RpcClient.connect(settings.nats_url or "", subjects, timeout_s=5)
+    rpc = await RpcClient.connect(settings.kit.nats_url or "", subjects, timeout_s=5)
     try:
         await server.start(rpc.nc)
         with TracerProvider().get_tracer("tests.tracing").start_as_current_span("test.none") as root:

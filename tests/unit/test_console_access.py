@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from hetsched.console.access import allowed_hosts, authorised, cookie_name, host_allowed, session_value
-from shared.infra.settings import Settings
+from shared.infra.settings import ConsoleSettings
 
-DEFAULT = Settings.model_fields["console_allowed_hosts"].default
+DEFAULT = ConsoleSettings.model_fields["allowed_hosts"].default
 TOKEN = "t" * 43
 
 

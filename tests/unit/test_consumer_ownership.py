@@ -15,7 +15,7 @@ from shared.contracts.subjects import Context, Subjects
 from shared.infra.service import _EventLoop, consumers_check, durable_name, grant_of
 from shared.infra.settings import Settings
 
-SETTINGS = Settings(subject_prefix="hetsched", stream_prefix="")
+SETTINGS = Settings(kit={"subject_prefix": "hetsched", "stream_prefix": ""})
 SUBJECTS = Subjects("hetsched")
 PERMS = service_permission_map(SETTINGS)
 GRANTS = {definition.name: grant_of(definition, SETTINGS) for definition in SERVICES.values()}

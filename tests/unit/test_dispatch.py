@@ -314,7 +314,7 @@ async def test_health_says_degraded_when_a_subjects_workers_are_saturated() -> N
         {
             "uses_database": False,
             "nc": Up(),
-            "settings": Settings(request_saturated_ms=1000),
+            "settings": Settings(kit={"request_saturated_ms": 1000}),
             "name": "s",
             "rpc": type("Rpc", (), {"stats": CallStats()})(),
         },

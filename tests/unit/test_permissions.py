@@ -35,7 +35,7 @@ from shared.infra.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 SUBJECTS = Subjects("hetsched")
-SETTINGS = Settings(subject_prefix="hetsched", stream_prefix="")
+SETTINGS = Settings(kit={"subject_prefix": "hetsched", "stream_prefix": ""})
 
 
 def test_a_gateway_reaches_its_tenants_public_subjects_and_nothing_else() -> None:

@@ -16,7 +16,7 @@ CONTEXT_STREAMS = ("topology", "ledger", "placement", "reservation", "routing", 
 
 
 def test_every_stream_has_a_max_age_and_a_size_cap_from_the_settings(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path, stream_placement_max_age_s=DAY, stream_max_bytes=5 * 1024**3)
+    settings = Settings(kit={"data_dir": tmp_path, "stream_placement_max_age_s": DAY, "stream_max_bytes": 5 * 1024**3})
     specs = {s.name: s for s in stream_specs_for(settings)}
     assert {name: s.max_age_s for name, s in specs.items()} == {
         "TOPOLOGY": 7 * DAY,
@@ -29,8 +29,10 @@ def test_every_stream_has_a_max_age_and_a_size_cap_from_the_settings(tmp_path: P
         "DEADLETTER": 14 * DAY,
     }
     assert {s.max_bytes for s in specs.values()} == {5 * 1024**3}
-    assert Settings(data_dir=tmp_path, stream_max_bytes=0).stream_max_bytes == 0
-    assert {s.max_bytes for s in stream_specs_for(Settings(data_dir=tmp_path, stream_max_bytes=0))} == {None}
+    assert Settings(kit={"data_dir": tmp_path, "stream_max_bytes": 0}).kit.stream_max_bytes == 0
+    assert {s.max_bytes for s in stream_specs_for(Settings(kit={"data_dir": tmp_path, "stream_max_bytes": 0}))} == {
+        None
+    }
 
 
 def test_the_duplicate_window_never_outlasts_the_max_age() -> None:
@@ -52,9 +54,13 @@ def test_streams_folded_from_their_first_sequence_are_restated_well_inside_their
 
 def test_settings_refuse_an_inbox_that_forgets_before_a_copy_can_come_back(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="inbox_retention_s"):
-        Settings(data_dir=tmp_path, inbox_retention_s=DAY)  # under the 7-day streams and 14-day dead letters
+        Settings(
+            kit={"data_dir": tmp_path, "inbox_retention_s": DAY}
+        )  # under the 7-day streams and 14-day dead letters
     with pytest.raises(ValueError, match="inbox_retention_s"):
-        Settings(data_dir=tmp_path, stream_ledger_max_age_s=30 * DAY)  # a stream would outlive the inbox
+        Settings(kit={"data_dir": tmp_path, "stream_ledger_max_age_s": 30 * DAY})  # a stream would outlive the inbox
     short = {f"stream_{c}_max_age_s": DAY for c in CONTEXT_STREAMS}
-    settings = Settings(data_dir=tmp_path, inbox_retention_s=2 * DAY, deadletter_retention_s=DAY, **short)
-    assert settings.inbox_retention_s == 2 * DAY
+    settings = Settings(
+        kit={"data_dir": tmp_path, "inbox_retention_s": 2 * DAY, "deadletter_retention_s": DAY, **short}
+    )
+    assert settings.kit.inbox_retention_s == 2 * DAY

@@ -37,7 +37,9 @@ from shared.infra.uow import UnitOfWork, run_committed
 GB = 10**9
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 # Nothing listens there: building an app connects to nothing (that happens when it starts).
-OFFLINE = Settings(nats_url="nats://127.0.0.1:1", database_url="postgresql://x:y@127.0.0.1:1/none", metrics_port=-1)
+OFFLINE = Settings(
+    kit={"nats_url": "nats://127.0.0.1:1", "database_url": "postgresql://x:y@127.0.0.1:1/none", "metrics_port": -1}
+)
 
 
 def value(metrics: ServiceMetrics, name: str, **labels: str) -> float | None:

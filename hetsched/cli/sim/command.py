@@ -132,7 +132,7 @@ def sim(
             live_policy = LivePolicy(
                 nats_url=nats_url,
                 subjects=Subjects(prefix),
-                timeout_s=settings.request_timeout_ms / 1000,
+                timeout_s=settings.kit.request_timeout_ms / 1000,
                 options=operator_options(settings),
             )
         except Exception as exc:

@@ -31,18 +31,6 @@ class Weights:
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"weight {name} must be a finite number >= 0, got {value}")
 
-    @classmethod
-    def parse(cls, text: str) -> Weights:
-        """Weights from ``"rtt,price,power,affinity"`` (e.g. ``"0.4,0.3,0.1,0.2"``); ValueError otherwise."""
-        parts = [part.strip() for part in text.split(",")]
-        if len(parts) != 4:
-            raise ValueError(f"expected 4 comma-separated weights (rtt,price,power,affinity), got {text!r}")
-        try:
-            values = [float(part) for part in parts]
-        except ValueError:
-            raise ValueError(f"weights must be numbers, got {text!r}") from None
-        return cls(*values)
-
 
 @dataclass(frozen=True, slots=True)
 class CostTerms:

@@ -76,27 +76,6 @@ def test_no_candidates_no_costs() -> None:
     assert costs([], origin=regions["eu"], sku=H100, affinity={}, weights=Weights()) == {}
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("0.4,0.3,0.1,0.2", Weights()),
-        (" 1, 0,0 ,0 ", Weights(rtt=1, price=0, power=0, affinity=0)),
-        ("0,0,0,0", Weights(0, 0, 0, 0)),
-    ],
-)
-def test_weights_parse(text: str, expected: Weights) -> None:
-    assert Weights.parse(text) == expected
-
-
-@pytest.mark.parametrize(
-    "text",
-    ["", "0.4,0.3,0.1", "0.4,0.3,0.1,0.2,0.1", "a,b,c,d", "0.4,,0.1,0.2", "-0.1,0.3,0.1,0.2", "nan,0,0,0", "inf,0,0,0"],
-)
-def test_weights_parse_refuses_bad_text(text: str) -> None:
-    with pytest.raises(ValueError):
-        Weights.parse(text)
-
-
 def test_weights_refuse_negative_values() -> None:
     with pytest.raises(ValueError, match="affinity"):
         Weights(affinity=-0.2)

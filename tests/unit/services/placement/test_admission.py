@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from services.placement.admission import AdmissionHandlers, Fairness, parse_kv_shares, parse_weights
+from services.placement.admission import AdmissionHandlers, Fairness
 from services.placement.replicas import Replica, ReplicaBook, hold_requester, replica_of
 from shared.contracts.base import ErrorCode, Rejected, rejected
 from shared.contracts.ledger import (
@@ -322,18 +322,6 @@ async def test_a_flooding_tenant_does_not_starve_another_through_admit() -> None
     fair_beta = min(asked["beta"], total / 2) / total
     assert total == 400
     assert admitted["beta"] / total == pytest.approx(fair_beta, abs=0.05), admitted
-
-
-def test_settings_parsers() -> None:
-    assert parse_weights("acme=2, beta=0.5") == {"acme": 2.0, "beta": 0.5}
-    with pytest.raises(ValueError):
-        parse_weights("acme")
-    with pytest.raises(ValueError):
-        parse_weights("acme=-1")
-    assert parse_kv_shares("") is None
-    assert parse_kv_shares("moe=0.5,ssm=0.5") == {Engine.MOE: 0.5, Engine.SSM: 0.5}
-    with pytest.raises(ValueError):
-        parse_kv_shares("gpu=1")
 
 
 def test_a_placed_reply_becomes_a_replica_with_its_kv_pool() -> None:

@@ -1,0 +1,183 @@
+"""Settings: typed sections read from the published environment variables, maps as JSON (or YAML) with the
+deprecated ``a=1,b=2`` text still accepted, and errors that name the variable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from shared.domain.admission import Engine
+from shared.domain.quotas import Quota
+from shared.domain.routing import Weights
+from shared.infra.settings import KitSettings, PlacementSettings, Settings, env_vars, load_settings
+
+OLD_FLAT_NAMES = 124  # the flat Settings before issue 24: every one of its variables is still read
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in [n for n in os.environ if n.upper().startswith("HETSCHED_")]:
+        monkeypatch.delenv(name)
+
+
+def test_every_variable_names_one_field_of_one_section() -> None:
+    names = env_vars()
+    assert len(names) == OLD_FLAT_NAMES
+    assert all(name.startswith("HETSCHED_") and name == name.upper() for name in names)
+    assert names["HETSCHED_PLACEMENT_QUEUE_PAGE"] == "placement.queue_page"
+    assert names["HETSCHED_ADMIT_TENANT_WEIGHTS"] == "placement.admit_tenant_weights"
+    assert names["HETSCHED_ROUTE_WEIGHTS"] == "routing.weights"
+    assert names["HETSCHED_RPC_TIMEOUT_MS"] == "kit.rpc_timeout_ms"
+    assert names["HETSCHED_TELEMETRY_INTERVAL_S"] == "topology.telemetry_interval_s"
+    assert names["HETSCHED_DRIFT_THRESHOLD"] == "ledger.drift_threshold"
+    assert names["HETSCHED_CONSOLE_TOKEN"] == "console.token"
+
+
+def test_each_variable_sets_its_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETSCHED_PLACEMENT_QUEUE_PAGE", "17")
+    monkeypatch.setenv("HETSCHED_ADMIT_MAX_QUEUE_DEPTH", "3")
+    monkeypatch.setenv("HETSCHED_REBALANCE_TICK_S", "0.5")
+    monkeypatch.setenv("hetsched_subject_prefix", "lower")  # case-insensitive, as before
+    settings = Settings()
+    assert settings.placement.queue_page == 17
+    assert settings.placement.admit_max_queue_depth == 3
+    assert settings.rebalancer.tick_s == 0.5
+    assert settings.kit.subject_prefix == "lower"
+
+
+def test_only_the_published_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bare in ("QUEUE_PAGE", "NODE", "TOKEN", "HETSCHED_KIT_REGION", "HETSCHED_PLACEMENT__QUEUE_PAGE"):
+        monkeypatch.setenv(bare, "7")
+    settings = Settings()
+    assert (settings.placement.queue_page, settings.topology.node, settings.console.token) == (200, None, None)
+    assert settings.kit.region == "local"
+
+
+def test_a_bad_value_names_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETSCHED_PLACEMENT_QUEUE_PAGE", "0")
+    with pytest.raises(ValidationError, match="HETSCHED_PLACEMENT_QUEUE_PAGE"):
+        Settings()
+    with pytest.raises(ValidationError, match="HETSCHED_PLACEMENT_QUEUE_PAGE"):
+        PlacementSettings(queue_page=0)  # by name too
+    monkeypatch.delenv("HETSCHED_PLACEMENT_QUEUE_PAGE")
+    monkeypatch.setenv("HETSCHED_ADMIT_TENANT_WEIGHTS", '{"acme": -1}')
+    with pytest.raises(ValidationError, match="HETSCHED_ADMIT_TENANT_WEIGHTS"):
+        Settings()
+
+
+def test_the_settings_file_is_read(tmp_path: Path) -> None:
+    env = tmp_path / "hetsched.env"
+    env.write_text(
+        'HETSCHED_PLACEMENT_QUEUE_PAGE=9\nHETSCHED_ADMIT_TENANT_WEIGHTS={"acme": 2}\nHETSCHED_ROUTE_WEIGHTS=1,0,0,0\n'
+    )
+    placement = PlacementSettings(_env_file=env)
+    assert placement.queue_page == 9
+    assert placement.admit_tenant_weights == {"acme": 2.0}
+
+
+def test_sections_take_fields_by_name_and_the_rest_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETSCHED_STREAM_PREFIX", "FROM_ENV_")
+    settings = load_settings(kit={"subject_prefix": "given"})
+    assert (settings.kit.subject_prefix, settings.kit.stream_prefix) == ("given", "FROM_ENV_")
+    assert Settings(kit=KitSettings(subject_prefix="typed")).kit.subject_prefix == "typed"
+    copy = settings.updated(placement={"queue_page": 5}, kit={"region": "eu"})
+    assert (copy.placement.queue_page, copy.kit.region, copy.kit.subject_prefix) == (5, "eu", "given")
+    assert settings.placement.queue_page == 200
+    with pytest.raises(ValueError, match="no field queue_pages"):
+        settings.updated(placement={"queue_pages": 5})
+    with pytest.raises(ValueError, match="no settings section"):
+        settings.updated(queue={"page": 5})
+
+
+def test_quotas_and_stream_ages_come_from_the_kit() -> None:
+    settings = Settings(kit={"quota_gpus_placed_per_tenant": 7, "quota_tenant_overrides": {"acme": {"gpus_placed": 9}}})
+    quotas = settings.quotas()
+    assert quotas.limit("other", Quota.GPUS_PLACED) == 7
+    assert quotas.limit("acme", Quota.GPUS_PLACED) == 9
+    assert len(settings.kit.stream_max_ages()) == 7
+
+
+# -- the three maps ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"acme": 2, "beta": 0.5}', "{acme: 2, beta: 0.5}", "acme=2, beta=0.5", " acme = 2 ,beta=0.5, "],
+)
+def test_tenant_weights_from_json_yaml_or_the_deprecated_text(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setenv("HETSCHED_ADMIT_TENANT_WEIGHTS", text)
+    assert Settings().placement.admit_tenant_weights == {"acme": 2.0, "beta": 0.5}
+
+
+@pytest.mark.parametrize(
+    "text", ["acme", "=2", "acme=-1", "acme=0", "acme=x", '{"acme": "nan"}', "{acme: [1]}", "{acme"]
+)
+def test_bad_tenant_weights_fail_the_start(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setenv("HETSCHED_ADMIT_TENANT_WEIGHTS", text)
+    with pytest.raises(ValidationError):
+        Settings()
+
+
+@pytest.mark.parametrize("text", ["", "{}"])
+def test_no_kv_guarantees_is_an_empty_map(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setenv("HETSCHED_ADMIT_KV_GUARANTEES", text)
+    assert Settings().placement.admit_kv_guarantees == {}
+
+
+@pytest.mark.parametrize("text", ['{"moe": 0.5, "ssm": 0.5}', "moe=0.5,ssm=0.5"])
+def test_kv_guarantees_are_keyed_by_engine(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setenv("HETSCHED_ADMIT_KV_GUARANTEES", text)
+    assert Settings().placement.admit_kv_guarantees == {Engine.MOE: 0.5, Engine.SSM: 0.5}
+
+
+@pytest.mark.parametrize("text", ["gpu=1", '{"gpu": 1}', "moe=-0.1"])
+def test_an_unknown_engine_or_a_negative_share_fails_the_start(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setenv("HETSCHED_ADMIT_KV_GUARANTEES", text)
+    with pytest.raises(ValidationError, match="HETSCHED_ADMIT_KV_GUARANTEES"):
+        Settings()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"rtt": 0.4, "price": 0.3, "power": 0.1, "affinity": 0.2}', Weights()),
+        ("{rtt: 1, price: 0, power: 0, affinity: 0}", Weights(rtt=1, price=0, power=0, affinity=0)),
+        ('{"rtt": 1}', Weights(rtt=1)),  # one left out keeps its default
+        ("0.4,0.3,0.1,0.2", Weights()),  # deprecated text
+        (" 1, 0,0 ,0 ", Weights(rtt=1, price=0, power=0, affinity=0)),
+        ("0,0,0,0", Weights(0, 0, 0, 0)),
+    ],
+)
+def test_route_weights(monkeypatch: pytest.MonkeyPatch, text: str, expected: Weights) -> None:
+    monkeypatch.setenv("HETSCHED_ROUTE_WEIGHTS", text)
+    assert Settings().routing.weights == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0.4,0.3,0.1",
+        "0.4,0.3,0.1,0.2,0.1",
+        "a,b,c,d",
+        "0.4,,0.1,0.2",
+        "-0.1,0.3,0.1,0.2",
+        "nan,0,0,0",
+        "inf,0,0,0",
+        '{"rtt": -1}',
+        '{"latency": 1}',
+        '{"rtt": "x"}',
+    ],
+)
+def test_bad_route_weights_fail_the_start(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setenv("HETSCHED_ROUTE_WEIGHTS", text)
+    with pytest.raises(ValidationError, match="HETSCHED_ROUTE_WEIGHTS"):
+        Settings()
+
+
+def test_no_route_weights_text_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETSCHED_ROUTE_WEIGHTS", "")
+    assert Settings().routing.weights == Weights()
