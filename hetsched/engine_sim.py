@@ -19,7 +19,7 @@ from nats.js import JetStreamContext
 from shared.contracts.envelope import new_event
 from shared.contracts.permissions import AGENT
 from shared.contracts.subjects import Context, Subjects
-from shared.contracts.topology import EngineStatusEvent, TelemetryEvent
+from shared.contracts.topology import EngineStatusEvent, TelemetryEventName
 from shared.infra.clock import Clock, system_clock
 from shared.infra.outbox import msg_id_headers
 
@@ -62,13 +62,13 @@ async def publish_engine_status(
 ) -> None:
     """One report on `<prefix>.events.telemetry.engine_status.<node>`, as the node's agent publishes it."""
     event = new_event(
-        type=f"{Context.TELEMETRY.value}.{TelemetryEvent.ENGINE_STATUS.value}",
+        type=f"{Context.TELEMETRY.value}.{TelemetryEventName.ENGINE_STATUS.value}",
         source=AGENT,
         payload=status.model_dump(mode="json"),
         occurred_at=clock(),
     )
     await jetstream.publish(
-        subjects.event(Context.TELEMETRY, TelemetryEvent.ENGINE_STATUS, node=status.node),
+        subjects.event(Context.TELEMETRY, TelemetryEventName.ENGINE_STATUS, node=status.node),
         event.model_dump_json().encode(),
         headers=msg_id_headers(str(event.event_id)),
     )

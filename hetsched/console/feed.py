@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.permissions import EVENT_PUBLISHERS
-from shared.contracts.placement_events import (
+from shared.contracts.placement import (
     PLACEMENT_DECIDED,
     PLACEMENT_REJECTED,
     PLACEMENT_RELEASED,

@@ -22,7 +22,7 @@ from shared.contracts.ledger import (
     SnapshotRequest,
 )
 from shared.contracts.subjects import Context, Rpc
-from shared.contracts.topology import TelemetryEvent, TopologyEvent
+from shared.contracts.topology import TelemetryEventName, TopologyEventName
 from shared.domain.ledger import DriftDetector
 from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
@@ -88,15 +88,17 @@ SERVICE = ServiceDefinition(
             Context.TOPOLOGY,
             "topology",
             on={
-                TopologyEvent.NODE_PROFILED: lambda ctx: ctx.handlers.on_node_profiled,
-                TopologyEvent.NODE_CHANGED: lambda ctx: ctx.handlers.on_node_changed,
-                TopologyEvent.NODE_REMOVED: lambda ctx: ctx.handlers.on_node_removed,
-                TopologyEvent.NODE_LOST: lambda ctx: ctx.handlers.on_node_lost,
-                TopologyEvent.NODE_RECOVERED: lambda ctx: ctx.handlers.on_node_recovered,
-                TopologyEvent.TPU_POD_PROFILED: lambda ctx: ctx.handlers.on_tpu_pod_profiled,
+                TopologyEventName.NODE_PROFILED: lambda ctx: ctx.handlers.on_node_profiled,
+                TopologyEventName.NODE_CHANGED: lambda ctx: ctx.handlers.on_node_changed,
+                TopologyEventName.NODE_REMOVED: lambda ctx: ctx.handlers.on_node_removed,
+                TopologyEventName.NODE_LOST: lambda ctx: ctx.handlers.on_node_lost,
+                TopologyEventName.NODE_RECOVERED: lambda ctx: ctx.handlers.on_node_recovered,
+                TopologyEventName.TPU_POD_PROFILED: lambda ctx: ctx.handlers.on_tpu_pod_profiled,
             },
         ),
-        Consumer(Context.TELEMETRY, "telemetry", on={TelemetryEvent.GPU: lambda ctx: ctx.handlers.on_gpu_telemetry}),
+        Consumer(
+            Context.TELEMETRY, "telemetry", on={TelemetryEventName.GPU: lambda ctx: ctx.handlers.on_gpu_telemetry}
+        ),
     ),
     loops=(
         Loop("lease-sweeper", lambda ctx: ctx.handlers.sweep_leases),

@@ -17,7 +17,7 @@ from shared.contracts.ledger import (
     CommitBatchRequest,
     CommitReply,
     CommitRequest,
-    LedgerEvent,
+    LedgerEventName,
 )
 from shared.contracts.subjects import Context
 from shared.domain.ledger import CommitPlan, Duplicate, Refused, allocation_cluster, plan_commits, view_of
@@ -128,7 +128,7 @@ class CommitHandlers:
             for a in new:
                 uow.emit(
                     Context.LEDGER,
-                    LedgerEvent.ALLOCATION_COMMITTED,
+                    LedgerEventName.ALLOCATION_COMMITTED,
                     mapping.committed_event(
                         allocation_id=a.id, intent=a.intent, lease_expires_at=a.lease_expires_at, cluster=a.cluster
                     ),

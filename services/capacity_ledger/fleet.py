@@ -12,7 +12,7 @@ from services.capacity_ledger import mapping, store
 from services.capacity_ledger.metrics import LedgerMetrics
 from services.capacity_ledger.ports import Store
 from shared.contracts.envelope import EventEnvelope
-from shared.contracts.ledger import AllocationsFlaggedEvent, CapacityChangedEvent, DriftEvent, LedgerEvent
+from shared.contracts.ledger import AllocationsFlaggedEvent, CapacityChangedEvent, DriftEvent, LedgerEventName
 from shared.contracts.subjects import Context
 from shared.contracts.topology import GpuTelemetryEvent, NodeProfileEvent, NodeStateEvent, TpuPodEvent
 from shared.domain.capacity import AcceleratorCapacity
@@ -116,7 +116,7 @@ class FleetEventHandlers:
         if changed.flagged:
             uow.emit(
                 Context.LEDGER,
-                LedgerEvent.ALLOCATIONS_FLAGGED,
+                LedgerEventName.ALLOCATIONS_FLAGGED,
                 AllocationsFlaggedEvent(node=node, reason=f"node_{reason}", allocation_ids=changed.flagged),
                 causation_id=event.event_id,
             )
@@ -136,7 +136,7 @@ class FleetEventHandlers:
             return  # a node the ledger never knew
         uow.emit(
             Context.LEDGER,
-            LedgerEvent.CAPACITY_CHANGED,
+            LedgerEventName.CAPACITY_CHANGED,
             CapacityChangedEvent(node=node, reason=reason, accelerators=mapping.balances(accelerators)),
             causation_id=event.event_id,
         )
@@ -160,7 +160,7 @@ class FleetEventHandlers:
             if drift is not None:
                 uow.emit(
                     Context.LEDGER,
-                    LedgerEvent.DRIFT_DETECTED,
+                    LedgerEventName.DRIFT_DETECTED,
                     DriftEvent(
                         accelerator_id=drift.accelerator_id,
                         observed_bytes=drift.observed_bytes,

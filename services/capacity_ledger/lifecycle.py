@@ -14,7 +14,7 @@ from services.capacity_ledger import mapping, store
 from services.capacity_ledger.ports import Store, Units
 from shared.contracts.base import ErrorCode, rejected
 from shared.contracts.ledger import (
-    LedgerEvent,
+    LedgerEventName,
     LedgerPreemptReply,
     LedgerPreemptRequest,
     LedgerReleaseReply,
@@ -117,7 +117,7 @@ class LifecycleHandlers:
             ):
                 uow.emit(
                     Context.LEDGER,
-                    LedgerEvent.ALLOCATION_RELEASED,
+                    LedgerEventName.ALLOCATION_RELEASED,
                     mapping.ended_event(ended),
                     tenant=ended.allocation.tenant,
                     correlation_id=ended.allocation.request_id,
@@ -159,7 +159,11 @@ class LifecycleHandlers:
     async def _end_many(self, items: Sequence[tuple[str, str | None]], state: AllocationState) -> list[Access]:
         """End each ``(allocation id, tenant)`` the tenant may end, in one transaction, locked in id order;
         an id named twice ends once (the second is told it had ended)."""
-        event = LedgerEvent.ALLOCATION_RELEASED if state is AllocationState.RELEASED else LedgerEvent.ALLOCATION_EXPIRED
+        event = (
+            LedgerEventName.ALLOCATION_RELEASED
+            if state is AllocationState.RELEASED
+            else LedgerEventName.ALLOCATION_EXPIRED
+        )
 
         async def work(uow: UnitOfWork) -> list[Access]:
             locked = await self._store.lock_allocations(session=uow.session, ids=[i for i, _ in items])

@@ -12,7 +12,7 @@ from services.cross_region_router.handlers import RoutingHandlers
 from services.cross_region_router.metrics import RouterMetrics
 from services.cross_region_router.store import RoutingStore
 from services.cross_region_router.tables import SCHEMA
-from shared.contracts.placement_events import PlacementEventName
+from shared.contracts.placement import PlacementEventName
 from shared.contracts.routing import RouteRegionRequest, RouteSelectRequest
 from shared.contracts.subjects import Context, Rpc
 from shared.domain.routing import AffinityRule, RoutePolicy

@@ -30,8 +30,7 @@ from services.cross_region_router.readmodel import ReplicaRegions
 from services.cross_region_router.store import RoutingStore, StoredReplica
 from shared.contracts.base import ErrorCode, Rejected, rejected
 from shared.contracts.envelope import EventEnvelope
-from shared.contracts.placement import AdmitReply, AdmitRequest, Slo
-from shared.contracts.placement_events import PlacementEvent, PlacementReleasedEvent
+from shared.contracts.placement import AdmitReply, AdmitRequest, PlacementEvent, PlacementReleasedEvent, Slo
 from shared.contracts.routing import (
     RegionStateEvent,
     RouteCost,
@@ -40,7 +39,7 @@ from shared.contracts.routing import (
     RouteSelectReply,
     RouteSelectRequest,
     RouteSwitchedEvent,
-    RoutingEvent,
+    RoutingEventName,
 )
 from shared.contracts.subjects import Context, Rpc
 from shared.domain.admission import members
@@ -271,7 +270,7 @@ class RoutingHandlers:
                     if decision.switched and previous is not None and decision.cost is not None:
                         uow.emit(
                             Context.ROUTING,
-                            RoutingEvent.ROUTE_SWITCHED,
+                            RoutingEventName.ROUTE_SWITCHED,
                             RouteSwitchedEvent(
                                 tenant=request.tenant,
                                 request_id=request.request_id,
@@ -320,7 +319,7 @@ class RoutingHandlers:
             if state is not previous:
                 uow.emit(
                     Context.ROUTING,
-                    RoutingEvent.REGION_STATE_CHANGED,
+                    RoutingEventName.REGION_STATE_CHANGED,
                     RegionStateEvent(region=request.region, state=state.value, previous=previous.value),
                 )
             uow.after_commit(lambda: self._states.update({request.region: state}))

@@ -38,7 +38,7 @@ from shared.contracts.ledger import (
     CommitBatchRequest,
     CommitReply,
     CommitRequest,
-    LedgerEvent,
+    LedgerEventName,
     LedgerReleaseReply,
     LedgerReleaseRequest,
     ShareIn,
@@ -388,9 +388,9 @@ class AdmissionHandlers:
 
     def on_hold_event(self, name: str, payload: AllocationEvent) -> None:
         """A LEDGER event of a `request` allocation, from placement's view of the ledger (no transaction)."""
-        if name == LedgerEvent.ALLOCATION_COMMITTED:
+        if name == LedgerEventName.ALLOCATION_COMMITTED:
             self.on_hold_committed(payload)
-        elif name in (LedgerEvent.ALLOCATION_RELEASED, LedgerEvent.ALLOCATION_EXPIRED):
+        elif name in (LedgerEventName.ALLOCATION_RELEASED, LedgerEventName.ALLOCATION_EXPIRED):
             self.on_allocation_ended(payload.allocation_id)
 
     def on_hold_committed(self, payload: AllocationEvent) -> None:

@@ -17,7 +17,7 @@ from services.placement.readmodel import ReadModel
 from services.placement.replicas import ReplicaBook
 from services.placement.store import DecisionStore
 from services.placement.tables import SCHEMA
-from shared.contracts.ledger import LedgerEvent
+from shared.contracts.ledger import LedgerEventName
 from shared.contracts.placement import AdmitRequest, PlaceReply, PlaceRequest, ReleaseRequest, RenewRequest
 from shared.contracts.subjects import Context, Rpc
 from shared.domain.admission import AdmitPolicy
@@ -136,9 +136,9 @@ SERVICE = ServiceDefinition(
             Context.LEDGER,
             "ledger",
             on={
-                LedgerEvent.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.lifecycle.on_allocation_committed,
-                LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.lifecycle.on_allocation_expired,
-                LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.lifecycle.on_allocation_released,
+                LedgerEventName.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.lifecycle.on_allocation_committed,
+                LedgerEventName.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.lifecycle.on_allocation_expired,
+                LedgerEventName.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.lifecycle.on_allocation_released,
             },
             together=True,  # one per placement: a batch per transaction (the handlers only write rows)
             # Requests' KV holds (one pair per admission) reach admission through the view's feed instead.

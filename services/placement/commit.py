@@ -19,8 +19,7 @@ from services.placement.metrics import PlacementMetrics
 from services.placement.tally import QuotaTally
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
 from shared.contracts.ledger import CommitReply, CommitRequest
-from shared.contracts.placement import PlaceReply, PlaceRequest
-from shared.contracts.placement_events import PlacementEventName
+from shared.contracts.placement import PlacementEventName, PlaceReply, PlaceRequest
 from shared.contracts.subjects import Rpc
 from shared.domain.placement.types import Decision, FleetSnapshot
 from shared.infra import deadline

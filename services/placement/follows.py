@@ -8,11 +8,11 @@ from collections.abc import Callable
 from typing import Any
 
 from services.placement.readmodel import FREEING
-from shared.contracts.ledger import AllocationEvent, LedgerEvent
+from shared.contracts.ledger import AllocationEvent, LedgerEventName
 from shared.contracts.rebalance import RebalanceEventName
 from shared.contracts.reservation import ReservationEventName
 from shared.contracts.subjects import Context
-from shared.contracts.topology import TelemetryEvent, TopologyEvent
+from shared.contracts.topology import TelemetryEventName, TopologyEventName
 from shared.infra.follow import EventMeta, Fold, Follow, Seed, Start
 
 # The seed of the fleet view: `fleet.get` and `ledger.snapshot`, loaded again every
@@ -81,7 +81,9 @@ def _throttle(on: bool) -> FoldFactory:
 
 def _is_admissions(name: str, payload: Any) -> bool:
     """Events admission takes as they come, the view seeded or not: engines' status and KV holds."""
-    return name == TelemetryEvent.ENGINE_STATUS or (isinstance(payload, AllocationEvent) and payload.kind == "request")
+    return name == TelemetryEventName.ENGINE_STATUS or (
+        isinstance(payload, AllocationEvent) and payload.kind == "request"
+    )
 
 
 FOLLOWS = (
@@ -92,12 +94,12 @@ FOLLOWS = (
         on={
             name: _fleet(name)
             for name in (
-                TopologyEvent.NODE_PROFILED,
-                TopologyEvent.NODE_CHANGED,
-                TopologyEvent.NODE_LOST,
-                TopologyEvent.NODE_RECOVERED,
-                TopologyEvent.NODE_REMOVED,
-                TopologyEvent.TPU_POD_PROFILED,
+                TopologyEventName.NODE_PROFILED,
+                TopologyEventName.NODE_CHANGED,
+                TopologyEventName.NODE_LOST,
+                TopologyEventName.NODE_RECOVERED,
+                TopologyEventName.NODE_REMOVED,
+                TopologyEventName.TPU_POD_PROFILED,
             )
         },
     ),
@@ -106,10 +108,10 @@ FOLLOWS = (
         start=Start.NEW,
         seed=VIEW,
         on={
-            LedgerEvent.ALLOCATION_COMMITTED: _allocation(LedgerEvent.ALLOCATION_COMMITTED),
-            LedgerEvent.ALLOCATION_RELEASED: _allocation(LedgerEvent.ALLOCATION_RELEASED),
-            LedgerEvent.ALLOCATION_EXPIRED: _allocation(LedgerEvent.ALLOCATION_EXPIRED),
-            LedgerEvent.CAPACITY_CHANGED: _fleet(LedgerEvent.CAPACITY_CHANGED),
+            LedgerEventName.ALLOCATION_COMMITTED: _allocation(LedgerEventName.ALLOCATION_COMMITTED),
+            LedgerEventName.ALLOCATION_RELEASED: _allocation(LedgerEventName.ALLOCATION_RELEASED),
+            LedgerEventName.ALLOCATION_EXPIRED: _allocation(LedgerEventName.ALLOCATION_EXPIRED),
+            LedgerEventName.CAPACITY_CHANGED: _fleet(LedgerEventName.CAPACITY_CHANGED),
         },
         live=_is_admissions,
     ),
@@ -118,7 +120,7 @@ FOLLOWS = (
         Context.TELEMETRY,
         start=Start.NEW,
         seed=VIEW,
-        on={TelemetryEvent.GPU: _fleet(TelemetryEvent.GPU), TelemetryEvent.ENGINE_STATUS: _engine_status},
+        on={TelemetryEventName.GPU: _fleet(TelemetryEventName.GPU), TelemetryEventName.ENGINE_STATUS: _engine_status},
         live=_is_admissions,
     ),
     # Each event carries its reservation's whole state: folded from the first sequence, no seed.

@@ -17,10 +17,9 @@ from services.placement.store import DecisionStore
 from services.placement.tally import QuotaTally
 from shared.contracts.base import rejected
 from shared.contracts.ledger import CommitRequest
-from shared.contracts.placement import PlaceReply, PlaceRequest
-from shared.contracts.placement_events import PlacementEvent, PlacementEventName
+from shared.contracts.placement import PlacementEvent, PlacementEventName, PlaceReply, PlaceRequest
 from shared.contracts.subjects import Context
-from shared.domain.placement.ownership import Answer, DecisionStatus, Fresh, Refuse, Resume, rule
+from shared.domain.placement.ownership import Answer, Fresh, IntentState, Refuse, Resume, rule
 from shared.domain.placement.types import Decision
 from shared.domain.quotas import Quota, QuotaExceeded, exceeded
 from shared.infra import deadline
@@ -105,7 +104,7 @@ class Intents:
                     now=uow.now,
                 )
                 return Claimed(Turn(tenant, request_id, 1)) if inserted else LOST
-            case Answer() if stored is not None and stored.intent.status is DecisionStatus.QUEUED:
+            case Answer() if stored is not None and stored.intent.status is IntentState.QUEUED:
                 return await self._queued_reply(uow, stored) or LOST
             case Answer() if stored is not None and stored.reply is not None:
                 return stored.reply
@@ -128,9 +127,9 @@ class Intents:
             intent = stored.intent if stored is not None else None
             if stored is not None and intent is not None and intent.body_hash in (None, body):
                 until = uow.now + timedelta(seconds=self._ownership.claim_s)
-                if intent.status is DecisionStatus.QUEUED:
+                if intent.status is IntentState.QUEUED:
                     return Claimed(await self._take(uow, stored, until=until, keep_commit=False), queued=True)
-                if intent.status is DecisionStatus.COMMITTING:
+                if intent.status is IntentState.COMMITTING:
                     if intent.claimed_until is not None and intent.claimed_until > uow.now:
                         return None  # being placed right now
                     # An interrupted attempt: recover its commit, as a retry would.
@@ -162,7 +161,7 @@ class Intents:
         """A new request id refused, recorded and announced; False when the id has an intent already."""
 
         async def work(uow: UnitOfWork) -> bool:
-            if not await self._insert_decided(uow, request, body, DecisionStatus.REJECTED):
+            if not await self._insert_decided(uow, request, body, IntentState.REJECTED):
                 return False
             emit(uow, request, reply, PlacementEventName.PLACEMENT_REJECTED, decision_ms, 1)
             return True
@@ -176,7 +175,7 @@ class Intents:
         has an intent already."""
 
         async def work(uow: UnitOfWork) -> bool:
-            return await self._insert_decided(uow, request, body, DecisionStatus.COMMITTING, commit, pending)
+            return await self._insert_decided(uow, request, body, IntentState.COMMITTING, commit, pending)
 
         inserted = await self._uow.run_grouped(work)
         return Claimed(Turn(request.tenant, request.request_id, 1)) if inserted else None
@@ -186,11 +185,11 @@ class Intents:
         uow: UnitOfWork,
         request: PlaceRequest,
         body: str,
-        status: DecisionStatus,
+        status: IntentState,
         commit: CommitRequest | None = None,
         pending: PlaceReply | None = None,
     ) -> bool:
-        committing = status is DecisionStatus.COMMITTING
+        committing = status is IntentState.COMMITTING
         return await self._store.insert_decided(
             session=uow.session,
             tenant=request.tenant,
@@ -224,7 +223,7 @@ class Intents:
         self,
         uow: UnitOfWork,
         claim: Claimed,
-        status: DecisionStatus,
+        status: IntentState,
         *,
         reply: PlaceReply | None = None,
         allocation_id: str | None = None,
@@ -246,7 +245,7 @@ class Intents:
         """Nothing placed and nothing reserved: the same id (and body) may be retried."""
 
         async def work(uow: UnitOfWork) -> None:
-            await self._finish(uow, claim, DecisionStatus.REJECTED)
+            await self._finish(uow, claim, IntentState.REJECTED)
 
         await self._uow.run_grouped(work)
 
@@ -268,7 +267,7 @@ class Intents:
         async def work(uow: UnitOfWork) -> bool:
             if claim.queued:  # decided: it leaves the queue with its outcome
                 await self._store.dequeue(session=uow.session, tenant=request.tenant, request_id=request.request_id)
-            status = DecisionStatus.PLACED if placed else DecisionStatus.REJECTED
+            status = IntentState.PLACED if placed else IntentState.REJECTED
             if not await self._finish(
                 uow,
                 claim,
@@ -315,9 +314,9 @@ class Intents:
                 )
                 over = exceeded(quotas, request.tenant, Quota.QUEUED_REQUESTS, used=waiting, asked=1)
                 if over is not None:
-                    finished = await self._finish(uow, claim, DecisionStatus.REJECTED)
+                    finished = await self._finish(uow, claim, IntentState.REJECTED)
                     return over if finished else LOST
-            if not await self._finish(uow, claim, DecisionStatus.QUEUED, reply=reply):
+            if not await self._finish(uow, claim, IntentState.QUEUED, reply=reply):
                 return LOST
             await self._store.enqueue(
                 session=uow.session,

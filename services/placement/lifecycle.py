@@ -22,10 +22,16 @@ from shared.contracts.ledger import (
     LedgerRenewReply,
     LedgerRenewRequest,
 )
-from shared.contracts.placement import ReleaseReply, ReleaseRequest, RenewReply, RenewRequest
-from shared.contracts.placement_events import PlacementEventName, PlacementReleasedEvent
+from shared.contracts.placement import (
+    PlacementEventName,
+    PlacementReleasedEvent,
+    ReleaseReply,
+    ReleaseRequest,
+    RenewReply,
+    RenewRequest,
+)
 from shared.contracts.subjects import Context, Rpc
-from shared.domain.placement.ownership import DecisionStatus
+from shared.domain.placement.ownership import IntentState
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
@@ -119,7 +125,7 @@ class Lifecycle:
         """A replica whose lease ran out is announced as ended (as a release is), for those who follow
         where replicas are (the router); a request's KV hold frees its replica's pool."""
         tenant = await self._store.mark_ended(
-            session=uow.session, allocation_id=payload.allocation_id, status=DecisionStatus.EXPIRED, now=uow.now
+            session=uow.session, allocation_id=payload.allocation_id, status=IntentState.EXPIRED, now=uow.now
         )
         if tenant is not None:
             uow.emit(
@@ -133,7 +139,7 @@ class Lifecycle:
 
     async def on_allocation_released(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
         await self._store.mark_ended(
-            session=uow.session, allocation_id=payload.allocation_id, status=DecisionStatus.RELEASED, now=uow.now
+            session=uow.session, allocation_id=payload.allocation_id, status=IntentState.RELEASED, now=uow.now
         )
         self._ended(payload.allocation_id)
         self._freed()

@@ -36,8 +36,7 @@ from services.placement.metrics import PlacementMetrics
 from services.placement.reclaim import Reclaimer
 from services.placement.tally import QuotaTally
 from shared.contracts.base import ErrorCode, rejected
-from shared.contracts.placement import PlaceRequest
-from shared.contracts.placement_events import PlacementEventName
+from shared.contracts.placement import PlacementEventName, PlaceRequest
 from shared.domain.placement.view import LedgerAccelerator, overlay
 from shared.infra import deadline
 from shared.infra.fleet_view import to_domain

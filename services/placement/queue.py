@@ -28,9 +28,8 @@ from services.placement.records import QueuedRequest, Turn
 from services.placement.store import DecisionStore
 from services.placement.tally import QuotaTally
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected
-from shared.contracts.placement import PlaceReply
-from shared.contracts.placement_events import PlacementEventName
-from shared.domain.placement.ownership import DecisionStatus
+from shared.contracts.placement import PlacementEventName, PlaceReply
+from shared.domain.placement.ownership import IntentState
 from shared.domain.placement.queue import round_robin
 from shared.infra.clock import Clock
 from shared.infra.locks import KeyedLocks
@@ -163,10 +162,10 @@ class PlacementQueue:
         async def work(uow: UnitOfWork) -> str:
             stored = await self._store.lock(session=uow.session, tenant=entry.tenant, request_id=entry.request_id)
             status = stored.intent.status if stored is not None else None
-            if status is DecisionStatus.COMMITTING:
+            if status is IntentState.COMMITTING:
                 return "skipped"  # an attempt is placing it: its outcome stands
             await self._store.dequeue(session=uow.session, tenant=entry.tenant, request_id=entry.request_id)
-            if stored is None or status is not DecisionStatus.QUEUED:
+            if stored is None or status is not IntentState.QUEUED:
                 return "skipped"
             before = stored.reply.explanation if stored.reply is not None else []
             reply = PlaceReply(
@@ -178,8 +177,8 @@ class PlacementQueue:
             if not await self._store.settle(
                 session=uow.session,
                 turn=Turn(entry.tenant, entry.request_id, stored.intent.attempt),
-                was=DecisionStatus.QUEUED,
-                status=DecisionStatus.TIMED_OUT,
+                was=IntentState.QUEUED,
+                status=IntentState.TIMED_OUT,
                 reply=reply,
                 now=uow.now,
             ):

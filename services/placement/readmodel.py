@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from shared.contracts.base import Rejected
 from shared.contracts.fleet import FleetDescribeReply, FleetDescribeRequest
-from shared.contracts.ledger import LedgerEvent
+from shared.contracts.ledger import LedgerEventName
 from shared.contracts.rebalance import (
     NodeThrottleEvent,
     PlanEvent,
@@ -37,7 +37,7 @@ from shared.contracts.rebalance import (
 )
 from shared.contracts.reservation import ReservationEvent
 from shared.contracts.subjects import Rpc
-from shared.contracts.topology import NodeProfilePayload, TopologyEvent
+from shared.contracts.topology import NodeProfilePayload, TopologyEventName
 from shared.domain.hardware import Sku
 from shared.domain.models import ModelSpec
 from shared.domain.placement.types import FleetSnapshot
@@ -51,12 +51,12 @@ from shared.infra.rpc import RpcClient
 # Events after which capacity may have freed: the queue is retried once the view holds them.
 FREEING = frozenset(
     {
-        LedgerEvent.ALLOCATION_RELEASED,
-        LedgerEvent.ALLOCATION_EXPIRED,
-        LedgerEvent.CAPACITY_CHANGED,
-        TopologyEvent.NODE_PROFILED,
-        TopologyEvent.NODE_CHANGED,
-        TopologyEvent.NODE_RECOVERED,
+        LedgerEventName.ALLOCATION_RELEASED,
+        LedgerEventName.ALLOCATION_EXPIRED,
+        LedgerEventName.CAPACITY_CHANGED,
+        TopologyEventName.NODE_PROFILED,
+        TopologyEventName.NODE_CHANGED,
+        TopologyEventName.NODE_RECOVERED,
     }
 )
 DESCRIBE_AT_ONCE = 8

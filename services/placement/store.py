@@ -15,7 +15,7 @@ from services.placement.records import PlacedAllocation, QueuedRequest, SeenAllo
 from services.placement.tables import DecisionRow, LedgerAllocationRow, QueueRow
 from shared.contracts.ledger import CommitRequest
 from shared.contracts.placement import PlaceReply, PlaceRequest
-from shared.domain.placement.ownership import DecisionStatus, Intent
+from shared.domain.placement.ownership import Intent, IntentState
 
 DECISIONS = DecisionRow.__table__  # type: ignore[attr-defined]
 ALLOCATIONS = LedgerAllocationRow.__table__  # type: ignore[attr-defined]
@@ -27,7 +27,7 @@ def _intent(row: Any) -> Intent:
         tenant=row.tenant,
         request_id=row.request_id,
         body_hash=row.body_hash,
-        status=DecisionStatus(row.status),
+        status=IntentState(row.status),
         attempt=row.attempt,
         claimed_until=row.claimed_until,
         updated_at=row.updated_at,
@@ -46,7 +46,7 @@ _FINISH = text(
     f"UPDATE {DECISIONS.fullname} SET status = :status, reply = CAST(:reply AS jsonb), allocation_id = :allocation_id, "
     "claimed_until = NULL, updated_at = :now "
     "WHERE tenant = :tenant AND request_id = :request_id AND attempt = :attempt "
-    f"AND status = '{DecisionStatus.COMMITTING.value}' RETURNING attempt"
+    f"AND status = '{IntentState.COMMITTING.value}' RETURNING attempt"
 )
 _ALLOCATION_SEEN = text(
     f"INSERT INTO {ALLOCATIONS.fullname} (allocation_id, tenant, request_id, state, seen_at) "
@@ -94,7 +94,7 @@ class DecisionStore:
             .values(
                 tenant=tenant,
                 request_id=request_id,
-                status=DecisionStatus.COMMITTING.value,
+                status=IntentState.COMMITTING.value,
                 body_hash=body_hash,
                 attempt=1,
                 claimed_until=claimed_until,
@@ -113,7 +113,7 @@ class DecisionStore:
         tenant: str,
         request_id: str,
         body_hash: str,
-        status: DecisionStatus,
+        status: IntentState,
         claimed_until: datetime | None,
         commit: CommitRequest | None,
         pending: PlaceReply | None,
@@ -149,7 +149,7 @@ class DecisionStore:
     ) -> int:
         """Take an intent over for a new attempt (``committing`` again); its attempt number."""
         values: dict[str, Any] = {
-            "status": DecisionStatus.COMMITTING.value,
+            "status": IntentState.COMMITTING.value,
             "attempt": DECISIONS.c.attempt + 1,
             "claimed_until": claimed_until,
             "updated_at": now,
@@ -177,7 +177,7 @@ class DecisionStore:
             .where(
                 _key(turn.tenant, turn.request_id),
                 DECISIONS.c.attempt == turn.attempt,
-                DECISIONS.c.status == DecisionStatus.COMMITTING.value,
+                DECISIONS.c.status == IntentState.COMMITTING.value,
             )
             .values(ledger_commit=commit.model_dump(mode="json"), reply=pending.model_dump(mode="json"), updated_at=now)
             .returning(DECISIONS.c.attempt)
@@ -189,7 +189,7 @@ class DecisionStore:
         *,
         session: AsyncSession,
         turn: Turn,
-        status: DecisionStatus,
+        status: IntentState,
         reply: PlaceReply | None,
         allocation_id: str | None,
         now: datetime,
@@ -214,8 +214,8 @@ class DecisionStore:
         *,
         session: AsyncSession,
         turn: Turn,
-        was: DecisionStatus,
-        status: DecisionStatus,
+        was: IntentState,
+        status: IntentState,
         reply: PlaceReply | None,
         now: datetime,
     ) -> bool:
@@ -250,17 +250,17 @@ class DecisionStore:
         await session.execute(
             update(DECISIONS)
             .where(DECISIONS.c.allocation_id == allocation_id)
-            .values(status=DecisionStatus.RELEASED.value)
+            .values(status=IntentState.RELEASED.value)
         )
 
     async def mark_ended(
-        self, *, session: AsyncSession, allocation_id: str, status: DecisionStatus, now: datetime
+        self, *, session: AsyncSession, allocation_id: str, status: IntentState, now: datetime
     ) -> str | None:
         """The decision that placed this allocation learns that it ended (``expired`` or ``released``); its
         tenant, or None when no placed decision held it."""
         ended = await session.execute(
             update(DECISIONS)
-            .where(DECISIONS.c.allocation_id == allocation_id, DECISIONS.c.status == DecisionStatus.PLACED.value)
+            .where(DECISIONS.c.allocation_id == allocation_id, DECISIONS.c.status == IntentState.PLACED.value)
             .values(status=status.value, updated_at=now)
             .returning(DECISIONS.c.tenant)
         )
@@ -285,7 +285,7 @@ class DecisionStore:
         """Intents still ``committing`` that no attempt touched since ``touched_before``."""
         rows = await session.execute(
             select(DECISIONS)
-            .where(DECISIONS.c.status == DecisionStatus.COMMITTING.value, DECISIONS.c.updated_at < touched_before)
+            .where(DECISIONS.c.status == IntentState.COMMITTING.value, DECISIONS.c.updated_at < touched_before)
             .order_by(DECISIONS.c.updated_at)
             .limit(limit)
         )
@@ -298,9 +298,9 @@ class DecisionStore:
             .where(
                 _key(turn.tenant, turn.request_id),
                 DECISIONS.c.attempt == turn.attempt,
-                DECISIONS.c.status == DecisionStatus.COMMITTING.value,
+                DECISIONS.c.status == IntentState.COMMITTING.value,
             )
-            .values(status=DecisionStatus.ABANDONED.value, claimed_until=None, updated_at=now)
+            .values(status=IntentState.ABANDONED.value, claimed_until=None, updated_at=now)
             .returning(DECISIONS.c.attempt)
         )
         return done.scalar_one_or_none() is not None
@@ -345,7 +345,7 @@ class DecisionStore:
         """Every placed decision whose allocation has not ended: (tenant, reply), for admission's replicas."""
         rows = await session.execute(
             select(DECISIONS.c.tenant, DECISIONS.c.reply).where(
-                DECISIONS.c.status == DecisionStatus.PLACED.value, DECISIONS.c.reply.is_not(None)
+                DECISIONS.c.status == IntentState.PLACED.value, DECISIONS.c.reply.is_not(None)
             )
         )
         placed: list[tuple[str, PlaceReply]] = []
@@ -420,7 +420,7 @@ class DecisionStore:
         """Every placed decision whose allocation has not ended, with the accelerators its commit named."""
         rows = await session.execute(
             select(DECISIONS.c.tenant, DECISIONS.c.allocation_id, DECISIONS.c.ledger_commit).where(
-                DECISIONS.c.status == DecisionStatus.PLACED.value, DECISIONS.c.allocation_id.is_not(None)
+                DECISIONS.c.status == IntentState.PLACED.value, DECISIONS.c.allocation_id.is_not(None)
             )
         )
         placed: list[PlacedAllocation] = []

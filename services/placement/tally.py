@@ -12,7 +12,7 @@ from services.placement.mapping import placement_request_id
 from services.placement.metrics import PlacementMetrics
 from services.placement.store import DecisionStore
 from shared.contracts.base import ErrorCode, Rejected, rejected
-from shared.contracts.ledger import AllocationEvent, LedgerEvent
+from shared.contracts.ledger import AllocationEvent, LedgerEventName
 from shared.contracts.placement import PlaceRequest
 from shared.domain.placement.view import AssumeKey, Crossing
 from shared.domain.quotas import Holdings, Quota, QuotaExceeded, Quotas, exceeded
@@ -44,9 +44,9 @@ class QuotaTally:
         placement committed counts for its tenant until it ends."""
         if payload.kind != "replica" or placement_request_id(payload.request_id) is None:
             return
-        if name == LedgerEvent.ALLOCATION_COMMITTED:
+        if name == LedgerEventName.ALLOCATION_COMMITTED:
             self.holdings.add(payload.allocation_id, payload.tenant, (s.accelerator_id for s in payload.shares))
-        elif name in (LedgerEvent.ALLOCATION_RELEASED, LedgerEvent.ALLOCATION_EXPIRED):
+        elif name in (LedgerEventName.ALLOCATION_RELEASED, LedgerEventName.ALLOCATION_EXPIRED):
             self.holdings.end(payload.allocation_id)
 
     def over(self, request: PlaceRequest, held: Mapping[str, int]) -> QuotaExceeded | None:

@@ -14,12 +14,12 @@ from services.rebalancer.handlers import RebalanceHandlers
 from services.rebalancer.metrics import RebalanceMetrics
 from services.rebalancer.store import RebalanceStore
 from services.rebalancer.tables import SCHEMA
-from shared.contracts.ledger import LedgerEvent
-from shared.contracts.placement_events import PlacementEventName
+from shared.contracts.ledger import LedgerEventName
+from shared.contracts.placement import PlacementEventName
 from shared.contracts.rebalance import RebalanceStatusRequest
 from shared.contracts.streams import restate_every_s
 from shared.contracts.subjects import Context, Rpc
-from shared.contracts.topology import TelemetryEvent, TopologyEvent
+from shared.contracts.topology import TelemetryEventName, TopologyEventName
 from shared.infra.catalog import load_models, load_skus
 from shared.infra.follow import Follow, Start
 from shared.infra.service import Consumer, Loop, Route, Runtime, ServiceDefinition, build_app
@@ -60,10 +60,10 @@ SERVICE = ServiceDefinition(
             Context.TOPOLOGY,
             "topology",
             on={
-                TopologyEvent.NODE_PROFILED: lambda ctx: ctx.handlers.on_node_profiled,
-                TopologyEvent.NODE_CHANGED: lambda ctx: ctx.handlers.on_node_profiled,
-                TopologyEvent.NODE_REMOVED: lambda ctx: ctx.handlers.on_node_removed,
-                TopologyEvent.TPU_POD_PROFILED: lambda ctx: ctx.handlers.on_tpu_pod_profiled,
+                TopologyEventName.NODE_PROFILED: lambda ctx: ctx.handlers.on_node_profiled,
+                TopologyEventName.NODE_CHANGED: lambda ctx: ctx.handlers.on_node_profiled,
+                TopologyEventName.NODE_REMOVED: lambda ctx: ctx.handlers.on_node_removed,
+                TopologyEventName.TPU_POD_PROFILED: lambda ctx: ctx.handlers.on_tpu_pod_profiled,
             },
         ),
         # Replicas and the request each was placed with (what a move asks again).
@@ -80,9 +80,9 @@ SERVICE = ServiceDefinition(
             Context.LEDGER,
             "ledger",
             on={
-                LedgerEvent.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.on_allocation_committed,
-                LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.on_allocation_ended,
-                LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.on_allocation_ended,
+                LedgerEventName.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.on_allocation_committed,
+                LedgerEventName.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.on_allocation_ended,
+                LedgerEventName.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.on_allocation_ended,
             },
             together=True,
         ),
@@ -94,7 +94,9 @@ SERVICE = ServiceDefinition(
         Follow(
             Context.TELEMETRY,
             start=Start.NEW,
-            on={TelemetryEvent.GPU: lambda ctx: lambda sample, meta: ctx.handlers.observe(sample, meta.occurred_at)},
+            on={
+                TelemetryEventName.GPU: lambda ctx: lambda sample, meta: ctx.handlers.observe(sample, meta.occurred_at)
+            },
         ),
     ),
 )

@@ -45,7 +45,7 @@ from services.rebalancer.runner import PlanRunner
 from services.rebalancer.store import Loaded, RebalanceStore
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import AllocationEvent
-from shared.contracts.placement_events import PlacementEvent, PlacementReleasedEvent
+from shared.contracts.placement import PlacementEvent, PlacementReleasedEvent
 from shared.contracts.rebalance import (
     NodeThrottleEvent,
     PlanView,

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from itertools import product
 
-from shared.contracts.placement import PlaceRequest
-from shared.contracts.placement_events import PlacementEvent
+from shared.contracts.placement import PlacementEvent, PlaceRequest
 from shared.contracts.rebalance import PlanView, StepView
 from shared.domain.fleet import NodeProfile, cluster_key, tpu_chip_id
 from shared.domain.rebalance.plans import Plan, Replica, Step

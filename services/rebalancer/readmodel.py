@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.rebalancer.mapping import cliques_of, replica_of
-from shared.contracts.placement import PlaceRequest
-from shared.contracts.placement_events import PlacementEvent
+from shared.contracts.placement import PlacementEvent, PlaceRequest
 from shared.contracts.topology import NodeProfileEvent, TpuPodEvent
 from shared.domain.fleet import AcceleratorId, NodeProfile
 from shared.domain.rebalance.plans import Replica

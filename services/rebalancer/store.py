@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.rebalancer.readmodel import Allocation
 from services.rebalancer.tables import ActionRow, AllocationRow, NodeRow, PlanRow, PodRow, ReplicaRow, ThrottleRow
-from shared.contracts.placement_events import PlacementEvent
+from shared.contracts.placement import PlacementEvent
 from shared.contracts.rebalance import ActionView, PlanView
 from shared.contracts.topology import NodeProfileEvent, TpuPodEvent
 

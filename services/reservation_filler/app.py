@@ -12,7 +12,7 @@ from services.reservation_filler.handlers import ReservationHandlers
 from services.reservation_filler.metrics import ReservationMetrics
 from services.reservation_filler.store import ReservationStore
 from services.reservation_filler.tables import SCHEMA
-from shared.contracts.ledger import LedgerEvent
+from shared.contracts.ledger import LedgerEventName
 from shared.contracts.reservation import (
     ReservationCancelRequest,
     ReservationCreateRequest,
@@ -22,7 +22,7 @@ from shared.contracts.reservation import (
 )
 from shared.contracts.streams import restate_every_s
 from shared.contracts.subjects import Context, Rpc
-from shared.contracts.topology import TopologyEvent
+from shared.contracts.topology import TopologyEventName
 from shared.domain.reservations import LendingPolicy
 from shared.infra.catalog import load_regions, load_skus
 from shared.infra.faults import fault_hook
@@ -79,9 +79,9 @@ SERVICE = ServiceDefinition(
             Context.TOPOLOGY,
             "topology",
             on={
-                TopologyEvent.NODE_PROFILED: lambda ctx: ctx.handlers.uses.on_node_profiled,
-                TopologyEvent.NODE_CHANGED: lambda ctx: ctx.handlers.uses.on_node_profiled,
-                TopologyEvent.NODE_REMOVED: lambda ctx: ctx.handlers.uses.on_node_removed,
+                TopologyEventName.NODE_PROFILED: lambda ctx: ctx.handlers.uses.on_node_profiled,
+                TopologyEventName.NODE_CHANGED: lambda ctx: ctx.handlers.uses.on_node_profiled,
+                TopologyEventName.NODE_REMOVED: lambda ctx: ctx.handlers.uses.on_node_removed,
             },
         ),
         # Who uses each reserved GPU: the owner, a borrower, nobody.
@@ -89,9 +89,9 @@ SERVICE = ServiceDefinition(
             Context.LEDGER,
             "ledger",
             on={
-                LedgerEvent.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.uses.on_allocation_committed,
-                LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.uses.on_allocation_ended,
-                LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.uses.on_allocation_ended,
+                LedgerEventName.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.uses.on_allocation_committed,
+                LedgerEventName.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.uses.on_allocation_ended,
+                LedgerEventName.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.uses.on_allocation_ended,
             },
             # Requests' KV holds live inside a replica's allocation: they change nobody's use.
             skip=lambda payload: payload.kind == "request",

@@ -22,7 +22,7 @@ from shared.contracts.topology import (
     GpuTelemetryEvent,
     Heartbeat,
     ProfileError,
-    TelemetryEvent,
+    TelemetryEventName,
     TopologyReportReply,
     TopologyReportRequest,
 )
@@ -148,13 +148,13 @@ class Agent:
         if not samples:
             return False
         event = new_event(
-            type=f"{Context.TELEMETRY.value}.{TelemetryEvent.GPU.value}",
+            type=f"{Context.TELEMETRY.value}.{TelemetryEventName.GPU.value}",
             source=SOURCE,
             payload=GpuTelemetryEvent(node=self.node, gpus=samples).model_dump(mode="json"),
             occurred_at=self._clock(),
         )
         await self._jetstream().publish(
-            self._subjects.event(Context.TELEMETRY, TelemetryEvent.GPU, node=self.node),
+            self._subjects.event(Context.TELEMETRY, TelemetryEventName.GPU, node=self.node),
             event.model_dump_json().encode(),
             headers=msg_id_headers(str(event.event_id)),
         )

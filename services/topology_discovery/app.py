@@ -13,7 +13,7 @@ from services.topology_discovery.metrics import TopologyMetrics
 from services.topology_discovery.providers import TopologyProvider
 from services.topology_discovery.tables import SCHEMA
 from shared.contracts.fleet import FleetDescribeRequest, FleetGetRequest
-from shared.contracts.ledger import LedgerEvent
+from shared.contracts.ledger import LedgerEventName
 from shared.contracts.subjects import Context, Rpc
 from shared.contracts.topology import Heartbeat, TopologyReportRequest
 from shared.domain.liveness import LivenessTracker
@@ -63,9 +63,9 @@ SERVICE = ServiceDefinition(
             Context.LEDGER,
             "ledger",
             on={
-                LedgerEvent.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.on_allocation_committed,
-                LedgerEvent.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.on_allocation_ended,
-                LedgerEvent.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.on_allocation_ended,
+                LedgerEventName.ALLOCATION_COMMITTED: lambda ctx: ctx.handlers.on_allocation_committed,
+                LedgerEventName.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.on_allocation_ended,
+                LedgerEventName.ALLOCATION_EXPIRED: lambda ctx: ctx.handlers.on_allocation_ended,
             },
             together=True,  # one per placement and release: a batch per transaction (the handlers only write rows)
             skip=lambda payload: not payload.counts_against_hbm,  # requests' KV holds move no HBM

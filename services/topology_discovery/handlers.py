@@ -36,7 +36,7 @@ from shared.contracts.topology import (
     NodeProfileFailedEvent,
     NodeProfilePayload,
     NodeStateEvent,
-    TopologyEvent,
+    TopologyEventName,
     TopologyReportReply,
     TopologyReportRequest,
 )
@@ -147,7 +147,7 @@ class TopologyHandlers:
             domains = fleet_domains(await self._store.profiles(session=uow.session))
             await self._store.replace_domains(session=uow.session, domains=domains)
             previous = stored.fingerprint if stored is not None else None
-            name = TopologyEvent.NODE_CHANGED if previous else TopologyEvent.NODE_PROFILED
+            name = TopologyEventName.NODE_CHANGED if previous else TopologyEventName.NODE_PROFILED
             own = domains_by_node(domains).get(node.name, [])
             uow.emit(Context.TOPOLOGY, name, profile_event(node, own, previous))
             changed[:] = [previous is not None]
@@ -167,7 +167,7 @@ class TopologyHandlers:
 
         async def work(uow: UnitOfWork) -> None:
             payload = NodeProfileFailedEvent(node=request.node, error=request.error)
-            uow.emit(Context.TOPOLOGY, TopologyEvent.NODE_PROFILE_FAILED, payload)
+            uow.emit(Context.TOPOLOGY, TopologyEventName.NODE_PROFILE_FAILED, payload)
 
         await self._uow.run(work)
         self._log.warning(
@@ -232,16 +232,16 @@ class TopologyHandlers:
             own = domains_by_node(domains)
             for node in diff.new:
                 uow.emit(
-                    Context.TOPOLOGY, TopologyEvent.NODE_PROFILED, profile_event(node, own.get(node.name, []), None)
+                    Context.TOPOLOGY, TopologyEventName.NODE_PROFILED, profile_event(node, own.get(node.name, []), None)
                 )
             for node in diff.changed:
                 changed = profile_event(node, own.get(node.name, []), inventory[node.name])
-                uow.emit(Context.TOPOLOGY, TopologyEvent.NODE_CHANGED, changed)
+                uow.emit(Context.TOPOLOGY, TopologyEventName.NODE_CHANGED, changed)
             for name in diff.removed:
                 gone = NodeStateEvent(node=name, region=stored[name].region, accelerators=removed_ids[name])
-                uow.emit(Context.TOPOLOGY, TopologyEvent.NODE_REMOVED, gone)
+                uow.emit(Context.TOPOLOGY, TopologyEventName.NODE_REMOVED, gone)
             for pod in fleet.tpu_pods:
-                uow.emit(Context.TOPOLOGY, TopologyEvent.TPU_POD_PROFILED, tpu_pod_event(pod, self._skus))
+                uow.emit(Context.TOPOLOGY, TopologyEventName.TPU_POD_PROFILED, tpu_pod_event(pod, self._skus))
             await self._store.record_source(
                 session=uow.session, name=INVENTORY_SOURCE, fingerprint=fingerprint, now=uow.now
             )
@@ -315,7 +315,9 @@ class TopologyHandlers:
                 accelerators=ids[transition.node],
                 last_seen_ms_ago=round(transition.silent_ms, 1),
             )
-            uow.emit(Context.TOPOLOGY, TopologyEvent.NODE_LOST if lost else TopologyEvent.NODE_RECOVERED, payload)
+            uow.emit(
+                Context.TOPOLOGY, TopologyEventName.NODE_LOST if lost else TopologyEventName.NODE_RECOVERED, payload
+            )
             return True
 
         try:

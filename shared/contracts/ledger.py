@@ -25,7 +25,7 @@ from shared.contracts.base import (
 )
 
 
-class LedgerEvent(StrEnum):
+class LedgerEventName(StrEnum):
     """Event names of the LEDGER stream (subject `<prefix>.events.ledger.<name>`)."""
 
     ALLOCATION_COMMITTED = "allocation_committed"
@@ -36,12 +36,14 @@ class LedgerEvent(StrEnum):
     DRIFT_DETECTED = "drift_detected"
 
 
-ALLOCATION_COMMITTED = LedgerEvent.ALLOCATION_COMMITTED
-ALLOCATION_RELEASED = LedgerEvent.ALLOCATION_RELEASED
-ALLOCATION_EXPIRED = LedgerEvent.ALLOCATION_EXPIRED
-ALLOCATIONS_FLAGGED = LedgerEvent.ALLOCATIONS_FLAGGED
-CAPACITY_CHANGED = LedgerEvent.CAPACITY_CHANGED
-DRIFT_DETECTED = LedgerEvent.DRIFT_DETECTED
+ALLOCATION_COMMITTED = LedgerEventName.ALLOCATION_COMMITTED
+ALLOCATION_RELEASED = LedgerEventName.ALLOCATION_RELEASED
+ALLOCATION_EXPIRED = LedgerEventName.ALLOCATION_EXPIRED
+ALLOCATIONS_FLAGGED = LedgerEventName.ALLOCATIONS_FLAGGED
+CAPACITY_CHANGED = LedgerEventName.CAPACITY_CHANGED
+DRIFT_DETECTED = LedgerEventName.DRIFT_DETECTED
+
+LedgerEvent = LedgerEventName  # deprecated alias (issue 24): use LedgerEventName (for one release)
 
 
 def as_utc(value: datetime | None) -> datetime | None:

@@ -1,17 +1,21 @@
-"""Placement request/reply contracts (API.md `hetsched.placement.*`)."""
+"""Placement request/reply contracts (API.md `hetsched.placement.*`) and the events of the PLACEMENT stream:
+every decision with its explanation."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from shared.contracts.base import ID_MAX, MAX_LEASE_S, NAME_MAX, Contract, ErrorBody, Float, Int, Request, both_names
 
+# the domain's definitions, one each (`X as X` re-exports them as this module's names)
+from shared.domain.ledger.sharing import Sharing as Sharing
+from shared.domain.placement.types import Backend as Backend
+
 Dtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4", "fp4"]
-Backend = Literal["gpu", "tpu", "any"]
-Sharing = Literal["exclusive", "shared"]
 Fallback = Literal["kv_quantize", "pipeline", "cross_domain", "queue"]
 DEFAULT_FALLBACKS: tuple[Fallback, ...] = ("kv_quantize", "pipeline", "cross_domain", "queue")
 MAX_QUEUE_TIMEOUT_S = 24 * 3600
@@ -306,3 +310,42 @@ class AdmitReply(Contract):
     )
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
     details: dict[str, Any] | None = Field(default=None, description="Extra.")
+
+
+# --- events of the PLACEMENT stream ----------------------------------------------------------------------
+
+
+class PlacementEventName(StrEnum):
+    """Event names of the PLACEMENT stream (subject `<prefix>.events.placement.<name>`)."""
+
+    PLACEMENT_DECIDED = "placement_decided"
+    PLACEMENT_REJECTED = "placement_rejected"
+    PLACEMENT_RELEASED = "placement_released"
+
+
+PLACEMENT_DECIDED = PlacementEventName.PLACEMENT_DECIDED
+PLACEMENT_REJECTED = PlacementEventName.PLACEMENT_REJECTED
+PLACEMENT_RELEASED = PlacementEventName.PLACEMENT_RELEASED
+
+
+class PlacementEvent(Contract):
+    """Payload of `placement_decided` / `placement_rejected`: the reply the caller got."""
+
+    request_id: str = Field(description="The request.", examples=["req-42"])
+    tenant: str = Field(description="Tenant.", examples=["acme"])
+    model: str = Field(description="Model.", examples=["llama3-70b"])
+    reply: PlaceReply = Field(description="The `placement.place` reply, explanation included.")
+    decision_ms: Float = Field(description="Time the decision took.", examples=[0.4])
+    attempts: Int = Field(default=1, description="Ledger commits tried (conflicts retry).", examples=[1])
+    request: PlaceRequest | None = Field(
+        default=None, description="What was asked (the rebalancer asks it again, with a new id, to move it)."
+    )
+
+
+class PlacementReleasedEvent(Contract):
+    """Payload of `placement_released`: a replica placement ended (released by its tenant, or its lease
+    expired in the ledger)."""
+
+    allocation_id: str = Field(description="Allocation.", examples=["al-..."])
+    tenant: str = Field(description="Tenant.", examples=["acme"])
+    reason: str = Field(default="released", description="`released` or `expired`.", examples=["released"])

@@ -10,9 +10,11 @@ from pydantic import Field
 
 from shared.contracts.base import Contract, Float, Int, Request
 
-PlanKind = Literal["replicate", "consolidate", "defragment", "throttle", "replace"]
-PlanState = Literal["open", "running", "done", "failed", "rolled_back"]
-StepState = Literal["pending", "done", "failed", "rolled_back"]
+# the domain's definitions, one each (`X as X` re-exports them as this module's names)
+from shared.domain.rebalance.plans import PlanKind as PlanKind
+from shared.domain.rebalance.plans import PlanState as PlanState
+from shared.domain.rebalance.plans import StepAction as StepAction
+from shared.domain.rebalance.plans import StepState as StepState
 
 
 class RebalanceEventName(StrEnum):
@@ -50,7 +52,7 @@ class DetectorView(Contract):
 
 
 class StepView(Contract):
-    action: Literal["place", "release"] = Field(description="Place a copy, or release the old one.")
+    action: StepAction = Field(description="Place a copy, or release the old one.")
     allocation_id: str = Field(description="The replica being moved (its allocation).", examples=["al-..."])
     avoid: list[str] = Field(default_factory=list, description="Accelerators the copy may not use.")
     new_allocation_id: str | None = Field(default=None, description="The copy, once placed.")

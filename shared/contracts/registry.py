@@ -5,7 +5,6 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from shared.contracts import fleet, health, ledger, placement, rebalance, reservation, routing, topology
-from shared.contracts import placement_events as pe
 from shared.contracts.subjects import Context, Rpc
 
 RPCS: dict[Rpc, tuple[type[BaseModel], type[BaseModel]]] = {
@@ -50,9 +49,9 @@ EVENTS: dict[tuple[Context, str], type[BaseModel]] = {
     (Context.LEDGER, ledger.ALLOCATIONS_FLAGGED): ledger.AllocationsFlaggedEvent,
     (Context.LEDGER, ledger.CAPACITY_CHANGED): ledger.CapacityChangedEvent,
     (Context.LEDGER, ledger.DRIFT_DETECTED): ledger.DriftEvent,
-    (Context.PLACEMENT, pe.PLACEMENT_DECIDED): pe.PlacementEvent,
-    (Context.PLACEMENT, pe.PLACEMENT_REJECTED): pe.PlacementEvent,
-    (Context.PLACEMENT, pe.PLACEMENT_RELEASED): pe.PlacementReleasedEvent,
+    (Context.PLACEMENT, placement.PLACEMENT_DECIDED): placement.PlacementEvent,
+    (Context.PLACEMENT, placement.PLACEMENT_REJECTED): placement.PlacementEvent,
+    (Context.PLACEMENT, placement.PLACEMENT_RELEASED): placement.PlacementReleasedEvent,
     **{(Context.RESERVATION, name): reservation.ReservationEvent for name in reservation.ReservationEventName},
     (Context.REBALANCE, rebalance.RebalanceEventName.DETECTOR_FIRED): rebalance.DetectorEvent,
     (Context.REBALANCE, rebalance.RebalanceEventName.DETECTOR_CLEARED): rebalance.DetectorEvent,

@@ -9,8 +9,9 @@ from typing import Literal
 from pydantic import Field
 
 from shared.contracts.base import Contract, Int
+from shared.domain.reservations.model import Policy
 
-PolicyName = Literal["hard", "soft", "spot"]
+PolicyName = Policy  # the domain's definition, under the contracts' name
 MIN_SPOT_EVICTION_S = 5
 MAX_SPOT_EVICTION_S = 30
 """The brief: a spot reservation's borrower yields within 5-30 s."""

@@ -11,15 +11,17 @@ from shared.contracts.base import NAME_MAX, Contract, ErrorBody, Float, Int, Req
 from shared.contracts.placement import MAX_ADMIT_TOKENS, AdmitReply, EngineHint, Slo
 
 
-class RoutingEvent(StrEnum):
+class RoutingEventName(StrEnum):
     """Event names of the ROUTING stream (`<prefix>.events.routing.<name>`)."""
 
     ROUTE_SWITCHED = "route_switched"
     REGION_STATE_CHANGED = "region_state_changed"
 
 
-ROUTE_SWITCHED = RoutingEvent.ROUTE_SWITCHED
-REGION_STATE_CHANGED = RoutingEvent.REGION_STATE_CHANGED
+ROUTE_SWITCHED = RoutingEventName.ROUTE_SWITCHED
+REGION_STATE_CHANGED = RoutingEventName.REGION_STATE_CHANGED
+
+RoutingEvent = RoutingEventName  # deprecated alias (issue 24): use RoutingEventName (for one release)
 
 RegionStateName = Literal["up", "drain", "down"]
 

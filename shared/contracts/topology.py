@@ -10,7 +10,7 @@ from pydantic import Field, StringConstraints, field_validator, model_validator
 from shared.contracts.base import NAME_MAX, TEXT_MAX, Contract, ErrorBody, Float, Int, Request
 
 
-class TopologyEvent(StrEnum):
+class TopologyEventName(StrEnum):
     """Event names of the TOPOLOGY stream (subject `<prefix>.events.topology.<name>`)."""
 
     NODE_PROFILED = "node_profiled"
@@ -22,22 +22,25 @@ class TopologyEvent(StrEnum):
     TPU_POD_PROFILED = "tpu_pod_profiled"
 
 
-class TelemetryEvent(StrEnum):
+class TelemetryEventName(StrEnum):
     """Event names of the TELEMETRY stream (`<prefix>.events.telemetry.<name>`)."""
 
     GPU = "gpu"
     ENGINE_STATUS = "engine_status"
 
 
-NODE_PROFILED = TopologyEvent.NODE_PROFILED
-NODE_CHANGED = TopologyEvent.NODE_CHANGED
-NODE_REMOVED = TopologyEvent.NODE_REMOVED
-NODE_LOST = TopologyEvent.NODE_LOST
-NODE_RECOVERED = TopologyEvent.NODE_RECOVERED
-NODE_PROFILE_FAILED = TopologyEvent.NODE_PROFILE_FAILED
-TPU_POD_PROFILED = TopologyEvent.TPU_POD_PROFILED
-GPU_TELEMETRY = TelemetryEvent.GPU
-ENGINE_STATUS = TelemetryEvent.ENGINE_STATUS
+NODE_PROFILED = TopologyEventName.NODE_PROFILED
+NODE_CHANGED = TopologyEventName.NODE_CHANGED
+NODE_REMOVED = TopologyEventName.NODE_REMOVED
+NODE_LOST = TopologyEventName.NODE_LOST
+NODE_RECOVERED = TopologyEventName.NODE_RECOVERED
+NODE_PROFILE_FAILED = TopologyEventName.NODE_PROFILE_FAILED
+TPU_POD_PROFILED = TopologyEventName.TPU_POD_PROFILED
+GPU_TELEMETRY = TelemetryEventName.GPU
+ENGINE_STATUS = TelemetryEventName.ENGINE_STATUS
+
+TopologyEvent = TopologyEventName  # deprecated alias (issue 24): use TopologyEventName (for one release)
+TelemetryEvent = TelemetryEventName  # deprecated alias (issue 24): use TelemetryEventName (for one release)
 
 
 LINK_MAX = 16  # a link code of `nvidia-smi topo -m` (`X`, `NV18`, `PXB`, `SYS`, ...)

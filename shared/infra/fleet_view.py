@@ -14,7 +14,7 @@ from shared.contracts.ledger import (
     AcceleratorBalance,
     AllocationEvent,
     CapacityChangedEvent,
-    LedgerEvent,
+    LedgerEventName,
     SnapshotReply,
 )
 from shared.contracts.placement import PlaceRequest
@@ -23,8 +23,8 @@ from shared.contracts.topology import (
     NodeProfileEvent,
     NodeProfilePayload,
     NodeStateEvent,
-    TelemetryEvent,
-    TopologyEvent,
+    TelemetryEventName,
+    TopologyEventName,
     TpuPodEvent,
 )
 from shared.domain.fleet import AcceleratorId, NodeProfile, Rack, TpuPod
@@ -143,15 +143,15 @@ def apply_event(view: FleetView, name: str, payload: BaseModel, *, at: datetime 
     """One TOPOLOGY, LEDGER or TELEMETRY event (its contract payload) folded into the view; others are
     ignored. ``at``: when the event happened (a GPU telemetry sample needs it; without it, ignored)."""
     match name, payload:
-        case ((TopologyEvent.NODE_PROFILED | TopologyEvent.NODE_CHANGED), NodeProfileEvent()):
+        case ((TopologyEventName.NODE_PROFILED | TopologyEventName.NODE_CHANGED), NodeProfileEvent()):
             view.node_profiled(profile_from_payload(payload.profile))
-        case TopologyEvent.NODE_LOST, NodeStateEvent():
+        case TopologyEventName.NODE_LOST, NodeStateEvent():
             view.node_up(payload.node, False)
-        case TopologyEvent.NODE_RECOVERED, NodeStateEvent():
+        case TopologyEventName.NODE_RECOVERED, NodeStateEvent():
             view.node_up(payload.node, True)
-        case TopologyEvent.NODE_REMOVED, NodeStateEvent():
+        case TopologyEventName.NODE_REMOVED, NodeStateEvent():
             view.node_removed(payload.node)
-        case TopologyEvent.TPU_POD_PROFILED, TpuPodEvent():
+        case TopologyEventName.TPU_POD_PROFILED, TpuPodEvent():
             pod = TpuPod(
                 name=payload.pod, region=payload.region, type=TpuType(payload.type), shape=tuple(payload.shape)
             )
@@ -166,7 +166,7 @@ def apply_event(view: FleetView, name: str, payload: BaseModel, *, at: datetime 
                 shared=payload.sharing == "shared",
                 crossing=(payload.cluster, float(traffic)) if payload.cluster is not None and traffic > 0 else None,
             )
-        case TelemetryEvent.GPU, GpuTelemetryEvent() if at is not None:
+        case TelemetryEventName.GPU, GpuTelemetryEvent() if at is not None:
             view.gpu_telemetry(
                 payload.node,
                 at,
@@ -177,7 +177,7 @@ def apply_event(view: FleetView, name: str, payload: BaseModel, *, at: datetime 
                     for g in payload.gpus
                 ),
             )
-        case LedgerEvent.CAPACITY_CHANGED, CapacityChangedEvent():
+        case LedgerEventName.CAPACITY_CHANGED, CapacityChangedEvent():
             view.capacity_changed(balance_to_domain(payload.node, b) for b in payload.accelerators)
         case _:
             pass

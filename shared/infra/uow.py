@@ -7,7 +7,7 @@ commit the relay is woken so the events leave at once, and a transaction Postgre
     async def release(self, request):
         async def work(uow: UnitOfWork) -> Outcome:
             outcome = await store.end(session=uow.session, ...)
-            uow.emit(LedgerEvent.ALLOCATION_RELEASED, payload, tenant=request.tenant)
+            uow.emit(LedgerEventName.ALLOCATION_RELEASED, payload, tenant=request.tenant)
             return outcome
         return await self._uow.run(work)
 """

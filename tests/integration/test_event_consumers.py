@@ -22,7 +22,7 @@ from shared.contracts.ledger import (
     AllocationsFlaggedEvent,
     CapacityChangedEvent,
     DriftEvent,
-    LedgerEvent,
+    LedgerEventName,
 )
 from shared.contracts.permissions import EVENT_PUBLISHERS
 from shared.contracts.streams import stream_name
@@ -79,8 +79,8 @@ def probe_service(probe: Probe, *, durable: str) -> ServiceDefinition:
                 Context.LEDGER,
                 durable,
                 on={
-                    LedgerEvent.DRIFT_DETECTED: lambda p: p.on_drift,
-                    LedgerEvent.ALLOCATIONS_FLAGGED: lambda p: p.on_flagged,
+                    LedgerEventName.DRIFT_DETECTED: lambda p: p.on_drift,
+                    LedgerEventName.ALLOCATIONS_FLAGGED: lambda p: p.on_flagged,
                 },
             ),
         ),
@@ -99,7 +99,7 @@ async def create_probe_table(settings: Settings) -> None:
     await admin.dispose()
 
 
-def ledger_event(name: LedgerEvent, payload: dict[str, Any]) -> EventEnvelope:
+def ledger_event(name: LedgerEventName, payload: dict[str, Any]) -> EventEnvelope:
     return new_event(
         type=f"{Context.LEDGER.value}.{name}",
         source=EVENT_PUBLISHERS[Context.LEDGER],
@@ -114,14 +114,14 @@ async def test_consumer_applies_each_event_once_redelivers_on_error_and_parks_wh
     await create_probe_table(settings)
     durable = f"probe-{uuid.uuid4().hex[:8]}"
     drift = example_body(DriftEvent)
-    plain = ledger_event(LedgerEvent.DRIFT_DETECTED, drift)
-    flaky = ledger_event(LedgerEvent.DRIFT_DETECTED, drift)
-    flagged = ledger_event(LedgerEvent.ALLOCATIONS_FLAGGED, example_body(AllocationsFlaggedEvent))
-    off_contract = ledger_event(LedgerEvent.DRIFT_DETECTED, {"accelerator_id": "n1/gpu0", "observed_bytes": "many"})
+    plain = ledger_event(LedgerEventName.DRIFT_DETECTED, drift)
+    flaky = ledger_event(LedgerEventName.DRIFT_DETECTED, drift)
+    flagged = ledger_event(LedgerEventName.ALLOCATIONS_FLAGGED, example_body(AllocationsFlaggedEvent))
+    off_contract = ledger_event(LedgerEventName.DRIFT_DETECTED, {"accelerator_id": "n1/gpu0", "observed_bytes": "many"})
     capacity = CapacityChangedEvent(
         node="n1", reason="lost", accelerators=[AcceleratorBalance.model_validate(example_body(AcceleratorBalance))]
     )
-    not_handled = ledger_event(LedgerEvent.CAPACITY_CHANGED, capacity.model_dump(mode="json"))
+    not_handled = ledger_event(LedgerEventName.CAPACITY_CHANGED, capacity.model_dump(mode="json"))
     probe = Probe(failures_left={flaky.event_id: 1})
     app, runtime = build_app(probe_service(probe, durable=durable), settings)
     subjects = Subjects(settings.kit.subject_prefix)
@@ -139,7 +139,7 @@ async def test_consumer_applies_each_event_once_redelivers_on_error_and_parks_wh
         for suffix in ("a", "b"):  # the same event under two message ids: a redelivery JetStream keeps
             await publish(plain, msg_id=f"{plain.event_id}{suffix}")
         await js.publish(
-            subjects.event(Context.LEDGER, LedgerEvent.DRIFT_DETECTED),
+            subjects.event(Context.LEDGER, LedgerEventName.DRIFT_DETECTED),
             b"not an envelope",
             headers={"Nats-Msg-Id": str(uuid.uuid4())},
         )

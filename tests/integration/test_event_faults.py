@@ -38,7 +38,7 @@ from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.permissions import EVENT_PUBLISHERS
 from shared.contracts.streams import deadletter_stream_name, stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
-from shared.contracts.topology import NodeStateEvent, TopologyEvent
+from shared.contracts.topology import NodeStateEvent, TopologyEventName
 from shared.infra import deadletter
 from shared.infra.db import make_engine, make_sessions
 from shared.infra.outbox import QUARANTINED_MESSAGE, OutboxRelay, RelayStalled, enqueue, event_body
@@ -82,7 +82,10 @@ def probe_service(probe: Probe, *, durable: str, together: bool = False) -> Serv
             Consumer(
                 Context.TOPOLOGY,
                 durable,
-                on={TopologyEvent.NODE_LOST: lambda p: p.on_node, TopologyEvent.NODE_RECOVERED: lambda p: p.on_node},
+                on={
+                    TopologyEventName.NODE_LOST: lambda p: p.on_node,
+                    TopologyEventName.NODE_RECOVERED: lambda p: p.on_node,
+                },
                 together=together,
             ),
         ),
@@ -90,7 +93,7 @@ def probe_service(probe: Probe, *, durable: str, together: bool = False) -> Serv
     )
 
 
-def node_event(node: str, *, name: TopologyEvent = TopologyEvent.NODE_LOST) -> EventEnvelope:
+def node_event(node: str, *, name: TopologyEventName = TopologyEventName.NODE_LOST) -> EventEnvelope:
     payload = NodeStateEvent(node=node, region="r1", accelerators=[f"{node[:20]}/gpu0"])
     return new_event(
         type=f"{Context.TOPOLOGY.value}.{name}",
@@ -147,7 +150,7 @@ async def test_an_event_is_measured_as_published_utf8_and_refused_over_the_limit
     # 150k two-byte characters: 300 KB as UTF-8, 900 KB as ASCII-escaped JSON. It fits.
     wide = "é" * 150_000
     emitted = uow.emit(
-        Context.TOPOLOGY, TopologyEvent.NODE_LOST, NodeStateEvent(node=wide, region="r", accelerators=[])
+        Context.TOPOLOGY, TopologyEventName.NODE_LOST, NodeStateEvent(node=wide, region="r", accelerators=[])
     )
     body = event_body(emitted.model_dump(mode="json"))
     assert 300_000 < len(body) < 310_000, "measured as UTF-8, not escaped"
@@ -155,7 +158,9 @@ async def test_an_event_is_measured_as_published_utf8_and_refused_over_the_limit
 
     with pytest.raises(EventTooLarge) as refused:
         uow.emit(
-            Context.TOPOLOGY, TopologyEvent.NODE_LOST, NodeStateEvent(node="x" * 950_000, region="r", accelerators=[])
+            Context.TOPOLOGY,
+            TopologyEventName.NODE_LOST,
+            NodeStateEvent(node="x" * 950_000, region="r", accelerators=[]),
         )
     assert refused.value.code is ErrorCode.INVALID_REQUEST
     assert refused.value.size > refused.value.limit == 900_000
@@ -167,7 +172,7 @@ async def test_row4_an_unpublishable_event_is_quarantined_and_the_outbox_goes_on
     settings: Settings, admin: AsyncEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
     subjects = Subjects(settings.kit.subject_prefix)
-    lost = subjects.event(Context.TOPOLOGY, TopologyEvent.NODE_LOST)
+    lost = subjects.event(Context.TOPOLOGY, TopologyEventName.NODE_LOST)
     # 400k two-byte characters: 800 KB as UTF-8 (fits NATS), 2.4 MB as ASCII-escaped JSON (did not).
     escaped = node_event("ñ" * 400_000)
     # Over max_payload even as UTF-8 (written past `emit`'s check, e.g. by an older version).
@@ -228,7 +233,7 @@ async def test_row5_a_failing_event_is_redelivered_with_backoff_then_dead_letter
     subjects = Subjects(settings.kit.subject_prefix)
     poisoned = node_event(f"bad-{uuid.uuid4().hex[:6]}")
     before = node_event(f"before-{uuid.uuid4().hex[:6]}")
-    after = node_event(f"after-{uuid.uuid4().hex[:6]}", name=TopologyEvent.NODE_RECOVERED)
+    after = node_event(f"after-{uuid.uuid4().hex[:6]}", name=TopologyEventName.NODE_RECOVERED)
     off_contract = node_event(f"odd-{uuid.uuid4().hex[:6]}")
     off_contract = off_contract.model_copy(update={"payload": {"node": 42}})
     probe = Probe(poison={poisoned.event_id})
@@ -266,7 +271,7 @@ async def test_row5_a_failing_event_is_redelivered_with_backoff_then_dead_letter
 
             letters = await wait_for(settled, 30, what="the failing events dead-lettered and the later one applied")
             # A pass more for the consumer to show it does not come back to the dead letters.
-            probe_after = node_event(f"after2-{uuid.uuid4().hex[:6]}", name=TopologyEvent.NODE_RECOVERED)
+            probe_after = node_event(f"after2-{uuid.uuid4().hex[:6]}", name=TopologyEventName.NODE_RECOVERED)
             await publish(probe_after)
             await wait_for(lambda: probe.applied(probe_after.event_id), 10, what="a later event applied")
 
@@ -283,7 +288,7 @@ async def test_row5_a_failing_event_is_redelivered_with_backoff_then_dead_letter
     bad = letters[poisoned.event_id]
     assert bad.original_sequence == str(poisoned_seq)
     assert bad.subject == subjects.deadletter(Context.TOPOLOGY, server_durable)
-    assert bad.original_subject == subjects.event(Context.TOPOLOGY, TopologyEvent.NODE_LOST)
+    assert bad.original_subject == subjects.event(Context.TOPOLOGY, TopologyEventName.NODE_LOST)
     assert "ValueError" in bad.error and bad.deliveries == str(max_deliveries)
     assert EventEnvelope.model_validate_json(bad.body).event_id == poisoned.event_id, "the original body"
     odd = letters[off_contract.event_id]
@@ -316,7 +321,7 @@ async def test_a_consumer_applying_batches_together_parks_a_failing_event_and_co
     server_durable = f"{settings.kit.subject_prefix}-{SCHEMA}-{durable}"
     for event in events:  # published before the consumer starts: its first fetch takes them as one batch
         await js.publish(
-            subjects.event(Context.TOPOLOGY, TopologyEvent.NODE_LOST),
+            subjects.event(Context.TOPOLOGY, TopologyEventName.NODE_LOST),
             event.model_dump_json().encode(),
             headers={"Nats-Msg-Id": str(event.event_id)},
         )
@@ -350,7 +355,7 @@ async def test_a_dead_letter_can_be_replayed_onto_its_original_subject(
     server_durable = f"{settings.kit.subject_prefix}-{SCHEMA}-{durable}"
     async with app:
         await js.publish(
-            subjects.event(Context.TOPOLOGY, TopologyEvent.NODE_LOST),
+            subjects.event(Context.TOPOLOGY, TopologyEventName.NODE_LOST),
             event.model_dump_json().encode(),
             headers={"Nats-Msg-Id": str(event.event_id)},
         )
@@ -389,7 +394,7 @@ class FlakyJetStream:
 async def test_a_transient_publish_error_stalls_the_relay_without_quarantining(
     settings: Settings, admin: AsyncEngine, js: JetStreamContext
 ) -> None:
-    subject = Subjects(settings.kit.subject_prefix).event(Context.TOPOLOGY, TopologyEvent.NODE_LOST)
+    subject = Subjects(settings.kit.subject_prefix).event(Context.TOPOLOGY, TopologyEventName.NODE_LOST)
     first, stuck = node_event("first"), node_event("stuck")
     sessions = make_sessions(admin)
     schema = "reservation"

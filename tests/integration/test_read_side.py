@@ -23,7 +23,7 @@ from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.permissions import EVENT_PUBLISHERS
 from shared.contracts.streams import stream_name, stream_specs
 from shared.contracts.subjects import Context, Rpc, Subjects
-from shared.contracts.topology import NodeStateEvent, TopologyEvent
+from shared.contracts.topology import NodeStateEvent, TopologyEventName
 from shared.infra.bus import ensure_streams
 from shared.infra.follow import EventMeta, Follow, Follower, Start
 from shared.infra.service import Consumer, Runtime, ServiceDefinition, build_app
@@ -47,7 +47,7 @@ async def js(settings: Settings) -> AsyncIterator[JetStreamContext]:
     await client.close()
 
 
-def node_event(node: str, name: TopologyEvent = TopologyEvent.NODE_LOST) -> EventEnvelope:
+def node_event(node: str, name: TopologyEventName = TopologyEventName.NODE_LOST) -> EventEnvelope:
     payload = NodeStateEvent(node=node, region="r1", accelerators=[f"{node[:20]}/gpu0"])
     return new_event(
         type=f"{Context.TOPOLOGY.value}.{name}",
@@ -90,7 +90,7 @@ def lost_service(probe: Lost, *, durable: str) -> ServiceDefinition:
         health=Rpc.ROUTE_HEALTH,
         schema=SCHEMA,
         consumers=(
-            Consumer(Context.TOPOLOGY, durable, on={TopologyEvent.NODE_LOST: lambda p: p.on_lost}, together=True),
+            Consumer(Context.TOPOLOGY, durable, on={TopologyEventName.NODE_LOST: lambda p: p.on_lost}, together=True),
         ),
         wire=wire,
     )
@@ -140,7 +140,7 @@ async def test_a_follower_whose_consumer_is_deleted_gets_a_new_one_and_its_fold_
 
     stream = stream_name(Context.TOPOLOGY, stream_prefix=settings.kit.stream_prefix)
     follower = Follower(
-        Follow(Context.TOPOLOGY, on={TopologyEvent.NODE_LOST: lambda _ctx: fold}, start=Start.NEW),
+        Follow(Context.TOPOLOGY, on={TopologyEventName.NODE_LOST: lambda _ctx: fold}, start=Start.NEW),
         stream=stream,
         subject=Subjects(settings.kit.subject_prefix).events_of(Context.TOPOLOGY),
         jetstream=lambda: js,

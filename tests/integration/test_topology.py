@@ -20,7 +20,7 @@ from nats.aio.client import Client
 from hetsched.stack import wait_healthy
 from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.fleet import FleetGetReply
-from shared.contracts.ledger import AllocationEvent, LedgerEvent, ShareOut
+from shared.contracts.ledger import AllocationEvent, LedgerEventName, ShareOut
 from shared.contracts.permissions import EVENT_PUBLISHERS
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
@@ -295,7 +295,7 @@ async def test_reserved_bytes_follow_ledger_events_once_each(
     js = nc.jetstream()
 
     async def publish(
-        name: LedgerEvent, payload: AllocationEvent, *, again: EventEnvelope | None = None
+        name: LedgerEventName, payload: AllocationEvent, *, again: EventEnvelope | None = None
     ) -> EventEnvelope:
         env = again or new_event(
             type=f"ledger.{name.value}",
@@ -337,18 +337,18 @@ async def test_reserved_bytes_follow_ledger_events_once_each(
     kept = allocation({gpu[0]: 10 * GB})
     held = allocation({gpu[0]: 5 * GB, gpu[1]: 7 * GB})
     early = allocation({gpu[1]: 2 * GB})
-    await publish(LedgerEvent.ALLOCATION_COMMITTED, kept)
-    committed = await publish(LedgerEvent.ALLOCATION_COMMITTED, held)
-    await publish(LedgerEvent.ALLOCATION_COMMITTED, allocation({gpu[1]: 3 * GB}, counts=False))  # a KV-pool request
-    await publish(LedgerEvent.ALLOCATION_COMMITTED, held, again=committed)  # the same event again
-    await publish(LedgerEvent.ALLOCATION_EXPIRED, early)  # its release seen before its commit
-    await publish(LedgerEvent.ALLOCATION_COMMITTED, early)
-    await publish(LedgerEvent.ALLOCATION_RELEASED, held)
+    await publish(LedgerEventName.ALLOCATION_COMMITTED, kept)
+    committed = await publish(LedgerEventName.ALLOCATION_COMMITTED, held)
+    await publish(LedgerEventName.ALLOCATION_COMMITTED, allocation({gpu[1]: 3 * GB}, counts=False))  # a KV-pool request
+    await publish(LedgerEventName.ALLOCATION_COMMITTED, held, again=committed)  # the same event again
+    await publish(LedgerEventName.ALLOCATION_EXPIRED, early)  # its release seen before its commit
+    await publish(LedgerEventName.ALLOCATION_COMMITTED, early)
+    await publish(LedgerEventName.ALLOCATION_RELEASED, held)
     await shows({gpu[0]: 10 * GB, gpu[1]: 0, gpu[2]: 0})
 
     # A consumer handles a fetched batch concurrently: two markers, each published after the previous
     # one showed, prove every earlier event has been handled (a late duplicate would have moved gpu0).
     for step in (1, 2):
-        await publish(LedgerEvent.ALLOCATION_COMMITTED, allocation({gpu[2]: 1}))
+        await publish(LedgerEventName.ALLOCATION_COMMITTED, allocation({gpu[2]: 1}))
         fleet = await shows({gpu[0]: 10 * GB, gpu[1]: 0, gpu[2]: step})
     assert reserved(fleet)[gpu[0]] == 10 * GB

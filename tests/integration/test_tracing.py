@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from hetsched.engine_sim import EngineLoad, publish_engine_status
 from hetsched.stack import wait_healthy
 from shared.contracts.health import HealthReply, HealthRequest
-from shared.contracts.ledger import LedgerEvent
+from shared.contracts.ledger import LedgerEventName
 from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseReply, ReleaseRequest
 from shared.contracts.routing import RouteSelectReply, RouteSelectRequest
 from shared.contracts.streams import stream_name
@@ -154,7 +154,7 @@ async def committed_event(settings: Settings, allocation_id: str) -> tuple[dict[
         js = nc.jetstream()
         stream = stream_name(Context.LEDGER, stream_prefix=settings.kit.stream_prefix)
         last = (await js.stream_info(stream)).state.last_seq
-        subject = Subjects(settings.kit.subject_prefix).event(Context.LEDGER, LedgerEvent.ALLOCATION_COMMITTED)
+        subject = Subjects(settings.kit.subject_prefix).event(Context.LEDGER, LedgerEventName.ALLOCATION_COMMITTED)
         sub = await js.pull_subscribe(subject, stream=stream)
         try:
             while True:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from shared.contracts.envelope import new_event
-from shared.contracts.ledger import AllocationEvent, LedgerEvent
+from shared.contracts.ledger import AllocationEvent, LedgerEventName
 from shared.contracts.subjects import Context
 from shared.infra.bus import consume
 
@@ -27,7 +27,7 @@ def _event(kind: str) -> bytes:
     payload = AllocationEvent(allocation_id="al-1", request_id="r-1", tenant="acme", kind=kind, shares=[])
     return (
         new_event(
-            type=f"{Context.LEDGER.value}.{LedgerEvent.ALLOCATION_COMMITTED.value}",
+            type=f"{Context.LEDGER.value}.{LedgerEventName.ALLOCATION_COMMITTED.value}",
             source="capacity-ledger",
             payload=payload.model_dump(mode="json"),
             occurred_at=datetime(2026, 11, 30, tzinfo=UTC),
@@ -48,7 +48,7 @@ async def test_a_skipped_event_opens_no_transaction_and_reaches_no_handler() -> 
         schema="probe",
         consumer="probe",
         context=Context.LEDGER,
-        handlers={LedgerEvent.ALLOCATION_COMMITTED.value: handler},
+        handlers={LedgerEventName.ALLOCATION_COMMITTED.value: handler},
         skip=lambda payload: payload.kind != "replica",
     )
     await apply(_event("request"))  # skipped: no transaction, no handler

@@ -273,7 +273,7 @@ def test_flagged(source: str) -> None:
         "from services.placement.tables import DecisionRow",
         "from .tables import DecisionRow",
         "from . import store",
-        "from shared.contracts.ledger import LedgerEvent",
+        "from shared.contracts.ledger import LedgerEventName",
         "from services.capacity_ledger.app import SERVICE",  # another service's definition, not its data
         'ForeignKey("placement.decisions.id")',
         'text(f"SELECT {cols} FROM {table}")',

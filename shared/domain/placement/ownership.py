@@ -24,7 +24,10 @@ from enum import StrEnum
 from shared.domain.errors import ErrorCode
 
 
-class DecisionStatus(StrEnum):
+class IntentState(StrEnum):
+    """Where an intent stands (the statuses above; the `status` column of `placement.decisions`). Not the
+    outcome of one decision: that is ``shared.domain.placement.types.DecisionStatus``."""
+
     COMMITTING = "committing"
     PLACED = "placed"
     REJECTED = "rejected"
@@ -35,8 +38,8 @@ class DecisionStatus(StrEnum):
     TIMED_OUT = "timed_out"
 
 
-ENDED = frozenset({DecisionStatus.EXPIRED, DecisionStatus.RELEASED})
-OWNS = frozenset({DecisionStatus.PLACED, DecisionStatus.COMMITTING})
+ENDED = frozenset({IntentState.EXPIRED, IntentState.RELEASED})
+OWNS = frozenset({IntentState.PLACED, IntentState.COMMITTING})
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +49,7 @@ class Intent:
     tenant: str
     request_id: str
     body_hash: str | None
-    status: DecisionStatus
+    status: IntentState
     attempt: int
     claimed_until: datetime | None
     updated_at: datetime
@@ -99,15 +102,15 @@ def rule(intent: Intent | None, *, body_hash: str, now: datetime) -> Ruling:
     if intent.body_hash is not None and intent.body_hash != body_hash:
         return Refuse(ErrorCode.CONFLICT, f"request id {intent.request_id!r} was used with another request body")
     match intent.status:
-        case DecisionStatus.PLACED | DecisionStatus.QUEUED | DecisionStatus.TIMED_OUT:
+        case IntentState.PLACED | IntentState.QUEUED | IntentState.TIMED_OUT:
             return Answer()  # queued: its place in the queue (the queue places it, not a retry)
-        case DecisionStatus.REJECTED:
+        case IntentState.REJECTED:
             return Resume(recover=False)
-        case DecisionStatus.COMMITTING:
+        case IntentState.COMMITTING:
             if intent.claimed_until is not None and intent.claimed_until > now:
                 return Wait(intent.claimed_until)
             return Resume(recover=True)
-        case DecisionStatus.ABANDONED:
+        case IntentState.ABANDONED:
             return Refuse(
                 ErrorCode.CONFLICT,
                 f"request id {intent.request_id!r} was abandoned mid-commit and its reservation released; "
@@ -135,9 +138,9 @@ def owns(intent: Intent | None, *, allocation_id: str, seen_at: datetime, now: d
     cutoff = stale_before(now=now, grace_s=grace_s)
     if intent is None:
         return seen_at >= cutoff  # the intent row may be on its way (a commit is never sent before it)
-    if intent.status is DecisionStatus.PLACED:
+    if intent.status is IntentState.PLACED:
         return intent.allocation_id in (None, allocation_id)
-    if intent.status is DecisionStatus.COMMITTING:
+    if intent.status is IntentState.COMMITTING:
         # still being worked on: recent, or an attempt holds its claim (it may yet answer `placed`)
         return not is_stale(intent, now=now, grace_s=grace_s)
     return False
@@ -146,7 +149,7 @@ def owns(intent: Intent | None, *, allocation_id: str, seen_at: datetime, now: d
 def is_stale(intent: Intent, *, now: datetime, grace_s: float) -> bool:
     """A ``committing`` intent no attempt has touched for the grace period, and nobody holds: abandoned."""
     return (
-        intent.status is DecisionStatus.COMMITTING
+        intent.status is IntentState.COMMITTING
         and intent.updated_at < stale_before(now=now, grace_s=grace_s)
         and (intent.claimed_until is None or intent.claimed_until <= now)
     )
@@ -156,9 +159,9 @@ __all__ = [
     "ENDED",
     "OWNS",
     "Answer",
-    "DecisionStatus",
     "Fresh",
     "Intent",
+    "IntentState",
     "Refuse",
     "Resume",
     "Ruling",

@@ -25,6 +25,7 @@ RackKey = tuple[str, str, str]
 
 Backend = Literal["gpu", "tpu", "any"]
 DecisionStatus = Literal["placed", "rejected"]
+"""What one decision came to (an intent's lifecycle is ``ownership.IntentState``)."""
 
 __all__ = [
     "FALLBACKS",

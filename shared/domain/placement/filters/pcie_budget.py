@@ -26,7 +26,7 @@ def _bandwidth(gen: int, lanes: int) -> float:
     return GB_PER_S_PER_LANE.get(gen, GB_PER_S_PER_LANE[max(GB_PER_S_PER_LANE)]) * lanes
 
 
-class PcieBudget:
+class PcieBudgetFilter:
     name: Final = NAME
     scope: Final = Scope.HOST
 
@@ -56,5 +56,5 @@ class PcieBudget:
         return min(1.0, GB_PER_S_PER_LANE.get(gen, 0.0) / GB_PER_S_PER_LANE[self.config.min_gen])
 
 
-def factory(config: Mapping[str, object] | None = None) -> PcieBudget:
-    return PcieBudget(typed_config(PcieBudgetConfig, NAME, config or {}))
+def factory(config: Mapping[str, object] | None = None) -> PcieBudgetFilter:
+    return PcieBudgetFilter(typed_config(PcieBudgetConfig, NAME, config or {}))

@@ -16,8 +16,7 @@ from services.cross_region_router.handlers import RoutingHandlers
 from services.cross_region_router.store import Loaded, RoutingStore, StoredReplica, StoredTenant
 from shared.contracts.base import ErrorCode, rejected
 from shared.contracts.envelope import EventEnvelope, new_event
-from shared.contracts.placement import AdmitReply, AdmitRequest, PlaceReply
-from shared.contracts.placement_events import PlacementEvent, PlacementReleasedEvent
+from shared.contracts.placement import AdmitReply, AdmitRequest, PlacementEvent, PlacementReleasedEvent, PlaceReply
 from shared.contracts.routing import RouteSelectReply, RouteSelectRequest
 from shared.domain.routing import Region, RoutePolicy
 from shared.infra.catalog import load_models

@@ -27,12 +27,11 @@ from shared.contracts.ledger import (
     LedgerRenewReply,
     LedgerRenewRequest,
 )
-from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseRequest, RenewRequest
-from shared.contracts.placement_events import PlacementEvent
+from shared.contracts.placement import PlacementEvent, PlaceReply, PlaceRequest, ReleaseRequest, RenewRequest
 from shared.contracts.subjects import Rpc
 from shared.domain.fleet import AcceleratorId, tpu_chip_ids
 from shared.domain.memory import usable_hbm
-from shared.domain.placement.ownership import DecisionStatus, Intent
+from shared.domain.placement.ownership import Intent, IntentState
 from shared.domain.placement.view import FleetView, LedgerAccelerator, LedgerMirror
 from shared.domain.quotas import Quotas
 from shared.infra import deadline
@@ -69,7 +68,7 @@ class FakeStore(DecisionStore):
             tenant=row["tenant"],
             request_id=row["request_id"],
             body_hash=row["body_hash"],
-            status=DecisionStatus(row["status"]),
+            status=IntentState(row["status"]),
             attempt=row["attempt"],
             claimed_until=row["claimed_until"],
             updated_at=row["updated_at"],
@@ -108,7 +107,7 @@ class FakeStore(DecisionStore):
         tenant: str,
         request_id: str,
         body_hash: str,
-        status: DecisionStatus,
+        status: IntentState,
         claimed_until: datetime | None,
         commit: CommitRequest | None,
         pending: PlaceReply | None,
@@ -160,7 +159,7 @@ class FakeStore(DecisionStore):
         *,
         session: Any,
         turn: Turn,
-        status: DecisionStatus,
+        status: IntentState,
         reply: PlaceReply | None,
         allocation_id: str | None,
         now: datetime,
@@ -176,8 +175,8 @@ class FakeStore(DecisionStore):
         *,
         session: Any,
         turn: Turn,
-        was: DecisionStatus,
-        status: DecisionStatus,
+        was: IntentState,
+        status: IntentState,
         reply: PlaceReply | None,
         now: datetime,
     ) -> bool:
@@ -239,9 +238,7 @@ class FakeStore(DecisionStore):
             if row["allocation_id"] == allocation_id:
                 row["status"] = "released"
 
-    async def mark_ended(
-        self, *, session: Any, allocation_id: str, status: DecisionStatus, now: datetime
-    ) -> str | None:
+    async def mark_ended(self, *, session: Any, allocation_id: str, status: IntentState, now: datetime) -> str | None:
         tenant = None
         for (row_tenant, _rid), row in self.rows.items():
             if row["allocation_id"] == allocation_id and row["status"] == "placed":

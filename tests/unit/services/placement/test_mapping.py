@@ -17,7 +17,7 @@ from shared.contracts.ledger import (
     AllocationEvent,
     CapacityChangedEvent,
     CrossDomainAllocation,
-    LedgerEvent,
+    LedgerEventName,
     ShareOut,
     SnapshotReply,
 )
@@ -27,8 +27,8 @@ from shared.contracts.topology import (
     GpuTelemetryEvent,
     NodeProfileEvent,
     NodeStateEvent,
-    TelemetryEvent,
-    TopologyEvent,
+    TelemetryEventName,
+    TopologyEventName,
     TpuPodEvent,
 )
 from shared.domain.errors import ErrorCode
@@ -96,26 +96,28 @@ def test_a_view_seeded_from_the_snapshots_follows_the_events() -> None:
     assert view.snapshot.racks[("us-west-1", "c1", "r1")].power_kw == 40.0
     assert view.pods["p1"].cluster == "c9"
 
-    apply_event(view, LedgerEvent.ALLOCATION_COMMITTED, allocation("n1", "al-0", GB))  # in the snapshot
-    apply_event(view, LedgerEvent.ALLOCATION_COMMITTED, allocation("n1", "al-1", 2 * GB))
-    apply_event(view, LedgerEvent.ALLOCATION_COMMITTED, allocation("n1", "al-q", 5 * GB, counts=False))
+    apply_event(view, LedgerEventName.ALLOCATION_COMMITTED, allocation("n1", "al-0", GB))  # in the snapshot
+    apply_event(view, LedgerEventName.ALLOCATION_COMMITTED, allocation("n1", "al-1", 2 * GB))
+    apply_event(view, LedgerEventName.ALLOCATION_COMMITTED, allocation("n1", "al-q", 5 * GB, counts=False))
     assert view.snapshot.capacity[gpu0].reserved == 3 * GB
-    apply_event(view, LedgerEvent.ALLOCATION_EXPIRED, allocation("n1", "al-0", GB))
+    apply_event(view, LedgerEventName.ALLOCATION_EXPIRED, allocation("n1", "al-0", GB))
     assert view.snapshot.capacity[gpu0].reserved == 2 * GB
 
     lost = NodeStateEvent(node="n1", region="us-west-1", accelerators=[gpu0])
-    apply_event(view, TopologyEvent.NODE_LOST, lost)
+    apply_event(view, TopologyEventName.NODE_LOST, lost)
     assert "n1" not in view.snapshot.nodes
-    apply_event(view, TopologyEvent.NODE_RECOVERED, lost)
+    apply_event(view, TopologyEventName.NODE_RECOVERED, lost)
     down = AcceleratorBalance(id=gpu0, usable=USABLE, reserved=0, available=False)
-    apply_event(view, LedgerEvent.CAPACITY_CHANGED, CapacityChangedEvent(node="n1", reason="lost", accelerators=[down]))
+    apply_event(
+        view, LedgerEventName.CAPACITY_CHANGED, CapacityChangedEvent(node="n1", reason="lost", accelerators=[down])
+    )
     cap = view.snapshot.capacity[gpu0]
     assert "n1" in view.snapshot.nodes and not cap.available and cap.reserved == 2 * GB
 
     other = node("n2").nvswitch(8).profile()
     apply_event(
         view,
-        TopologyEvent.NODE_PROFILED,
+        TopologyEventName.NODE_PROFILED,
         NodeProfileEvent(
             node="n2", region="us-west-1", kind="nvswitch", fingerprint="f", profile=profile_to_payload(other)
         ),
@@ -123,14 +125,16 @@ def test_a_view_seeded_from_the_snapshots_follows_the_events() -> None:
     assert "n2" in view.profiles and "n2" not in view.snapshot.nodes  # the ledger does not know its GPUs yet
     balances = [AcceleratorBalance(id=r.id, usable=USABLE, reserved=0, available=True) for r in rows("n2")]
     apply_event(
-        view, LedgerEvent.CAPACITY_CHANGED, CapacityChangedEvent(node="n2", reason="profiled", accelerators=balances)
+        view,
+        LedgerEventName.CAPACITY_CHANGED,
+        CapacityChangedEvent(node="n2", reason="profiled", accelerators=balances),
     )
     assert "n2" in view.snapshot.nodes
-    apply_event(view, TopologyEvent.NODE_REMOVED, NodeStateEvent(node="n2", region="us-west-1", accelerators=[]))
+    apply_event(view, TopologyEventName.NODE_REMOVED, NodeStateEvent(node="n2", region="us-west-1", accelerators=[]))
     assert "n2" not in view.snapshot.nodes
 
     pod = TpuPodEvent(pod="p1", region="us-west-1", type="v5e", shape=[2, 2], sku="TPU-V5E", hbm_per_chip=16 * GB)
-    apply_event(view, TopologyEvent.TPU_POD_PROFILED, pod)
+    apply_event(view, TopologyEventName.TPU_POD_PROFILED, pod)
     assert view.pods["p1"].cluster == "c9"  # kept from fleet.get: the event does not carry it
 
 
@@ -272,12 +276,12 @@ def test_the_view_seeds_and_follows_sharing_cross_domain_traffic_and_telemetry()
     ended = allocation("n1", "al-c", GB).model_copy(
         update={"shares": [allocation("n1", "al-c", GB).shares[0].model_copy(update={"accelerator_id": gpu1})]}
     )
-    apply_event(view, LedgerEvent.ALLOCATION_RELEASED, ended.model_copy(update={"cluster": "c1"}))
+    apply_event(view, LedgerEventName.ALLOCATION_RELEASED, ended.model_copy(update={"cluster": "c1"}))
     assert view.snapshot.cross_domain_used == {}
     joined = allocation("n1", "al-s2", GB).model_copy(
         update={"sharing": "shared", "cluster": "c1", "cross_domain_bytes_per_s": 0}
     )
-    apply_event(view, LedgerEvent.ALLOCATION_COMMITTED, joined)
+    apply_event(view, LedgerEventName.ALLOCATION_COMMITTED, joined)
     assert view.snapshot.capacity[gpu0].shared and view.snapshot.capacity[gpu0].reserved == 2 * GB
     crossing_commit = allocation("n1", "al-x", GB).model_copy(
         update={
@@ -286,12 +290,12 @@ def test_the_view_seeds_and_follows_sharing_cross_domain_traffic_and_telemetry()
             "cross_domain_bytes_per_s": 7 * GB,
         }
     )
-    apply_event(view, LedgerEvent.ALLOCATION_COMMITTED, crossing_commit)
+    apply_event(view, LedgerEventName.ALLOCATION_COMMITTED, crossing_commit)
     assert view.snapshot.cross_domain_used == {"c1": 7 * GB} and not view.snapshot.capacity[gpu2].shared
 
     link = 3.938e9 * 16
     telemetry = GpuTelemetryEvent(node="n1", gpus=[GpuSample(index=3, pcie_rx_bytes_per_s=0.8 * link)])
-    apply_event(view, TelemetryEvent.GPU, telemetry)  # no time: not applied
+    apply_event(view, TelemetryEventName.GPU, telemetry)  # no time: not applied
     assert view.snapshot.pcie_util == {}
-    apply_event(view, TelemetryEvent.GPU, telemetry, at=datetime(2026, 12, 5, tzinfo=UTC))
+    apply_event(view, TelemetryEventName.GPU, telemetry, at=datetime(2026, 12, 5, tzinfo=UTC))
     assert view.snapshot.pcie_util == {"n1": pytest.approx(0.8)}

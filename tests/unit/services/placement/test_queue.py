@@ -14,8 +14,7 @@ import pytest
 from services.placement.attempts import Queueing
 from shared.contracts.base import ErrorCode
 from shared.contracts.ledger import CommitRequest
-from shared.contracts.placement import PlaceReply, PlaceRequest
-from shared.contracts.placement_events import PlacementEvent
+from shared.contracts.placement import PlacementEvent, PlaceReply, PlaceRequest
 from shared.contracts.subjects import Rpc
 from shared.domain.fleet import AcceleratorId
 from shared.domain.memory import usable_hbm

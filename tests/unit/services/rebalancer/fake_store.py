@@ -12,7 +12,7 @@ from typing import Any
 
 from services.rebalancer.readmodel import Allocation
 from services.rebalancer.store import ACTIONS_KEPT, Loaded, RebalanceStore
-from shared.contracts.placement_events import PlacementEvent
+from shared.contracts.placement import PlacementEvent
 from shared.contracts.rebalance import ActionView, PlanView
 from shared.contracts.topology import NodeProfileEvent, TpuPodEvent
 

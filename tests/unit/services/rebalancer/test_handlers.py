@@ -15,8 +15,15 @@ from services.rebalancer.readmodel import Allocation
 from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.fleet import FleetGetReply, NodeView
 from shared.contracts.ledger import AcceleratorLedgerView, AllocationEvent, ShareOut, SnapshotReply
-from shared.contracts.placement import AcceleratorShare, NodePlacement, PlaceReply, PlaceRequest, ReleaseReply
-from shared.contracts.placement_events import PlacementEvent, PlacementReleasedEvent
+from shared.contracts.placement import (
+    AcceleratorShare,
+    NodePlacement,
+    PlacementEvent,
+    PlacementReleasedEvent,
+    PlaceReply,
+    PlaceRequest,
+    ReleaseReply,
+)
 from shared.contracts.rebalance import RebalanceStatusReply, RebalanceStatusRequest
 from shared.contracts.subjects import Rpc
 from shared.contracts.topology import GpuSample, GpuTelemetryEvent, NodeProfileEvent
