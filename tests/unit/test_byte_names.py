@@ -29,6 +29,13 @@ from shared.domain.ledger import replay_reserved
 from shared.infra.bus import dispatch
 
 GB = 10**9
+SHARE = (
+    ("weights", "weights_bytes"),
+    ("kv", "kv_bytes"),
+    ("activation", "activation_bytes"),
+    ("workspace", "workspace_bytes"),
+)
+TOTAL = ("total", "total_bytes")
 
 # Per model: its fields besides the byte figures, and (deprecated name, name) of each figure.
 RENAMED: list[tuple[type[BaseModel], dict[str, Any], tuple[tuple[str, str], ...]]] = [
@@ -47,38 +54,9 @@ RENAMED: list[tuple[type[BaseModel], dict[str, Any], tuple[tuple[str, str], ...]
         {"id": "n/gpu0", "index": 0},
         (("hbm_total", "hbm_total_bytes"), ("hbm_reserved", "hbm_reserved_bytes")),
     ),
-    (
-        ShareIn,
-        {"accelerator_id": "n/gpu0"},
-        (
-            ("weights", "weights_bytes"),
-            ("kv", "kv_bytes"),
-            ("activation", "activation_bytes"),
-            ("workspace", "workspace_bytes"),
-        ),
-    ),
-    (
-        ShareOut,
-        {"accelerator_id": "n/gpu0"},
-        (
-            ("weights", "weights_bytes"),
-            ("kv", "kv_bytes"),
-            ("activation", "activation_bytes"),
-            ("workspace", "workspace_bytes"),
-            ("total", "total_bytes"),
-        ),
-    ),
-    (
-        AcceleratorShare,
-        {},
-        (
-            ("weights", "weights_bytes"),
-            ("kv", "kv_bytes"),
-            ("activation", "activation_bytes"),
-            ("workspace", "workspace_bytes"),
-            ("total", "total_bytes"),
-        ),
-    ),
+    (ShareIn, {"accelerator_id": "n/gpu0"}, SHARE),
+    (ShareOut, {"accelerator_id": "n/gpu0"}, (*SHARE, TOTAL)),
+    (AcceleratorShare, {}, (*SHARE, TOTAL)),
 ]
 IDS = [model.__name__ for model, _rest, _pairs in RENAMED]
 
