@@ -64,8 +64,8 @@ def render_fleet(reply: FleetGetReply, console: Console) -> None:
             str(len(accs)),
             node.kind or "-",
             str(len(domains)),
-            f"{sum(a.hbm_total for a in accs) / GIB:,.0f}",
-            f"{sum(a.hbm_reserved for a in accs) / GIB:,.1f}",
+            f"{sum(a.hbm_total_bytes for a in accs) / GIB:,.0f}",
+            f"{sum(a.hbm_reserved_bytes for a in accs) / GIB:,.1f}",
             node.state,
         )
     console.print(nodes)

@@ -36,7 +36,9 @@ def to_decision(request_id: str, reply: PlaceReply | Rejected) -> Decision:
         )
     hbm = reply.hbm_per_accelerator
     share = (
-        MemoryShare(weights=hbm.weights, kv=hbm.kv, activation=hbm.activation, workspace=hbm.workspace)
+        MemoryShare(
+            weights=hbm.weights_bytes, kv=hbm.kv_bytes, activation=hbm.activation_bytes, workspace=hbm.workspace_bytes
+        )
         if hbm is not None
         else None
     )

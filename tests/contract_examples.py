@@ -22,7 +22,7 @@ def example_body(model: type[BaseModel]) -> dict[str, Any]:
 
 def boolean_bodies(model: type[BaseModel]) -> list[tuple[str, dict[str, Any]]]:
     """``(path, body)`` for every integer or number field of ``model``, its nested models' and its lists'
-    and maps' items included: the example body with ``true`` at that path (``shares.0.kv``)."""
+    and maps' items included: the example body with ``true`` at that path (``shares.0.kv_bytes``)."""
     out: list[tuple[str, dict[str, Any]]] = []
     for value, path in _model_probes(model, _DEPTH):
         out.append((path, value))

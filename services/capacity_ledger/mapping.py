@@ -23,7 +23,9 @@ from shared.domain.memory import MemoryShare
 
 
 def share(s: ShareIn) -> tuple[str, MemoryShare]:
-    return s.accelerator_id, MemoryShare(weights=s.weights, kv=s.kv, activation=s.activation, workspace=s.workspace)
+    return s.accelerator_id, MemoryShare(
+        weights=s.weights_bytes, kv=s.kv_bytes, activation=s.activation_bytes, workspace=s.workspace_bytes
+    )
 
 
 def intent(request: CommitRequest) -> CommitIntent:
@@ -46,8 +48,6 @@ def intent(request: CommitRequest) -> CommitIntent:
 def balance(c: AcceleratorCapacity) -> AcceleratorBalance:
     return AcceleratorBalance(
         id=c.id,
-        usable=c.usable,
-        reserved=c.reserved,
         usable_bytes=c.usable,
         reserved_bytes=c.reserved,
         available=c.available,
@@ -62,8 +62,6 @@ def ledger_view(c: AcceleratorCapacity, allocations: Iterable[str]) -> Accelerat
     return AcceleratorLedgerView(
         id=c.id,
         node=c.node,
-        hbm_usable=c.usable,
-        hbm_reserved=c.reserved,
         hbm_usable_bytes=c.usable,
         hbm_reserved_bytes=c.reserved,
         available=c.available,
@@ -79,11 +77,6 @@ def cross_domain(use: CrossDomainUse) -> CrossDomainAllocation:
 def share_out(accelerator_id: str, s: MemoryShare) -> ShareOut:
     return ShareOut(
         accelerator_id=accelerator_id,
-        weights=s.weights,
-        kv=s.kv,
-        activation=s.activation,
-        workspace=s.workspace,
-        total=s.total,
         weights_bytes=s.weights,
         kv_bytes=s.kv,
         activation_bytes=s.activation,

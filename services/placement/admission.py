@@ -258,7 +258,7 @@ class AdmissionHandlers:
             kind="request",
             parent_id=replica.replica_id,
             lease_s=request.lease_s,
-            shares=[ShareIn(accelerator_id=acc, kv=per_rank) for acc in replica.accelerators],
+            shares=[ShareIn(accelerator_id=acc, kv_bytes=per_rank) for acc in replica.accelerators],
         )
         answer = await self._holds.submit(commit)
         if answer is None:
@@ -408,7 +408,7 @@ class AdmissionHandlers:
                 replica_id=payload.parent_id,
                 requester=tenant,
                 request_id=request_id,
-                kv_bytes=sum(share.total for share in payload.shares),
+                kv_bytes=sum(share.total_bytes for share in payload.shares),
             )
         )
 

@@ -191,11 +191,11 @@ def to_reply(
         if decision.tpu is not None
         else None,
         hbm_per_accelerator=AcceleratorShare(
-            weights=share.weights,
-            kv=share.kv,
-            activation=share.activation,
-            workspace=share.workspace,
-            total=share.total,
+            weights_bytes=share.weights,
+            kv_bytes=share.kv,
+            activation_bytes=share.activation,
+            workspace_bytes=share.workspace,
+            total_bytes=share.total,
         )
         if share is not None and decision.placed
         else None,
@@ -232,7 +232,9 @@ def body_hash(request: PlaceRequest) -> str:
 
 def commit_held(commit: CommitRequest) -> dict[str, int]:
     """Bytes per accelerator a commit reserves (what the view assumes while it is in flight)."""
-    return {s.accelerator_id: s.weights + s.kv + s.activation + s.workspace for s in commit.shares}
+    return {
+        s.accelerator_id: s.weights_bytes + s.kv_bytes + s.activation_bytes + s.workspace_bytes for s in commit.shares
+    }
 
 
 def held_bytes(snapshot: FleetSnapshot, decision: Decision) -> dict[str, int]:
@@ -269,10 +271,10 @@ def to_commit(request: PlaceRequest, decision: Decision, snapshot: FleetSnapshot
         shares=[
             ShareIn(
                 accelerator_id=acc,
-                weights=share.weights,
-                kv=share.kv,
-                activation=share.activation,
-                workspace=share.workspace,
+                weights_bytes=share.weights,
+                kv_bytes=share.kv,
+                activation_bytes=share.activation,
+                workspace_bytes=share.workspace,
             )
             for acc, share in shares.items()
         ],

@@ -69,7 +69,7 @@ def replica_of(owner: str, reply: PlaceReply, models: Mapping[str, ModelSpec]) -
         return None
     spec = models.get(reply.model)
     share = reply.hbm_per_accelerator
-    if spec is None or share is None or share.kv <= 0:
+    if spec is None or share is None or share.kv_bytes <= 0:
         return None
     accelerators: list[str] = []
     if reply.tpu_slice is not None:
@@ -93,7 +93,7 @@ def replica_of(owner: str, reply: PlaceReply, models: Mapping[str, ModelSpec]) -
         node=node,
         region=reply.region,
         tp=reply.tp or 1,
-        kv_pool=dict.fromkeys(accelerators, share.kv),
+        kv_pool=dict.fromkeys(accelerators, share.kv_bytes),
     )
 
 

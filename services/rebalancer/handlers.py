@@ -213,7 +213,7 @@ class RebalanceHandlers:
             allocation_id=payload.allocation_id,
             kind=payload.kind,
             parent_id=payload.parent_id,
-            bytes={s.accelerator_id: s.total for s in payload.shares},
+            bytes={s.accelerator_id: s.total_bytes for s in payload.shares},
         )
         await self._store.put_allocation(session=uow.session, allocation=allocation)
         uow.after_commit(lambda: self.view.allocated(allocation))

@@ -24,7 +24,7 @@ def replica_of(event: PlacementEvent) -> Replica | None:
     if request is None or reply.status != "placed" or reply.allocation_id is None:
         return None
     cluster = cluster_key(reply.region or "", reply.cluster or "")
-    share = reply.hbm_per_accelerator.total if reply.hbm_per_accelerator is not None else 0
+    share = reply.hbm_per_accelerator.total_bytes if reply.hbm_per_accelerator is not None else 0
     if reply.tpu_slice is not None:
         block = TpuSlice(tuple(reply.tpu_slice.origin), tuple(reply.tpu_slice.shape))
         chips = tuple(

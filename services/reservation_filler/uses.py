@@ -28,7 +28,7 @@ class UseHandlers:
             allocation_id=payload.allocation_id,
             tenant=payload.tenant,
             preemptible=payload.preemptible,
-            bytes={s.accelerator_id: s.total for s in payload.shares},
+            bytes={s.accelerator_id: s.total_bytes for s in payload.shares},
             since=event.occurred_at,
         )
         if not await self._store.add_use(session=uow.session, use=use):

@@ -65,8 +65,6 @@ def fleet_reply(page: FleetPage, skus: Mapping[str, Sku]) -> FleetGetReply:
             AcceleratorView(
                 id=a.id,
                 index=a.index,
-                hbm_total=a.hbm_bytes,
-                hbm_reserved=a.reserved_bytes,
                 hbm_total_bytes=a.hbm_bytes,
                 hbm_reserved_bytes=a.reserved_bytes,
                 domain=a.domain,
@@ -125,5 +123,5 @@ def counted_shares(payload: AllocationEvent) -> dict[str, int]:
     shares: dict[str, int] = {}
     if payload.counts_against_hbm:
         for share in payload.shares:
-            shares[share.accelerator_id] = shares.get(share.accelerator_id, 0) + share.total
+            shares[share.accelerator_id] = shares.get(share.accelerator_id, 0) + share.total_bytes
     return shares

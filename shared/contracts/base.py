@@ -39,9 +39,10 @@ __all__ = [
     "Int",
     "Rejected",
     "Request",
-    "both_names",
+    "deprecated",
     "echo",
     "rejected",
+    "unit_names",
 ]
 
 
@@ -100,18 +101,32 @@ def echo(value: object, *, limit: int = ECHO_MAX) -> str:
     return text if len(text) <= limit else f"{text[:limit]}..."
 
 
-def both_names(data: Any, pairs: tuple[tuple[str, str], ...]) -> Any:
-    """For a ``mode="before"`` validator: fill a byte field's published name from its ``_bytes`` name or
-    the other way round, so a reader accepts either and both are emitted (add, never rename)."""
-    if not isinstance(data, dict):
+def unit_names(data: Any, pairs: tuple[tuple[str, str], ...]) -> Any:
+    """For a ``mode="before"`` validator: read a byte figure given under its deprecated unit-less name
+    (``usable``) as its ``_bytes`` name (``usable_bytes``), so the model holds and sends it once.
+    A body giving both names with different values is refused (``invalid_request``); the same value
+    under both is what the previous release sent, and is read as one."""
+    if not isinstance(data, dict) or not any(old in data for old, _new in pairs):
         return data
     out = dict(data)
     for old, new in pairs:
-        if old not in out and new in out:
-            out[old] = out[new]
-        elif new not in out and old in out:
-            out[new] = out[old]
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if new in out and not _same(out[new], value):
+            raise ValueError(f"`{old}` (deprecated) and `{new}` differ: give `{new}` only")
+        out.setdefault(new, value)
     return out
+
+
+def _same(a: object, b: object) -> bool:
+    # `True == 1` in Python: a boolean under one name is not the number under the other.
+    return type(a) is type(b) and a == b
+
+
+def deprecated(old: str) -> str:
+    """The sentence a field's description ends with when its unit-less name is still read."""
+    return f" Deprecated input name: `{old}` (accepted until the next release, never sent)."
 
 
 def major_version(version: object) -> int | None:

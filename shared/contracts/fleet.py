@@ -6,10 +6,10 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from shared.contracts.base import ID_MAX, NAME_MAX, Contract, Float, Int, Request, both_names
+from shared.contracts.base import ID_MAX, NAME_MAX, Contract, Float, Int, Request, deprecated, unit_names
 from shared.contracts.topology import NodeProfilePayload
 
-# Byte fields published without the `_bytes` suffix keep their name; the suffixed name travels next to it.
+# Byte fields once published without the `_bytes` suffix: that name is still read (deprecated), never sent.
 _BYTE_ALIASES = (("hbm_total", "hbm_total_bytes"), ("hbm_reserved", "hbm_reserved_bytes"))
 
 
@@ -37,25 +37,19 @@ class FleetGetRequest(Request):
 class AcceleratorView(Contract):
     id: str = Field(description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
     index: Int = Field(description="GPU index on its node, as nvidia-smi numbers it.", examples=[0])
-    hbm_total: Int = Field(description="HBM bytes (same as `hbm_total_bytes`).", examples=[85_899_345_920])
-    hbm_reserved: Int = Field(
+    hbm_total_bytes: Int = Field(description="HBM bytes." + deprecated("hbm_total"), examples=[85_899_345_920])
+    hbm_reserved_bytes: Int = Field(
         default=0,
-        description="Reserved bytes per the ledger (same as `hbm_reserved_bytes`). Eventually consistent: as fresh "
-        "as the last LEDGER event the topology service applied.",
+        description="Reserved bytes per the ledger. Eventually consistent: as fresh as the last LEDGER event the "
+        "topology service applied." + deprecated("hbm_reserved"),
         examples=[0],
     )
     domain: str | None = Field(default=None, description="NVLink domain id.", examples=["dgx-h100-01/nv0"])
-    hbm_total_bytes: Int = Field(default=0, description="HBM bytes.", examples=[85_899_345_920])
-    hbm_reserved_bytes: Int = Field(
-        default=0,
-        description="Reserved bytes per the ledger (eventually consistent, see `hbm_reserved`).",
-        examples=[0],
-    )
 
     @model_validator(mode="before")
     @classmethod
-    def _either_byte_name(cls, data: Any) -> Any:
-        return both_names(data, _BYTE_ALIASES)
+    def _names(cls, data: Any) -> Any:
+        return unit_names(data, _BYTE_ALIASES)
 
 
 class NodeView(Contract):

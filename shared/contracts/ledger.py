@@ -19,9 +19,10 @@ from shared.contracts.base import (
     Int,
     Rejected,
     Request,
-    both_names,
+    deprecated,
     echo,
     rejected,
+    unit_names,
 )
 
 
@@ -66,14 +67,10 @@ class SnapshotRequest(Request):
 class AcceleratorLedgerView(Contract):
     id: str = Field(description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
     node: str = Field(description="Node.", examples=["dgx-h100-01"])
-    hbm_usable: Int = Field(description="Usable HBM bytes (total x ceiling).", examples=[79_027_398_246])
-    hbm_reserved: Int = Field(description="Reserved bytes.", examples=[0])
     hbm_usable_bytes: Int = Field(
-        default=0, description="Same as `hbm_usable` (named with its unit).", examples=[79_027_398_246]
+        description="Usable HBM bytes (total x ceiling)." + deprecated("hbm_usable"), examples=[79_027_398_246]
     )
-    hbm_reserved_bytes: Int = Field(
-        default=0, description="Same as `hbm_reserved` (named with its unit).", examples=[0]
-    )
+    hbm_reserved_bytes: Int = Field(description="Reserved bytes." + deprecated("hbm_reserved"), examples=[0])
     available: bool = Field(default=True, description="False while its node is lost.", examples=[True])
     allocations: list[str] = Field(default_factory=list, description="Allocation ids.", examples=[["a-1"]])
     shared: bool = Field(
@@ -86,7 +83,7 @@ class AcceleratorLedgerView(Contract):
     @model_validator(mode="before")
     @classmethod
     def _names(cls, data: Any) -> Any:
-        return both_names(data, (("hbm_usable", "hbm_usable_bytes"), ("hbm_reserved", "hbm_reserved_bytes")))
+        return unit_names(data, (("hbm_usable", "hbm_usable_bytes"), ("hbm_reserved", "hbm_reserved_bytes")))
 
 
 class CrossDomainAllocation(Contract):
@@ -122,29 +119,34 @@ SHARE_BYTE_FIELDS = (
     ("activation", "activation_bytes"),
     ("workspace", "workspace_bytes"),
 )
+"""The byte figures of a share: (deprecated unit-less name, name)."""
 
 
 class ShareIn(Contract):
-    """Bytes asked for on one accelerator (each field is also accepted with a `_bytes` suffix)."""
+    """Bytes asked for on one accelerator."""
 
     accelerator_id: str = Field(
         min_length=1, max_length=ID_MAX, description="Accelerator id.", examples=["dgx-h100-01/gpu0"]
     )
-    weights: Int = Field(default=0, ge=0, description="Weight bytes.", examples=[17_641_000_000])
-    kv: Int = Field(default=0, ge=0, description="KV cache bytes.", examples=[10_737_418_240])
-    activation: Int = Field(default=0, ge=0, description="Activation peak bytes.", examples=[1_000_000_000])
-    workspace: Int = Field(default=0, ge=0, description="Workspace reserve bytes.", examples=[1_073_741_824])
+    weights_bytes: Int = Field(
+        default=0, ge=0, description="Weight bytes." + deprecated("weights"), examples=[17_641_000_000]
+    )
+    kv_bytes: Int = Field(default=0, ge=0, description="KV cache bytes." + deprecated("kv"), examples=[10_737_418_240])
+    activation_bytes: Int = Field(
+        default=0, ge=0, description="Activation peak bytes." + deprecated("activation"), examples=[1_000_000_000]
+    )
+    workspace_bytes: Int = Field(
+        default=0, ge=0, description="Workspace reserve bytes." + deprecated("workspace"), examples=[1_073_741_824]
+    )
 
     @model_validator(mode="before")
     @classmethod
-    def _suffixed(cls, data: Any) -> Any:
-        if isinstance(data, dict):  # `weights_bytes` etc. on input: read as `weights`
-            data = {**{old: data[new] for old, new in SHARE_BYTE_FIELDS if new in data}, **data}
-        return data
+    def _names(cls, data: Any) -> Any:
+        return unit_names(data, SHARE_BYTE_FIELDS)
 
     @model_validator(mode="after")
     def _something(self) -> ShareIn:
-        if self.weights + self.kv + self.activation + self.workspace <= 0:
+        if self.weights_bytes + self.kv_bytes + self.activation_bytes + self.workspace_bytes <= 0:
             raise ValueError("a share must reserve some bytes")
         return self
 
@@ -213,20 +215,14 @@ class CommitRequest(Request):
 
 class AcceleratorBalance(Contract):
     id: str = Field(description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
-    usable: Int = Field(description="Usable bytes.", examples=[79_027_398_246])
-    reserved: Int = Field(description="Reserved bytes.", examples=[30_000_000_000])
-    usable_bytes: Int = Field(
-        default=0, description="Same as `usable` (named with its unit).", examples=[79_027_398_246]
-    )
-    reserved_bytes: Int = Field(
-        default=0, description="Same as `reserved` (named with its unit).", examples=[30_000_000_000]
-    )
+    usable_bytes: Int = Field(description="Usable bytes." + deprecated("usable"), examples=[79_027_398_246])
+    reserved_bytes: Int = Field(description="Reserved bytes." + deprecated("reserved"), examples=[30_000_000_000])
     available: bool = Field(description="Node up.", examples=[True])
 
     @model_validator(mode="before")
     @classmethod
     def _names(cls, data: Any) -> Any:
-        return both_names(data, (("usable", "usable_bytes"), ("reserved", "reserved_bytes")))
+        return unit_names(data, (("usable", "usable_bytes"), ("reserved", "reserved_bytes")))
 
 
 class CommitReply(Contract):
@@ -324,21 +320,16 @@ class LedgerRenewReply(Contract):
 
 class ShareOut(Contract):
     accelerator_id: str = Field(description="Accelerator id.", examples=["dgx-h100-01/gpu0"])
-    weights: Int = Field(description="Weight bytes.", examples=[0])
-    kv: Int = Field(description="KV bytes.", examples=[0])
-    activation: Int = Field(description="Activation bytes.", examples=[0])
-    workspace: Int = Field(description="Workspace bytes.", examples=[0])
-    total: Int = Field(description="Sum.", examples=[0])
-    weights_bytes: Int = Field(default=0, description="Same as `weights` (named with its unit).", examples=[0])
-    kv_bytes: Int = Field(default=0, description="Same as `kv`.", examples=[0])
-    activation_bytes: Int = Field(default=0, description="Same as `activation`.", examples=[0])
-    workspace_bytes: Int = Field(default=0, description="Same as `workspace`.", examples=[0])
-    total_bytes: Int = Field(default=0, description="Same as `total`.", examples=[0])
+    weights_bytes: Int = Field(description="Weight bytes." + deprecated("weights"), examples=[0])
+    kv_bytes: Int = Field(description="KV bytes." + deprecated("kv"), examples=[0])
+    activation_bytes: Int = Field(description="Activation bytes." + deprecated("activation"), examples=[0])
+    workspace_bytes: Int = Field(description="Workspace bytes." + deprecated("workspace"), examples=[0])
+    total_bytes: Int = Field(description="Their sum." + deprecated("total"), examples=[0])
 
     @model_validator(mode="before")
     @classmethod
     def _names(cls, data: Any) -> Any:
-        return both_names(data, (*SHARE_BYTE_FIELDS, ("total", "total_bytes")))
+        return unit_names(data, (*SHARE_BYTE_FIELDS, ("total", "total_bytes")))
 
 
 class AllocationEvent(Contract):

@@ -9,7 +9,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from shared.contracts.base import ID_MAX, MAX_LEASE_S, NAME_MAX, Contract, ErrorBody, Float, Int, Request, both_names
+from shared.contracts.base import (
+    ID_MAX,
+    MAX_LEASE_S,
+    NAME_MAX,
+    Contract,
+    ErrorBody,
+    Float,
+    Int,
+    Request,
+    deprecated,
+    unit_names,
+)
 
 # the domain's definitions, one each (`X as X` re-exports them as this module's names)
 from shared.domain.ledger.sharing import Sharing as Sharing
@@ -122,28 +133,24 @@ SHARE_BYTE_NAMES = (
 
 
 class AcceleratorShare(Contract):
-    """HBM one accelerator of the replica holds; each figure is sent under two names, the published
-    one and the one with its unit (`weights` and `weights_bytes`, ...), and either is accepted."""
+    """HBM one accelerator of the replica holds, each figure once under its `_bytes` name."""
 
-    weights: Int = Field(
-        description="Weight bytes per accelerator (same as `weights_bytes`).", examples=[17_500_000_000]
+    weights_bytes: Int = Field(
+        description="Weight bytes per accelerator." + deprecated("weights"), examples=[17_500_000_000]
     )
-    kv: Int = Field(description="KV cache bytes per accelerator (same as `kv_bytes`).", examples=[2_684_354_560])
-    activation: Int = Field(description="Activation peak bytes (same as `activation_bytes`).", examples=[1_000_000_000])
-    workspace: Int = Field(
-        description="CUDA/XLA workspace reserve (same as `workspace_bytes`).", examples=[1_073_741_824]
+    kv_bytes: Int = Field(description="KV cache bytes per accelerator." + deprecated("kv"), examples=[2_684_354_560])
+    activation_bytes: Int = Field(
+        description="Activation peak bytes." + deprecated("activation"), examples=[1_000_000_000]
     )
-    total: Int = Field(description="Sum of the above (same as `total_bytes`).", examples=[22_257_853_376])
-    weights_bytes: Int = Field(default=0, description="Weight bytes per accelerator.", examples=[17_500_000_000])
-    kv_bytes: Int = Field(default=0, description="KV cache bytes per accelerator.", examples=[2_684_354_560])
-    activation_bytes: Int = Field(default=0, description="Activation peak bytes.", examples=[1_000_000_000])
-    workspace_bytes: Int = Field(default=0, description="CUDA/XLA workspace reserve.", examples=[1_073_741_824])
-    total_bytes: Int = Field(default=0, description="Sum of the above.", examples=[22_257_853_376])
+    workspace_bytes: Int = Field(
+        description="CUDA/XLA workspace reserve." + deprecated("workspace"), examples=[1_073_741_824]
+    )
+    total_bytes: Int = Field(description="Sum of the above." + deprecated("total"), examples=[22_257_853_376])
 
     @model_validator(mode="before")
     @classmethod
-    def _both_names(cls, data: Any) -> Any:
-        return both_names(data, SHARE_BYTE_NAMES)
+    def _names(cls, data: Any) -> Any:
+        return unit_names(data, SHARE_BYTE_NAMES)
 
 
 class NodePlacement(Contract):

@@ -76,8 +76,8 @@ def balance_to_domain(node: str | None, balance: AcceleratorBalance) -> LedgerAc
     return LedgerAccelerator(
         id=balance.id,
         node=node or AcceleratorId.parse(balance.id).host,
-        usable=balance.usable,
-        reserved=balance.reserved,
+        usable=balance.usable_bytes,
+        reserved=balance.reserved_bytes,
         available=balance.available,
     )
 
@@ -120,8 +120,8 @@ def view_from(
                 LedgerAccelerator(
                     id=a.id,
                     node=a.node,
-                    usable=a.hbm_usable,
-                    reserved=a.hbm_reserved,
+                    usable=a.hbm_usable_bytes,
+                    reserved=a.hbm_reserved_bytes,
                     available=a.available,
                     allocations=tuple(a.allocations),
                     shared=a.shared,

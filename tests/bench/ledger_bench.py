@@ -32,7 +32,7 @@ def _commit(h: LedgerHarness, tag: str, i: int) -> dict[str, Any]:
     return {
         "request_id": f"{tag}-{i}",
         "tenant": "bench",
-        "shares": [{"accelerator_id": h.accelerators[i % len(h.accelerators)], "weights": 1_000_000}],
+        "shares": [{"accelerator_id": h.accelerators[i % len(h.accelerators)], "weights_bytes": 1_000_000}],
     }
 
 

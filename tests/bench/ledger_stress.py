@@ -90,7 +90,7 @@ async def _client(h: LedgerHarness, n: int, ops: int, seed: int, result: StressR
                 # Shared replicas: many per GPU, so the stress is on the byte invariant (over-commit),
                 # not on exclusivity refusals.
                 "sharing": "shared",
-                "shares": [{"accelerator_id": a, "weights": rng.randint(1, 12) * GB} for a in accs],
+                "shares": [{"accelerator_id": a, "weights_bytes": rng.randint(1, 12) * GB} for a in accs],
             }
             reply = await _retrying(h, Rpc.LEDGER_COMMIT, body, result)
             if reply.get("status") == "committed":

@@ -339,7 +339,7 @@ class Soak:
             while True:
                 body: dict[str, Any] = {"limit": 20_000, **({"cursor": cursor} if cursor else {})}
                 page = await self.h.call(Rpc.LEDGER_SNAPSHOT, body, timeout=self.timeout_s)
-                reserved += sum(1 for a in page.get("accelerators", []) if a.get("hbm_reserved"))
+                reserved += sum(1 for a in page.get("accelerators", []) if a.get("hbm_reserved_bytes"))
                 cursor = page.get("next_cursor")
                 if not cursor:
                     return reserved

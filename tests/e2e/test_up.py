@@ -185,7 +185,7 @@ def test_up_reaches_six_healthy_services_and_sigterm_leaves_nothing(tmp_path: Pa
         fleet = json.loads(shown.stdout)
         assert len(fleet["nodes"]) == 13 and fleet["next_cursor"] is None
         assert {"fully_connected", "pair", "single", "multi_node"} <= {d["kind"] for d in fleet["domains"]}
-        assert all(a["hbm_total"] > 0 for n in fleet["nodes"] for a in n["accelerators"])
+        assert all(a["hbm_total_bytes"] > 0 for n in fleet["nodes"] for a in n["accelerators"])
         assert {p["type"] for p in fleet["tpu_pods"]} == {"v5e", "v5p"}
         table = subprocess.run(
             [sys.executable, "-m", "hetsched.cli", "fleet", "--data-dir", str(data_dir)],

@@ -213,8 +213,8 @@ async def reserved_views(operator: Caller, bus: SecureBus) -> tuple[dict[str, in
     (the ledger's restricted to the fleet's accelerators), and the accelerators each allocation holds."""
     ledger = await operator.request(bus.subjects.rpc(Rpc.LEDGER_SNAPSHOT), {"limit": 10_000})
     fleet = await operator.request(bus.subjects.rpc(Rpc.FLEET_GET), {"limit": 10_000})
-    topology = {a["id"]: a["hbm_reserved"] for node in fleet["nodes"] for a in node["accelerators"]}
-    reserved = {a["id"]: a["hbm_reserved"] for a in ledger["accelerators"] if a["id"] in topology}
+    topology = {a["id"]: a["hbm_reserved_bytes"] for node in fleet["nodes"] for a in node["accelerators"]}
+    reserved = {a["id"]: a["hbm_reserved_bytes"] for a in ledger["accelerators"] if a["id"] in topology}
     held = [f"{allocation}@{a['id']}" for a in ledger["accelerators"] for allocation in a["allocations"]]
     return reserved, {i: topology[i] for i in reserved}, held
 

@@ -88,14 +88,14 @@ def commit(acc: str, gb: float, *, rid: str | None = None, **extra: Any) -> dict
     return {
         "request_id": rid or f"h-{uuid.uuid4().hex[:10]}",
         "tenant": "hostile",
-        "shares": [{"accelerator_id": acc, "weights": int(gb * GB)}],
+        "shares": [{"accelerator_id": acc, "weights_bytes": int(gb * GB)}],
         **extra,
     }
 
 
 async def reserved(nc: Client, settings: Settings, acc: str) -> int:
     snap = await ask(nc, settings, Rpc.LEDGER_SNAPSHOT, {"node": acc.split("/")[0]})
-    return int(next(a["hbm_reserved"] for a in snap["accelerators"] if a["id"] == acc))
+    return int(next(a["hbm_reserved_bytes"] for a in snap["accelerators"] if a["id"] == acc))
 
 
 def with_nul(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -157,7 +157,7 @@ async def test_a_boolean_for_a_number_is_invalid_request_on_every_subject(
 async def test_every_request_with_numbers_is_probed() -> None:
     probed = {(route.rpc, path) for route, path, _ in NUMBERS}
     assert {(Rpc.PLACEMENT_ADMIT, "lease_s"), (Rpc.PLACEMENT_PLACE, "context_tokens")} <= probed
-    assert (Rpc.LEDGER_COMMIT_BATCH, "commits.0.shares.0.kv") in probed and len(probed) > 60
+    assert (Rpc.LEDGER_COMMIT_BATCH, "commits.0.shares.0.kv_bytes") in probed and len(probed) > 60
 
 
 async def test_a_nul_in_a_commits_tenant_never_reaches_postgres(stack: Client, settings: Settings) -> None:

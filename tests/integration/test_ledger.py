@@ -77,14 +77,14 @@ def commit(
     return {
         "request_id": rid or f"r-{uuid.uuid4().hex[:8]}",
         "tenant": tenant,
-        "shares": [{"accelerator_id": a, "weights": int(gb * GB)} for a in accs],
+        "shares": [{"accelerator_id": a, "weights_bytes": int(gb * GB)} for a in accs],
         **extra,
     }
 
 
 async def reserved(nc: Client, settings: Settings, node: str) -> dict[str, int]:
     snap = await call(nc, settings, Rpc.LEDGER_SNAPSHOT, {"node": node})
-    return {a["id"]: a["hbm_reserved"] for a in snap["accelerators"]}
+    return {a["id"]: a["hbm_reserved_bytes"] for a in snap["accelerators"]}
 
 
 async def ledger_events(nc: Client, settings: Settings, event: str = ">") -> list[dict[str, Any]]:
@@ -118,8 +118,8 @@ async def superuser(settings: Settings) -> asyncpg.Connection:
 async def test_capacity_comes_from_topology_with_the_ceiling(ledger: Client, settings: Settings) -> None:
     snap = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": "dgx-h100-01"})
     assert [a["id"] for a in snap["accelerators"]] == [f"dgx-h100-01/gpu{i}" for i in range(8)]
-    assert all(a["hbm_usable"] == H100_USABLE and a["available"] for a in snap["accelerators"])
-    assert all(a["hbm_usable_bytes"] == H100_USABLE for a in snap["accelerators"])  # both names on the wire
+    assert all(a["hbm_usable_bytes"] == H100_USABLE and a["available"] for a in snap["accelerators"])
+    assert all({"hbm_usable", "hbm_reserved"}.isdisjoint(a) for a in snap["accelerators"])  # each figure once
 
 
 async def test_same_commit_twice_reserves_once(ledger: Client, settings: Settings) -> None:
@@ -131,7 +131,10 @@ async def test_same_commit_twice_reserves_once(ledger: Client, settings: Setting
     now = await reserved(ledger, settings, "dgx-h100-01")
     assert now["dgx-h100-01/gpu0"] == now["dgx-h100-01/gpu1"] == 20 * GB
     other = await call(
-        ledger, settings, Rpc.LEDGER_COMMIT, {**body, "shares": [{"accelerator_id": "dgx-h100-01/gpu0", "weights": 1}]}
+        ledger,
+        settings,
+        Rpc.LEDGER_COMMIT,
+        {**body, "shares": [{"accelerator_id": "dgx-h100-01/gpu0", "weights_bytes": 1}]},
     )
     assert other["error"]["code"] == "invalid_request"  # same id, different content
     assert (
@@ -144,15 +147,19 @@ async def test_same_commit_twice_reserves_once(ledger: Client, settings: Setting
     assert (await reserved(ledger, settings, "dgx-h100-01"))["dgx-h100-01/gpu0"] == 0
 
 
-async def test_share_fields_are_accepted_with_the_bytes_suffix(ledger: Client, settings: Settings) -> None:
+async def test_share_fields_are_still_accepted_under_their_deprecated_names(ledger: Client, settings: Settings) -> None:
     body = {
         "request_id": f"r-{uuid.uuid4().hex[:8]}",
         "tenant": "acme",
-        "shares": [{"accelerator_id": "dgx-h100-01/gpu2", "weights_bytes": 3 * GB, "kv_bytes": 1 * GB}],
+        "shares": [{"accelerator_id": "dgx-h100-01/gpu2", "weights": 3 * GB, "kv": 1 * GB}],
     }
     reply = await call(ledger, settings, Rpc.LEDGER_COMMIT, body)
     assert reply["status"] == "committed"
-    assert reply["view"][0]["reserved"] == reply["view"][0]["reserved_bytes"] == 4 * GB
+    assert reply["view"][0]["reserved_bytes"] == 4 * GB and "reserved" not in reply["view"][0]  # sent once
+    both = {**body, "request_id": f"r-{uuid.uuid4().hex[:8]}"}
+    both["shares"] = [{"accelerator_id": "dgx-h100-01/gpu2", "weights": 3 * GB, "weights_bytes": 2 * GB}]
+    refused = await call(ledger, settings, Rpc.LEDGER_COMMIT, both)
+    assert refused["error"]["code"] == "invalid_request" and "weights_bytes" in refused["error"]["message"]
     await call(ledger, settings, Rpc.LEDGER_RELEASE, {"allocation_id": reply["allocation_id"], "tenant": "acme"})
 
 
@@ -163,7 +170,7 @@ async def test_bad_input_gets_typed_errors_and_changes_nothing(ledger: Client, s
     cases = [
         (
             Rpc.LEDGER_COMMIT,
-            {**commit("dgx-h100-02/gpu1", 1), "shares": [{"accelerator_id": "dgx-h100-02/gpu1", "weights": -5}]},
+            {**commit("dgx-h100-02/gpu1", 1), "shares": [{"accelerator_id": "dgx-h100-02/gpu1", "weights_bytes": -5}]},
             "invalid_request",
         ),
         (Rpc.LEDGER_COMMIT, commit("no-such-node/gpu0", 1), "not_found"),
@@ -196,8 +203,6 @@ async def test_a_stale_view_is_a_conflict_with_the_fresh_view(ledger: Client, se
     assert late["view"] == [
         {
             "id": acc,
-            "usable": H100_USABLE,
-            "reserved": 60 * GB,
             "usable_bytes": H100_USABLE,
             "reserved_bytes": 60 * GB,
             "available": True,
@@ -224,7 +229,7 @@ async def test_commit_batch_answers_each_commit_in_request_order(ledger: Client,
     assert [r["status"] for r in results] == ["committed", "rejected", "rejected", "committed", "committed"]
     assert [(r.get("error") or {}).get("code") for r in results] == [None, "not_found", "no_capacity", None, None]
     # Each commit saw the ones before it: the refusal's view holds the first commit's 10 GB.
-    assert results[2]["view"][0]["reserved"] == 10 * GB
+    assert results[2]["view"][0]["reserved_bytes"] == 10 * GB
     assert (await reserved(ledger, settings, "dgx-h100-02"))[acc] == 30 * GB
 
 
@@ -270,7 +275,7 @@ async def test_an_unrenewed_lease_expires_with_an_event(ledger: Client, settings
         ]
 
     expired = await wait_for(expired_events, 15, interval_s=0.2, what="the short lease expired")
-    assert len(expired) == 1 and expired[0]["payload"]["shares"][0]["total"] == 10 * GB
+    assert len(expired) == 1 and expired[0]["payload"]["shares"][0]["total_bytes"] == 10 * GB
     assert (await reserved(ledger, settings, "dgx-h100-02"))[acc] == 10 * GB  # the renewed one stays
     assert not [
         e
@@ -306,7 +311,7 @@ async def test_lost_node_is_unavailable_and_its_allocations_flagged(ledger: Clie
     snap = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": node})
     gpu = max(
         snap["accelerators"],
-        key=lambda a: (a["hbm_reserved"] == 0 or a["shared"], a["hbm_usable"] - a["hbm_reserved"]),
+        key=lambda a: (a["hbm_reserved_bytes"] == 0 or a["shared"], a["hbm_usable_bytes"] - a["hbm_reserved_bytes"]),
     )["id"]
     held = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(gpu, 50, sharing="shared"))
     assert held["status"] == "committed", held
@@ -416,7 +421,7 @@ async def test_requests_live_inside_their_replica_kv_pool(ledger: Client, settin
         {
             "request_id": "rep-1",
             "tenant": "acme",
-            "shares": [{"accelerator_id": acc, "weights": 20 * GB, "kv": 10 * GB}],
+            "shares": [{"accelerator_id": acc, "weights_bytes": 20 * GB, "kv_bytes": 10 * GB}],
         },
     )
     child = {"kind": "request", "parent_id": replica["allocation_id"], "tenant": "acme"}
@@ -424,21 +429,21 @@ async def test_requests_live_inside_their_replica_kv_pool(ledger: Client, settin
         ledger,
         settings,
         Rpc.LEDGER_COMMIT,
-        {**child, "request_id": "q-1", "shares": [{"accelerator_id": acc, "kv": 6 * GB}]},
+        {**child, "request_id": "q-1", "shares": [{"accelerator_id": acc, "kv_bytes": 6 * GB}]},
     )
     assert ok["status"] == "committed"
     over = await call(
         ledger,
         settings,
         Rpc.LEDGER_COMMIT,
-        {**child, "request_id": "q-2", "shares": [{"accelerator_id": acc, "kv": 5 * GB}]},
+        {**child, "request_id": "q-2", "shares": [{"accelerator_id": acc, "kv_bytes": 5 * GB}]},
     )
     assert over["error"]["code"] == "no_capacity" and "KV pool" in over["error"]["message"]
     stranger = await call(
         ledger,
         settings,
         Rpc.LEDGER_COMMIT,
-        {**child, "tenant": "globex", "request_id": "q-3", "shares": [{"accelerator_id": acc, "kv": 1 * GB}]},
+        {**child, "tenant": "globex", "request_id": "q-3", "shares": [{"accelerator_id": acc, "kv_bytes": 1 * GB}]},
     )
     assert stranger["error"]["code"] == "forbidden"
     assert (await reserved(ledger, settings, "dgx-a100-01"))[acc] == 30 * GB  # requests add nothing on top
@@ -476,7 +481,7 @@ async def test_an_exclusive_group_holds_its_gpus_alone_until_released(ledger: Cl
     beside = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(g[0], 1, sharing="shared"))
     assert beside["error"]["code"] == "no_capacity" and "held by another replica" in beside["error"]["message"]
     now = await views(ledger, settings, SHARING_NODE)
-    assert [now[a]["hbm_reserved"] for a in g] == [20 * GB, 20 * GB, 0]  # the refusals reserved nothing
+    assert [now[a]["hbm_reserved_bytes"] for a in g] == [20 * GB, 20 * GB, 0]  # the refusals reserved nothing
     assert not any(now[a]["shared"] for a in g)
     await release(ledger, settings, group)
     again = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(g[1:], 20))  # the freed GPU takes a new group
@@ -490,7 +495,7 @@ async def test_shared_replicas_sit_together_and_keep_exclusive_groups_out(ledger
     b = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 10, sharing="shared"))
     assert a["status"] == b["status"] == "committed", (a, b)
     view = (await views(ledger, settings, SHARING_NODE))[acc]
-    assert view["shared"] and view["hbm_reserved"] == 20 * GB
+    assert view["shared"] and view["hbm_reserved_bytes"] == 20 * GB
     assert sorted(view["allocations"]) == sorted([a["allocation_id"], b["allocation_id"]])
     group = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit([acc, f"{SHARING_NODE}/gpu5"], 1))
     assert group["error"]["code"] == "no_capacity", group
@@ -501,7 +506,7 @@ async def test_shared_replicas_sit_together_and_keep_exclusive_groups_out(ledger
     assert (await views(ledger, settings, SHARING_NODE))[acc]["shared"]  # b still holds it, shared
     await release(ledger, settings, b)
     view = (await views(ledger, settings, SHARING_NODE))[acc]
-    assert not view["shared"] and view["hbm_reserved"] == 0
+    assert not view["shared"] and view["hbm_reserved_bytes"] == 0
     alone = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 1))
     assert alone["status"] == "committed", alone
     joining = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 1, sharing="shared"))
@@ -523,7 +528,7 @@ async def test_racing_exclusive_groups_for_one_gpu_commit_exactly_one(ledger: Cl
         assert len(won) == 1, (round_, replies)
         # Each loser decided when the GPU was idle: a conflict, with the fresh view to decide again.
         assert {r["error"]["code"] for r in replies if r["status"] != "committed"} == {"conflict"}
-        assert (await views(ledger, settings, SHARING_NODE))[acc]["hbm_reserved"] == 5 * GB
+        assert (await views(ledger, settings, SHARING_NODE))[acc]["hbm_reserved_bytes"] == 5 * GB
         await release(ledger, settings, won[0])
 
 
@@ -716,7 +721,7 @@ async def test_replaying_the_ledger_stream_rebuilds_the_tables(ledger: Client, s
             "request_id": f"r-{uuid.uuid4().hex[:8]}",
             "tenant": "acme",
             "sharing": "shared",
-            "shares": [{"accelerator_id": accs[2], "kv": GB}],
+            "shares": [{"accelerator_id": accs[2], "kv_bytes": GB}],
         },
     )
     request = await call(
@@ -728,7 +733,7 @@ async def test_replaying_the_ledger_stream_rebuilds_the_tables(ledger: Client, s
             "tenant": "acme",
             "kind": "request",
             "parent_id": replica["allocation_id"],
-            "shares": [{"accelerator_id": accs[2], "kv": GB // 2}],
+            "shares": [{"accelerator_id": accs[2], "kv_bytes": GB // 2}],
         },
     )
     assert all(r["status"] == "committed" for r in (kept, gone, replica, request))
@@ -776,11 +781,11 @@ async def test_fleet_get_shows_what_the_ledger_reserved(ledger: Client, settings
         assert not isinstance(reply, Rejected)
         fleet = reply.model_dump(mode="json")
         node = next(n for n in fleet["nodes"] if n["name"] == "dgx-h100-01")
-        return fleet if next(a for a in node["accelerators"] if a["index"] == 5)["hbm_reserved"] else None
+        return fleet if next(a for a in node["accelerators"] if a["index"] == 5)["hbm_reserved_bytes"] else None
 
     fleet = await wait_for(fleet_with_it, 20, interval_s=0.2, what="fleet.get shows the reservation")
     node = next(n for n in fleet["nodes"] if n["name"] == "dgx-h100-01")
-    assert next(a for a in node["accelerators"] if a["index"] == 5)["hbm_reserved"] == 30 * GB
+    assert next(a for a in node["accelerators"] if a["index"] == 5)["hbm_reserved_bytes"] == 30 * GB
 
 
 async def test_tpu_chips_are_ledger_accelerators(ledger: Client, settings: Settings) -> None:
@@ -790,7 +795,7 @@ async def test_tpu_chips_are_ledger_accelerators(ledger: Client, settings: Setti
 
     chips = await wait_for(pod_chips, 15, interval_s=0.1, what="the v5e pod's 256 chips")
     assert len(chips) == 256 and "v5e-pod-1/15.15" in chips
-    assert chips["v5e-pod-1/0.0"]["hbm_usable"] == 16 * 2**30 * 23 // 25  # 16 GiB x 0.92
+    assert chips["v5e-pod-1/0.0"]["hbm_usable_bytes"] == 16 * 2**30 * 23 // 25  # 16 GiB x 0.92
     v5p = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": "v5p-pod-1"})
     assert len(v5p["accelerators"]) == 512 and v5p["accelerators"][0]["id"] == "v5p-pod-1/0.0.0"
 
@@ -820,7 +825,7 @@ async def test_a_device_reported_smaller_under_an_allocation_keeps_it_and_takes_
 
     async def usable_is(expected: int) -> bool:
         snap = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": node})
-        return next(a for a in snap["accelerators"] if a["id"] == gpu)["hbm_usable"] == expected
+        return next(a for a in snap["accelerators"] if a["id"] == gpu)["hbm_usable_bytes"] == expected
 
     held = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(gpu, 60))
     assert held["status"] == "committed", held
@@ -829,7 +834,7 @@ async def test_a_device_reported_smaller_under_an_allocation_keeps_it_and_takes_
     refused = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(gpu, 0.001))
     assert refused["error"]["code"] == "no_capacity", refused
     others = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {"node": node})
-    assert all(a["hbm_usable"] == H100_USABLE for a in others["accelerators"] if a["id"] != gpu)
+    assert all(a["hbm_usable_bytes"] == H100_USABLE for a in others["accelerators"] if a["id"] != gpu)
     assert "reports less HBM than is reserved on it" in service_processes.log("ledger_ledger")
     released = await call(
         ledger, settings, Rpc.LEDGER_RELEASE, {"allocation_id": held["allocation_id"], "tenant": "acme"}

@@ -62,7 +62,7 @@ async def call(nc: Client, settings: Settings, rpc: Rpc, body: dict[str, Any]) -
 
 async def reserved(nc: Client, settings: Settings, node: str) -> dict[str, int]:
     snap = await call(nc, settings, Rpc.LEDGER_SNAPSHOT, {"node": node})
-    return {a["id"]: a["hbm_reserved"] for a in snap["accelerators"]}
+    return {a["id"]: a["hbm_reserved_bytes"] for a in snap["accelerators"]}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -121,7 +121,7 @@ async def test_place_reserves_through_the_ledger_once(stack: Client, settings: S
     accs = [a for p in first["placements"] for a in p["accelerators"]]
     assert len(accs) == first["tp"]
     node = first["placements"][0]["node"]
-    per = first["hbm_per_accelerator"]["total"]
+    per = first["hbm_per_accelerator"]["total_bytes"]
     after = await reserved(stack, settings, node)
     assert all(after[a] >= per for a in accs)
     again = await call(stack, settings, Rpc.PLACEMENT_PLACE, place_body("p-1"))
@@ -158,7 +158,7 @@ async def test_release_gives_the_bytes_back(stack: Client, settings: Settings) -
         stack, settings, Rpc.PLACEMENT_RELEASE, {"allocation_id": placed["allocation_id"], "tenant": "acme"}
     )
     assert done["status"] == "released"
-    assert (await reserved(stack, settings, node))[acc] == held - placed["hbm_per_accelerator"]["total"]
+    assert (await reserved(stack, settings, node))[acc] == held - placed["hbm_per_accelerator"]["total_bytes"]
 
 
 async def test_a_tpu_request_gets_a_whole_legal_slice(stack: Client, settings: Settings) -> None:
@@ -182,7 +182,7 @@ async def test_a_tpu_request_gets_a_whole_legal_slice(stack: Client, settings: S
     snap = await call(stack, settings, Rpc.LEDGER_SNAPSHOT, {"node": tpu["pod"]})
     held = [a for a in snap["accelerators"] if reply["allocation_id"] in a["allocations"]]
     assert {a["id"] for a in held} == reported  # the chips reserved are the slice it reports, no others
-    assert all(a["hbm_reserved"] == a["hbm_usable"] for a in held)  # whole chips
+    assert all(a["hbm_reserved_bytes"] == a["hbm_usable_bytes"] for a in held)  # whole chips
 
 
 def slice_coords(origin: list[int], shape: list[int]) -> list[tuple[int, ...]]:
@@ -377,7 +377,7 @@ async def test_the_view_converges_to_the_ledger_while_placements_churn_and_nodes
         async def converged() -> bool:
             snap = await rpc.ledger_snapshot()
             assert isinstance(snap, SnapshotReply)
-            ledger = {a.id: (a.hbm_usable, a.hbm_reserved, a.available) for a in snap.accelerators}
+            ledger = {a.id: (a.hbm_usable_bytes, a.hbm_reserved_bytes, a.available) for a in snap.accelerators}
             current = view()
             if current.ledger_balances() != ledger or current.assumed:
                 return False
@@ -459,7 +459,7 @@ async def test_a_queued_request_is_placed_once_a_release_frees_its_capacity(stac
         assert second["allocation_id"] and second["allocation_id"] != first["allocation_id"]
         accs = [a for p in second["placements"] for a in p["accelerators"]]
         assert sorted(accs) == sorted(AcceleratorId.gpu(name, i) for i in range(8))
-        per = second["hbm_per_accelerator"]["total"]
+        per = second["hbm_per_accelerator"]["total_bytes"]
         assert await reserved(stack, settings, name) == dict.fromkeys(accs, per)  # its share, nothing else
         assert second["binding"] and second["launch"]["vllm"]
         done = {"allocation_id": second["allocation_id"], "tenant": "acme"}

@@ -147,7 +147,7 @@ async def release(caller: Caller, bus: SecureBus, tenant: str, allocation_id: st
 async def reserved_on(bus: SecureBus, prefix: str) -> dict[str, int]:
     operator = await bus.connect("operator")
     snap = await operator.request(bus.subjects.rpc(Rpc.LEDGER_SNAPSHOT), {"limit": 10_000})
-    return {a["id"]: a["hbm_reserved"] for a in snap["accelerators"] if a["node"].startswith(prefix)}
+    return {a["id"]: a["hbm_reserved_bytes"] for a in snap["accelerators"] if a["node"].startswith(prefix)}
 
 
 def quota_refusal(reply: dict[str, Any], quota: str) -> dict[str, Any]:

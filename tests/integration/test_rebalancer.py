@@ -252,7 +252,7 @@ async def test_cold_nodes_are_consolidated_and_a_hot_replica_is_replicated(stack
     where = next(acc.id for acc in ledger.accelerators if step.new_allocation_id in acc.allocations)
     assert where not in step.avoid  # not on the hot replica's own GPU
     for acc in ledger.accelerators:
-        assert acc.hbm_reserved <= acc.hbm_usable
+        assert acc.hbm_reserved_bytes <= acc.hbm_usable_bytes
 
 
 async def test_a_saturated_pcie_link_throttles_new_replicas_on_the_node_until_it_clears(stack: Stack) -> None:

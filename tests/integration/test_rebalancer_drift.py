@@ -94,7 +94,7 @@ async def test_a_drifting_allocation_raises_an_alarm_and_is_replaced(stack: Stac
     replica = await wait_for(placed, 30, what="placement sees the reported node")
     old = replica.allocation_id
     assert old is not None and replica.hbm_per_accelerator is not None
-    reserved = replica.hbm_per_accelerator.total
+    reserved = replica.hbm_per_accelerator.total_bytes
     gpu = int(replica.placements[0].accelerators[0].rsplit("gpu", 1)[1])
     # The engine holds 60% more than it reserved (a leak): |observed - reserved| / reserved = 0.6 > 0.10.
     used = {gpu: 1.6 * reserved / GPU_BYTES}  # the synthetic agent reports GPUs of GPU_BYTES

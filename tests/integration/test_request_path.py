@@ -318,7 +318,7 @@ async def test_bad_input_on_both_subjects_gets_typed_errors_and_changes_nothing(
     holds = await active_holds(stack)
     snap = await stack.rpc.ask(Rpc.LEDGER_SNAPSHOT, SnapshotRequest(), SnapshotReply)
     assert isinstance(snap, SnapshotReply)
-    reserved = {a.id: (a.hbm_reserved, tuple(a.allocations)) for a in snap.accelerators}
+    reserved = {a.id: (a.hbm_reserved_bytes, tuple(a.allocations)) for a in snap.accelerators}
     for rpc in (Rpc.PLACEMENT_ADMIT, Rpc.ROUTE_SELECT):
         for body in (
             b"not json",
@@ -339,7 +339,7 @@ async def test_bad_input_on_both_subjects_gets_typed_errors_and_changes_nothing(
     assert isinstance(region, Rejected) and region.error.code == "not_found"
     after = await stack.rpc.ask(Rpc.LEDGER_SNAPSHOT, SnapshotRequest(), SnapshotReply)
     assert isinstance(after, SnapshotReply)
-    assert {a.id: (a.hbm_reserved, tuple(a.allocations)) for a in after.accelerators} == reserved
+    assert {a.id: (a.hbm_reserved_bytes, tuple(a.allocations)) for a in after.accelerators} == reserved
     assert await active_holds(stack) == holds
 
 

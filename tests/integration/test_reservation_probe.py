@@ -162,7 +162,7 @@ class Stack:
         reply = await self.rpc.ask(Rpc.LEDGER_SNAPSHOT, SnapshotRequest(limit=10_000), SnapshotReply)
         assert isinstance(reply, SnapshotReply), reply
         for acc in reply.accelerators:
-            assert acc.hbm_reserved <= acc.hbm_usable, acc
+            assert acc.hbm_reserved_bytes <= acc.hbm_usable_bytes, acc
         return {a for acc in reply.accelerators for a in acc.allocations}
 
     async def placement_health(self) -> HealthReply:

@@ -206,7 +206,7 @@ def _no_double_booking(ledger: SnapshotReply, stack: Stack, reserved: list[str])
     """No accelerator is over-committed, and no reserved one holds both the owner's and a borrower's replica."""
     tenants = {a: t for a, (t, _r) in stack.placed.items()}
     for acc in ledger.accelerators:
-        assert acc.hbm_reserved <= acc.hbm_usable, acc
+        assert acc.hbm_reserved_bytes <= acc.hbm_usable_bytes, acc
         if acc.id in reserved:
             assert len({tenants.get(a) for a in acc.allocations}) <= 1, acc
 

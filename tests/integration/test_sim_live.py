@@ -61,7 +61,7 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
 
 def held(snapshot: SnapshotReply | Rejected) -> dict[str, int]:
     assert isinstance(snapshot, SnapshotReply), snapshot
-    return {a.id: a.hbm_reserved for a in snapshot.accelerators if a.hbm_reserved}
+    return {a.id: a.hbm_reserved_bytes for a in snapshot.accelerators if a.hbm_reserved_bytes}
 
 
 async def test_live_simulation_places_through_the_stack_and_releases(stack: RpcClient, settings: Settings) -> None:

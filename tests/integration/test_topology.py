@@ -319,16 +319,18 @@ async def test_reserved_bytes_follow_ledger_events_once_each(
             kind="replica" if counts else "request",
             counts_against_hbm=counts,
             shares=[
-                ShareOut(accelerator_id=a, weights=b, kv=0, activation=0, workspace=0, total=b)
+                ShareOut(
+                    accelerator_id=a, weights_bytes=b, kv_bytes=0, activation_bytes=0, workspace_bytes=0, total_bytes=b
+                )
                 for a, b in shares.items()
             ],
         )
 
     def reserved(fleet: dict[str, Any]) -> dict[str, int]:
         node = _node(fleet, "reserved-01") or {"accelerators": []}
-        assert all(a["hbm_reserved"] == a["hbm_reserved_bytes"] for a in node["accelerators"])
-        assert all(a["hbm_total"] == a["hbm_total_bytes"] == 80 * GB for a in node["accelerators"])
-        return {a["id"]: a["hbm_reserved"] for a in node["accelerators"]}
+        assert all({"hbm_reserved", "hbm_total"}.isdisjoint(a) for a in node["accelerators"])  # each figure once
+        assert all(a["hbm_total_bytes"] == 80 * GB for a in node["accelerators"])
+        return {a["id"]: a["hbm_reserved_bytes"] for a in node["accelerators"]}
 
     async def shows(expected: dict[str, int]) -> dict[str, Any]:
         found: dict[str, Any] = await eventually(lambda: _fleet_with(nc, settings, lambda f: reserved(f) == expected))

@@ -51,7 +51,7 @@ BOOLEAN_PROBES = [(model, path, body) for model in MODELS for path, body in bool
 def test_every_contract_has_its_numbers_probed() -> None:
     probed = {(model.__name__, path) for model, path, _body in BOOLEAN_PROBES}
     assert {("AdmitRequest", "lease_s"), ("PlaceRequest", "context_tokens"), ("PlaceRequest", "slo.ttft_ms")} <= probed
-    assert ("CommitRequest", "shares.0.kv") in probed and ("EngineStatusEvent", "queue_depth") in probed
+    assert ("CommitRequest", "shares.0.kv_bytes") in probed and ("EngineStatusEvent", "queue_depth") in probed
 
 
 @pytest.mark.parametrize(

@@ -190,7 +190,7 @@ def test_the_contract_and_the_ledger_agree_on_the_longest_lease() -> None:
             "request_id": "r",
             "tenant": "t",
             "lease_expires_at": "9999-12-31T00:00:00",
-            "shares": [{"accelerator_id": "n/gpu0", "weights": 1}],
+            "shares": [{"accelerator_id": "n/gpu0", "weights_bytes": 1}],
         }
     )
     assert naive.lease_expires_at is not None and naive.lease_expires_at.tzinfo is not None  # read as UTC

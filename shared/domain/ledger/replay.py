@@ -23,7 +23,7 @@ class SharePayload(Protocol):
     @property
     def accelerator_id(self) -> str: ...
     @property
-    def total(self) -> int: ...
+    def total_bytes(self) -> int: ...
 
 
 class AllocationPayload(Protocol):
@@ -67,7 +67,7 @@ def allocation_delta(name: str, payload: AllocationPayload) -> dict[str, int]:
     sign = 1 if name == COMMITTED else -1
     delta: dict[str, int] = {}
     for share in payload.shares:
-        delta[share.accelerator_id] = delta.get(share.accelerator_id, 0) + sign * share.total
+        delta[share.accelerator_id] = delta.get(share.accelerator_id, 0) + sign * share.total_bytes
     return delta
 
 

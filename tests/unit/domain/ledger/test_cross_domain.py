@@ -16,11 +16,11 @@ def event(
     share = ShareOut.model_validate(
         {
             "accelerator_id": f"{allocation_id}/gpu0",
-            "weights": GB,
-            "kv": 0,
-            "activation": 0,
-            "workspace": 0,
-            "total": GB,
+            "weights_bytes": GB,
+            "kv_bytes": 0,
+            "activation_bytes": 0,
+            "workspace_bytes": 0,
+            "total_bytes": GB,
         }
     )
     return AllocationEvent(

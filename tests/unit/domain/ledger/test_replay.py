@@ -22,7 +22,14 @@ def event(allocation_id: str, *shares: tuple[str, int], kind: str = "replica") -
         counts_against_hbm=kind == "replica",
         shares=[
             ShareOut.model_validate(
-                {"accelerator_id": a, "weights": b, "kv": 0, "activation": 0, "workspace": 0, "total": b}
+                {
+                    "accelerator_id": a,
+                    "weights_bytes": b,
+                    "kv_bytes": 0,
+                    "activation_bytes": 0,
+                    "workspace_bytes": 0,
+                    "total_bytes": b,
+                }
             )
             for a, b in shares
         ],
@@ -97,5 +104,5 @@ def test_replay_equals_the_live_allocations_after_any_history(seed: int, steps: 
     expected: dict[str, int] = {}
     for allocation in live.values():
         for share in allocation.shares:
-            expected[share.accelerator_id] = expected.get(share.accelerator_id, 0) + share.total
+            expected[share.accelerator_id] = expected.get(share.accelerator_id, 0) + share.total_bytes
     assert replay_reserved(stream) == expected

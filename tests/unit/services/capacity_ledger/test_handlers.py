@@ -228,7 +228,7 @@ def commit_request(rid: str, *shares: tuple[str, float], tenant: str = "acme", *
     return CommitRequest(
         request_id=rid,
         tenant=tenant,
-        shares=[ShareIn(accelerator_id=a, weights=int(gb * GB)) for a, gb in shares],
+        shares=[ShareIn(accelerator_id=a, weights_bytes=int(gb * GB)) for a, gb in shares],
         **extra,
     )
 
@@ -258,7 +258,7 @@ async def test_commit_batch_results_keep_the_request_order() -> None:
     assert [r.allocation_id for r in reply.results] == ["al-0", None, None, "al-1", "al-2"]
     assert [r.error.code if r.error else None for r in reply.results] == [None, "not_found", "no_capacity", None, None]
     assert reply.results[2].view[0].reserved_bytes == 50 * GB  # the fresh view, with its unit-named field
-    assert reply.results[4].view[0].reserved == 70 * GB  # the view after the batch
+    assert reply.results[4].view[0].reserved_bytes == 70 * GB  # the view after the batch
     assert all(r.lease_expires_at == NOW + timedelta(seconds=300) for r in reply.results if r.status == "committed")
     assert units.runs == 1  # one transaction for the batch
     committed = units.named("allocation_committed")
@@ -343,7 +343,7 @@ async def test_a_request_joins_its_exclusively_held_replica_gpu() -> None:
         tenant="acme",
         kind="request",
         parent_id=replica.allocation_id,
-        shares=[ShareIn(accelerator_id="n/gpu0", kv=GB)],
+        shares=[ShareIn(accelerator_id="n/gpu0", kv_bytes=GB)],
     )
     (held,) = await handlers.apply_commits([request])
     assert held.status == "committed"
@@ -388,7 +388,7 @@ async def test_a_request_with_cross_domain_traffic_is_invalid() -> None:
             kind="request",
             parent_id="al-1",
             cross_domain_bytes_per_s=1,
-            shares=[ShareIn(accelerator_id="n/gpu0", kv=GB)],
+            shares=[ShareIn(accelerator_id="n/gpu0", kv_bytes=GB)],
         )
 
 
@@ -452,7 +452,7 @@ async def test_release_ends_it_once_with_an_event() -> None:
         {"allocation_id": allocation, "state": AllocationState.RELEASED, "now": NOW}
     ]
     released = units.named("allocation_released")
-    assert len(released) == 1 and AllocationEvent.model_validate(released[0]).shares[0].total == 10 * GB
+    assert len(released) == 1 and AllocationEvent.model_validate(released[0]).shares[0].total_bytes == 10 * GB
     unknown = await handlers.release(LedgerReleaseRequest(allocation_id="al-nope", tenant="acme"))
     assert isinstance(unknown, Rejected) and unknown.error.code == "not_found"
 
@@ -515,12 +515,8 @@ async def test_snapshot_passes_the_cursor_and_limit_through() -> None:
     assert store.called("snapshot") == [{"node": "n", "after": "n/gpu2", "limit": 1}]
     assert isinstance(reply, SnapshotReply) and reply.next_cursor == "n/gpu3"
     (view,) = reply.accelerators
-    assert (view.id, view.hbm_reserved, view.hbm_reserved_bytes, view.hbm_usable_bytes) == (
-        "n/gpu3",
-        5 * GB,
-        5 * GB,
-        USABLE,
-    )
+    assert (view.id, view.hbm_reserved_bytes, view.hbm_usable_bytes) == ("n/gpu3", 5 * GB, USABLE)
+    assert "hbm_reserved" not in view.model_dump() and "hbm_usable" not in view.model_dump()  # each figure once
     assert view.allocations == ["al-1"]
     await handlers.snapshot(SnapshotRequest())
     assert store.called("snapshot")[-1] == {"node": None, "after": None, "limit": 2048}

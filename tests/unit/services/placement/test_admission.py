@@ -63,7 +63,7 @@ class FakeLedger(RpcClient):
             replica, commit = self.holds.pop(request.allocation_id)
             assert request.tenant == commit.tenant
             for share in commit.shares:
-                self.used[replica][share.accelerator_id] -= share.kv
+                self.used[replica][share.accelerator_id] -= share.kv_bytes
             return LedgerReleaseReply(status="released")
         if rpc is Rpc.LEDGER_COMMIT_BATCH:
             assert isinstance(request, CommitBatchRequest)
@@ -78,10 +78,13 @@ class FakeLedger(RpcClient):
         if self.owners[parent] != request.tenant:
             return rejected(ErrorCode.FORBIDDEN, "the replica belongs to another tenant")
         for share in request.shares:
-            if self.used[parent].get(share.accelerator_id, 0) + share.kv > self.pools[parent][share.accelerator_id]:
+            if (
+                self.used[parent].get(share.accelerator_id, 0) + share.kv_bytes
+                > self.pools[parent][share.accelerator_id]
+            ):
                 return CommitReply(status="rejected", error=rejected(ErrorCode.NO_CAPACITY, "KV pool full").error)
         for share in request.shares:
-            self.used[parent][share.accelerator_id] = self.used[parent].get(share.accelerator_id, 0) + share.kv
+            self.used[parent][share.accelerator_id] = self.used[parent].get(share.accelerator_id, 0) + share.kv_bytes
         allocation_id = f"hold-{len(self.commits)}"
         self.holds[allocation_id] = (parent, request)
         return CommitReply(status="committed", request_id=request.request_id, allocation_id=allocation_id)
@@ -333,7 +336,9 @@ def test_a_placed_reply_becomes_a_replica_with_its_kv_pool() -> None:
         tp=2,
         model="llama3.1-8b",
         placements=[NodePlacement(node="n1", accelerators=["n1/gpu0", "n1/gpu1"])],
-        hbm_per_accelerator=AcceleratorShare(weights=8 * GB, kv=20 * GB, activation=GB, workspace=GB, total=30 * GB),
+        hbm_per_accelerator=AcceleratorShare(
+            weights_bytes=8 * GB, kv_bytes=20 * GB, activation_bytes=GB, workspace_bytes=GB, total_bytes=30 * GB
+        ),
     )
     replica = replica_of("acme", reply, MODELS)
     assert replica is not None

@@ -391,7 +391,9 @@ def refused(code: ErrorCode, *, full: bool = True) -> Callable[[BaseModel], Base
     def answer(request: BaseModel) -> CommitReply:
         assert isinstance(request, CommitRequest)
         view = [
-            AcceleratorBalance(id=s.accelerator_id, usable=USABLE, reserved=USABLE if full else 0, available=True)
+            AcceleratorBalance(
+                id=s.accelerator_id, usable_bytes=USABLE, reserved_bytes=USABLE if full else 0, available=True
+            )
             for s in request.shares
         ]
         return CommitReply(
@@ -419,11 +421,11 @@ async def test_a_placement_commits_once_and_keeps_its_bytes_in_the_view() -> Non
     assert commit.request_id == "placement/r-1" and commit.lease_s == 3600
     assert commit.expected == dict.fromkeys(accelerators(commit), 0)
     assert reply.hbm_per_accelerator is not None
-    assert rig.reserved() == dict.fromkeys(accelerators(commit), reply.hbm_per_accelerator.total)
+    assert rig.reserved() == dict.fromkeys(accelerators(commit), reply.hbm_per_accelerator.total_bytes)
     # Its event, later, changes nothing: the allocation is counted once.
-    total = reply.hbm_per_accelerator.total
+    total = reply.hbm_per_accelerator.total_bytes
     rig.view.allocation_moved("al-1", key=("acme", "placement/r-1"), delta=dict.fromkeys(accelerators(commit), total))
-    assert rig.reserved() == dict.fromkeys(accelerators(commit), reply.hbm_per_accelerator.total)
+    assert rig.reserved() == dict.fromkeys(accelerators(commit), reply.hbm_per_accelerator.total_bytes)
     assert rig.uow.names() == ["placement_decided"]
     event = PlacementEvent.model_validate(rig.uow.events[0].payload)
     assert event.reply == reply and event.attempts == 1
@@ -538,7 +540,7 @@ async def test_a_tpu_commit_reserves_exactly_the_slice_it_reports() -> None:
     (commit,) = rig.rpc.requests(Rpc.LEDGER_COMMIT)
     assert set(accelerators(commit)) == reported
     whole = rig.view.snapshot.tpu_pods["p1"].usable_per_chip
-    assert {s.weights for s in commit.shares} == {whole}
+    assert {s.weights_bytes for s in commit.shares} == {whole}
 
 
 async def test_explain_reserves_nothing() -> None:

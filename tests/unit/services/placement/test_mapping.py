@@ -48,8 +48,8 @@ def rows(name: str, *, reserved: int = 0, allocation: str | None = None) -> list
         AcceleratorLedgerView(
             id=AcceleratorId.gpu(name, i),
             node=name,
-            hbm_usable=USABLE,
-            hbm_reserved=reserved,
+            hbm_usable_bytes=USABLE,
+            hbm_reserved_bytes=reserved,
             allocations=[allocation] if allocation else [],
         )
         for i in range(8)
@@ -65,7 +65,12 @@ def allocation(name: str, allocation_id: str, nbytes: int, *, counts: bool = Tru
         counts_against_hbm=counts,
         shares=[
             ShareOut(
-                accelerator_id=AcceleratorId.gpu(name, 0), weights=nbytes, kv=0, activation=0, workspace=0, total=nbytes
+                accelerator_id=AcceleratorId.gpu(name, 0),
+                weights_bytes=nbytes,
+                kv_bytes=0,
+                activation_bytes=0,
+                workspace_bytes=0,
+                total_bytes=nbytes,
             )
         ],
     )
@@ -107,7 +112,7 @@ def test_a_view_seeded_from_the_snapshots_follows_the_events() -> None:
     apply_event(view, TopologyEventName.NODE_LOST, lost)
     assert "n1" not in view.snapshot.nodes
     apply_event(view, TopologyEventName.NODE_RECOVERED, lost)
-    down = AcceleratorBalance(id=gpu0, usable=USABLE, reserved=0, available=False)
+    down = AcceleratorBalance(id=gpu0, usable_bytes=USABLE, reserved_bytes=0, available=False)
     apply_event(
         view, LedgerEventName.CAPACITY_CHANGED, CapacityChangedEvent(node="n1", reason="lost", accelerators=[down])
     )
@@ -123,7 +128,7 @@ def test_a_view_seeded_from_the_snapshots_follows_the_events() -> None:
         ),
     )
     assert "n2" in view.profiles and "n2" not in view.snapshot.nodes  # the ledger does not know its GPUs yet
-    balances = [AcceleratorBalance(id=r.id, usable=USABLE, reserved=0, available=True) for r in rows("n2")]
+    balances = [AcceleratorBalance(id=r.id, usable_bytes=USABLE, reserved_bytes=0, available=True) for r in rows("n2")]
     apply_event(
         view,
         LedgerEventName.CAPACITY_CHANGED,
@@ -253,8 +258,8 @@ def test_the_view_seeds_and_follows_sharing_cross_domain_traffic_and_telemetry()
         ]
     )
     seeded = rows("n1")
-    seeded[0] = seeded[0].model_copy(update={"hbm_reserved": GB, "allocations": ["al-s"], "shared": True})
-    seeded[1] = seeded[1].model_copy(update={"hbm_reserved": GB, "allocations": ["al-c"]})
+    seeded[0] = seeded[0].model_copy(update={"hbm_reserved_bytes": GB, "allocations": ["al-s"], "shared": True})
+    seeded[1] = seeded[1].model_copy(update={"hbm_reserved_bytes": GB, "allocations": ["al-c"]})
     ledger = SnapshotReply(
         accelerators=seeded,
         cross_domain_used={"c1": 40 * GB},

@@ -36,7 +36,7 @@ def tp8(rid: str, **extra: Any) -> PlaceRequest:
 def release(rig: Rig, reply: PlaceReply, allocation_id: str, rid: str) -> None:
     """The ledger's `allocation_released` of ``reply``'s allocation, as the view's feed applies it."""
     assert reply.hbm_per_accelerator is not None
-    total = reply.hbm_per_accelerator.total
+    total = reply.hbm_per_accelerator.total_bytes
     accs = [a for p in reply.placements for a in p.accelerators]
     rig.view.allocation_moved(allocation_id, key=("acme", f"placement/{rid}"), delta=dict.fromkeys(accs, -total))
 
@@ -192,7 +192,7 @@ def ended(rig: Rig, reply: PlaceReply, tenant: str, rid: str) -> None:
     """The ledger's `allocation_released` of ``reply``'s allocation, as the view's feed applies it."""
     assert reply.hbm_per_accelerator is not None and reply.allocation_id is not None
     accs = [a for p in reply.placements for a in p.accelerators]
-    total = reply.hbm_per_accelerator.total
+    total = reply.hbm_per_accelerator.total_bytes
     key = (tenant, f"placement/{rid}")
     rig.view.allocation_moved(reply.allocation_id, key=key, delta=dict.fromkeys(accs, -total))
 

@@ -47,7 +47,10 @@ def released(rig: Rig, reply: BaseModel, tenant: str, rid: str) -> None:
     """The ledger's `allocation_released`, as the view's LEDGER feed applies it (bytes and the tally)."""
     assert isinstance(reply, PlaceReply) and reply.allocation_id is not None
     ended(rig, reply, tenant, rid)
-    shares = [ShareOut(accelerator_id=a, weights=0, kv=0, activation=0, workspace=0, total=0) for a in held(reply)]
+    shares = [
+        ShareOut(accelerator_id=a, weights_bytes=0, kv_bytes=0, activation_bytes=0, workspace_bytes=0, total_bytes=0)
+        for a in held(reply)
+    ]
     event = AllocationEvent(
         allocation_id=reply.allocation_id, request_id=f"placement/{rid}", tenant=tenant, kind="replica", shares=shares
     )
@@ -143,7 +146,15 @@ async def test_allocations_another_placement_committed_count_from_the_views_feed
     quotas = Quotas(limits={Quota.GPUS_PLACED: 8})
     rig = Rig(FakeRpc(ledger_commit=[each_its_own]), view=fleet_view(nodes=("n1", "n2")), quotas=quotas)
     shares = [
-        ShareOut(accelerator_id=f"n2/gpu{i}", weights=0, kv=0, activation=0, workspace=0, total=0) for i in range(8)
+        ShareOut(
+            accelerator_id=f"n2/gpu{i}",
+            weights_bytes=0,
+            kv_bytes=0,
+            activation_bytes=0,
+            workspace_bytes=0,
+            total_bytes=0,
+        )
+        for i in range(8)
     ]
     elsewhere = AllocationEvent(
         allocation_id="al-x", request_id="placement/x", tenant="acme", kind="replica", shares=shares

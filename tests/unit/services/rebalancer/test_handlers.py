@@ -105,7 +105,9 @@ def place_reply(allocation_id: str, host: str, *gpus: int, request_id: str = "r"
         sku=H100,
         tp=len(gpus),
         placements=[NodePlacement(node=host, accelerators=[f"{host}/gpu{i}" for i in gpus])],
-        hbm_per_accelerator=AcceleratorShare(weights=SHARE_BYTES, kv=0, activation=0, workspace=0, total=SHARE_BYTES),
+        hbm_per_accelerator=AcceleratorShare(
+            weights_bytes=SHARE_BYTES, kv_bytes=0, activation_bytes=0, workspace_bytes=0, total_bytes=SHARE_BYTES
+        ),
     )
 
 
@@ -125,7 +127,10 @@ def committed(allocation_id: str, shares: dict[str, int], *, parent: str | None 
         kind="request" if parent else "replica",
         parent_id=parent,
         shares=[
-            ShareOut(accelerator_id=a, weights=b, kv=0, activation=0, workspace=0, total=b) for a, b in shares.items()
+            ShareOut(
+                accelerator_id=a, weights_bytes=b, kv_bytes=0, activation_bytes=0, workspace_bytes=0, total_bytes=b
+            )
+            for a, b in shares.items()
         ],
     )
 
@@ -163,8 +168,8 @@ def ledger(profiles: list[NodeProfile], held: dict[str, list[str]]) -> SnapshotR
             AcceleratorLedgerView(
                 id=acc,
                 node=p.name,
-                hbm_usable=76 * GB,
-                hbm_reserved=SHARE_BYTES * len(held.get(acc, [])),
+                hbm_usable_bytes=76 * GB,
+                hbm_reserved_bytes=SHARE_BYTES * len(held.get(acc, [])),
                 allocations=held.get(acc, []),
             )
             for p in profiles

@@ -178,7 +178,14 @@ def allocation(
         kind="replica",
         preemptible=preemptible,
         shares=[
-            ShareOut(accelerator_id=acc, weights=10 * GB, kv=0, activation=0, workspace=0, total=10 * GB)
+            ShareOut(
+                accelerator_id=acc,
+                weights_bytes=10 * GB,
+                kv_bytes=0,
+                activation_bytes=0,
+                workspace_bytes=0,
+                total_bytes=10 * GB,
+            )
             for acc in accelerators
         ],
     )
