@@ -30,10 +30,11 @@ from shared.contracts.ledger import (
 from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseRequest, RenewRequest
 from shared.contracts.placement_events import PlacementEvent
 from shared.contracts.subjects import Rpc
+from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.fleet import AcceleratorId, tpu_chip_ids
 from shared.domain.memory import usable_hbm
 from shared.domain.placement.ownership import DecisionStatus, Intent
-from shared.domain.placement.view import FleetView, LedgerAccelerator, LedgerMirror
+from shared.domain.placement.view import FleetView, LedgerMirror
 from shared.domain.quotas import Quotas
 from shared.infra import deadline
 from shared.infra.rpc import RpcError
@@ -308,14 +309,16 @@ class FakeTimer:
 
 def fleet_view(*, nodes: tuple[str, ...] = ("n1",), pods: tuple[str, ...] = ()) -> FleetView:
     rows = [
-        LedgerAccelerator(id=AcceleratorId.gpu(n, i), node=n, usable=USABLE, reserved=0)
+        AcceleratorCapacity.of_ledger(id=AcceleratorId.gpu(n, i), node=n, usable=USABLE, reserved=0)
         for n in nodes
         for i in range(8)
     ]
     tpu_hbm = usable_hbm(skus()["TPU-V5E"].hbm_bytes)
     pod_list = [tpu_pod(p, shape=(4, 4)) for p in pods]
     rows += [
-        LedgerAccelerator(id=c, node=p.name, usable=tpu_hbm, reserved=0) for p in pod_list for c in tpu_chip_ids(p)
+        AcceleratorCapacity.of_ledger(id=c, node=p.name, usable=tpu_hbm, reserved=0)
+        for p in pod_list
+        for c in tpu_chip_ids(p)
     ]
     return FleetView(
         skus=skus(),
