@@ -391,21 +391,22 @@ def committed(allocation_id: str = "al-1") -> Callable[[BaseModel], BaseModel]:
     return answer
 
 
-def refused(code: ErrorCode, *, full: bool = True) -> Callable[[BaseModel], BaseModel]:
-    """The ledger refuses the commit; its view shows the asked GPUs full (a fresher view than ours)."""
+def refused(code: ErrorCode, *, full: bool = True, legacy: bool = False) -> Callable[[BaseModel], BaseModel]:
+    """The ledger refuses the commit (``Rejected``, as it answers on the wire); its view, in the error's
+    details, shows the asked GPUs full (a fresher view than ours). ``legacy``: in the deprecated
+    ``CommitReply(status="rejected", view=...)`` shape instead."""
 
-    def answer(request: BaseModel) -> CommitReply:
+    def answer(request: BaseModel) -> BaseModel:
         assert isinstance(request, CommitRequest)
         view = [
             AcceleratorBalance(id=s.accelerator_id, usable=USABLE, reserved=USABLE if full else 0, available=True)
             for s in request.shares
         ]
-        return CommitReply(
-            status="rejected",
-            request_id=request.request_id,
-            error=ErrorBody(code=code, message="HBM short"),
-            view=view,
-        )
+        if legacy:
+            error = ErrorBody(code=code, message="HBM short")
+            return CommitReply(status="rejected", request_id=request.request_id, error=error, view=view)
+        error = ErrorBody(code=code, message="HBM short", details={"view": [b.model_dump() for b in view]})
+        return Rejected(error=error, request_id=request.request_id)
 
     return answer
 
@@ -443,8 +444,9 @@ async def test_the_same_request_id_returns_the_stored_decision() -> None:
     assert len(rig.rpc.requests(Rpc.LEDGER_COMMIT)) == 1
 
 
-async def test_a_conflict_decides_again_on_the_ledgers_fresher_figures() -> None:
-    rig = Rig(FakeRpc(ledger_commit=[refused(ErrorCode.CONFLICT), committed("al-2")]))
+@pytest.mark.parametrize("legacy", [False, True], ids=["rejected", "deprecated-commit-reply"])
+async def test_a_conflict_decides_again_on_the_ledgers_fresher_figures(legacy: bool) -> None:
+    rig = Rig(FakeRpc(ledger_commit=[refused(ErrorCode.CONFLICT, legacy=legacy), committed("al-2")]))
     reply = await rig.handlers.placing.place(place())
     assert isinstance(reply, PlaceReply) and reply.status == "placed" and reply.allocation_id == "al-2"
     first, second = rig.rpc.requests(Rpc.LEDGER_COMMIT)
@@ -570,7 +572,7 @@ async def test_a_refused_release_changes_nothing() -> None:
     refusal = LedgerReleaseReply(status="rejected", error=ErrorBody(code=ErrorCode.FORBIDDEN, message="not yours"))
     rig = Rig(FakeRpc(ledger_release=[refusal]))
     reply = await rig.handlers.lifecycle.release(ReleaseRequest(allocation_id="al-1", tenant="globex"))
-    assert reply.model_dump()["error"]["code"] == "forbidden"
+    assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.FORBIDDEN
     assert rig.uow.events == [] and rig.store.released == []
 
 
@@ -585,4 +587,4 @@ async def test_renew_passes_exactly_the_requested_lease() -> None:
 async def test_renew_without_an_answer_is_a_typed_refusal() -> None:
     rig = Rig(FakeRpc(ledger_renew=[RpcError(Rpc.LEDGER_RENEW, "no service answers this subject")]))
     reply = await rig.handlers.lifecycle.renew(RenewRequest(allocation_id="al-1", tenant="acme", lease_s=60))
-    assert reply.model_dump()["status"] == "rejected"
+    assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.INTERNAL
