@@ -168,10 +168,12 @@ def with_rpc(data_dir: Path | None, what: str, work: Callable[[RpcClient], Await
 
 
 def ask(
-    data_dir: Path | None, rpc: Rpc, request: BaseModel, reply_type: type[ModelT], *, rejection_as_reply: bool = True
+    data_dir: Path | None, rpc: Rpc, request: BaseModel, reply_type: type[ModelT], *, rejection_as_reply: bool = False
 ) -> Any:
-    """One call: the reply (a ``Rejected`` where the reply type has no room for a refusal, without
-    ``rejection_as_reply``); the service refusing the body as ``invalid_request`` is bad input (exit 2)."""
+    """One call: the reply, or the ``Rejected`` a service refuses with. ``rejection_as_reply``: only for
+    the routes whose reply model still carries its refusal (``placement.place``/``explain``: the
+    ``PlaceReply`` with its explanation); the service refusing the body as ``invalid_request`` is bad
+    input (exit 2)."""
 
     async def work(client: RpcClient) -> Any:
         if rejection_as_reply:

@@ -16,8 +16,7 @@ def rebalance(as_json: JsonOption = False, data_dir: DataDirOption = None) -> No
     """Operators: the rebalancer now (`rebalance.status`): each detector and its targets pending or firing,
     the plans open or running (and the last finished) and the recent actions, newest first."""
     request = RebalanceStatusRequest()
-    # No rejection_as_reply: a refusal has no field in the status reply and would lose its error.
-    answer = ask(data_dir, Rpc.REBALANCE_STATUS, request, RebalanceStatusReply, rejection_as_reply=False)
+    answer = ask(data_dir, Rpc.REBALANCE_STATUS, request, RebalanceStatusReply)
     refusal(answer, as_json)
     if as_json:
         print(answer.model_dump_json(indent=2))

@@ -67,7 +67,8 @@ def place(
     }
     request = build(lambda: PlaceRequest.model_validate({k: v for k, v in fields.items() if v is not None}))
     rpc = Rpc.PLACEMENT_EXPLAIN if explain else Rpc.PLACEMENT_PLACE
-    reply = ask(data_dir, rpc, request, PlaceReply)
+    # A refused placement keeps its PlaceReply (the explanation says what was tried and why not).
+    reply = ask(data_dir, rpc, request, PlaceReply, rejection_as_reply=True)
     if emit is not None:
         _emit(reply, emit)
         return

@@ -117,8 +117,7 @@ def reservations(
         _reservation_cancel(data_dir, cancel, tenant, as_json)
         return
     request = build(lambda: ReservationStatusRequest(tenant=tenant))
-    # No rejection_as_reply: a refusal has no field in the status reply and would lose its error.
-    answer = ask(data_dir, Rpc.RESERVATION_STATUS, request, ReservationStatusReply, rejection_as_reply=False)
+    answer = ask(data_dir, Rpc.RESERVATION_STATUS, request, ReservationStatusReply)
     refusal(answer, as_json)
     if as_json:
         print(answer.model_dump_json(indent=2))
@@ -168,7 +167,7 @@ def _reservation_cancel(data_dir: Path | None, reservation_id: str, tenant: str,
 def _reservation_report(data_dir: Path | None, as_json: bool) -> None:
     """`hetsched reservations --report`: one `reservation.report` call (operators)."""
     request = ReservationReportRequest()
-    answer = ask(data_dir, Rpc.RESERVATION_REPORT, request, ReservationReportReply, rejection_as_reply=False)
+    answer = ask(data_dir, Rpc.RESERVATION_REPORT, request, ReservationReportReply)
     refusal(answer, as_json)
     if as_json:
         print(answer.model_dump_json(indent=2))

@@ -60,10 +60,11 @@ class CommitHandlers:
         self._metrics = metrics
 
     async def commit(self, request: CommitRequest) -> BaseModel:
-        """One commit, applied together with the commits that arrive meanwhile (group commit)."""
+        """One commit, applied together with the commits that arrive meanwhile (group commit); a
+        refusal answers ``Rejected`` (the fresh view of a conflict in ``error.details["view"]``)."""
         if deadline.expired():  # the caller has gone: reserve nothing it would never learn of
-            return mapping.abandoned_reply(request.request_id)
-        return await self._batcher.submit(request)
+            return mapping.as_rejected(mapping.abandoned_reply(request.request_id))
+        return mapping.as_rejected(await self._batcher.submit(request))
 
     async def commit_batch(self, request: CommitBatchRequest) -> BaseModel:
         until = [deadline.current()] * len(request.commits)

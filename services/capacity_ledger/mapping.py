@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime
 
-from shared.contracts.base import ErrorBody, ErrorCode
+from shared.contracts.base import ErrorBody, ErrorCode, Rejected
 from shared.contracts.ledger import (
     AcceleratorBalance,
     AcceleratorLedgerView,
@@ -144,6 +144,15 @@ def refused_reply(request_id: str, outcome: Refused) -> CommitReply:
         error=ErrorBody(code=ErrorCode(outcome.code), message=outcome.message, details=details),
         view=view,
     )
+
+
+def as_rejected(reply: CommitReply) -> CommitReply | Rejected:
+    """A single commit's answer: refused, the one refusal shape (a batch's results keep theirs, one per
+    commit, inside ``CommitBatchReply``)."""
+    if reply.status != "rejected":
+        return reply
+    error = reply.error or ErrorBody(code=ErrorCode.INTERNAL, message="refused without a reason")
+    return Rejected(error=error, request_id=reply.request_id)
 
 
 def committed_reply(

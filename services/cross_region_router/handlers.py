@@ -191,11 +191,9 @@ class RoutingHandlers:
                 policy=self._policy,
             )
             if decision.region is None:
-                return RouteSelectReply(
-                    status="rejected",
-                    explanation=decision.reason,
-                    error=rejected(ErrorCode.NO_CAPACITY, decision.reason).error,
-                )
+                # The one refusal shape; the explanation travels in the error's details.
+                refusal = rejected(ErrorCode.NO_CAPACITY, decision.reason, explanation=decision.reason)
+                return refusal.model_copy(update={"request_id": request.request_id})
             admission = await self._admit(request, decision) if request.admit else None
             held = decision.kept_by == KEPT_BY_SESSION and request.in_flight
             if admission is not None and _full(admission) and not held and len(full) < len(self._regions):

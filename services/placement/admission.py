@@ -434,7 +434,7 @@ class AdmissionHandlers:
         replica = self._book.replicas.get(hold.replica_id)
         return replica.owner if replica is not None else tenant
 
-    async def release_hold(self, allocation_id: str, owner: str) -> ReleaseReply:
+    async def release_hold(self, allocation_id: str, owner: str) -> ReleaseReply | Rejected:
         try:
             released = await self._rpc.ask(
                 Rpc.LEDGER_RELEASE,
@@ -442,8 +442,10 @@ class AdmissionHandlers:
                 LedgerReleaseReply,
             )
         except RpcError as exc:
-            return ReleaseReply(status="rejected", error=rejected(ErrorCode.INTERNAL, str(exc)).error)
-        if isinstance(released, Rejected) or released.status != "released":
-            return ReleaseReply(status="rejected", error=released.error)
+            return rejected(ErrorCode.INTERNAL, str(exc))
+        if isinstance(released, Rejected):
+            return released
+        if released.status != "released":
+            return Rejected(error=released.error or rejected(ErrorCode.INTERNAL, "the ledger did not release").error)
         self.on_allocation_ended(allocation_id)
         return ReleaseReply(status="released")

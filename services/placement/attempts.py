@@ -9,7 +9,7 @@ from services.placement.records import Turn
 from shared.contracts.base import ErrorCode, Rejected, rejected
 from shared.contracts.ledger import CommitRequest
 from shared.contracts.placement import PlaceReply
-from shared.domain.placement.view import LedgerAccelerator
+from shared.domain.capacity import AcceleratorCapacity
 from shared.infra import deadline
 from shared.infra.rpc import RpcError
 
@@ -60,7 +60,7 @@ class Ordinary:
 class Stale:
     """The ledger refused on fresher figures than the view's: decide again on them."""
 
-    fresher: dict[str, LedgerAccelerator] = field(default_factory=dict)
+    fresher: dict[str, AcceleratorCapacity] = field(default_factory=dict)
 
 
 LOST = Lost()

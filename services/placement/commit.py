@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from services.placement.attempts import ORDINARY, Claimed, Lost, Ordinary, Stale, ledger_silent
 from services.placement.intents import Intents
@@ -18,7 +18,7 @@ from services.placement.mapping import commit_held, crossing, ledger_key, to_com
 from services.placement.metrics import PlacementMetrics
 from services.placement.tally import QuotaTally
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
-from shared.contracts.ledger import CommitReply, CommitRequest
+from shared.contracts.ledger import AcceleratorBalance, CommitReply, CommitRequest
 from shared.contracts.placement import PlacementEventName, PlaceReply, PlaceRequest
 from shared.contracts.subjects import Rpc
 from shared.domain.placement.types import Decision, FleetSnapshot
@@ -42,6 +42,21 @@ def _committed(reply: CommitReply | Rejected) -> str | None:
     if isinstance(reply, CommitReply) and reply.status == "committed" and reply.allocation_id:
         return reply.allocation_id
     return None
+
+
+def _fresh_view(reply: CommitReply | Rejected) -> list[AcceleratorBalance]:
+    """The ledger's figures for the accelerators a refused commit asked for: ``error.details["view"]``
+    (``CommitReply.view`` from a ledger that still answers in its own model); none when unreadable."""
+    if isinstance(reply, CommitReply) and reply.view:
+        return list(reply.view)
+    details = reply.error.details if reply.error is not None else None
+    try:
+        return _BALANCES.validate_python((details or {}).get("view") or [])
+    except ValidationError:
+        return []
+
+
+_BALANCES = TypeAdapter(list[AcceleratorBalance])
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,12 +163,7 @@ class Committer:
             await self._intents.finish_rejected(claim)
             return rejected(error.code, f"ledger: {error.message}")
         # The view was stale: decide again with the ledger's figures for the GPUs it refused.
-        return Stale(
-            {
-                balance.id: balance_to_domain(None, balance)
-                for balance in (committed.view if isinstance(committed, CommitReply) else ())
-            }
-        )
+        return Stale({balance.id: balance_to_domain(None, balance) for balance in _fresh_view(committed)})
 
     async def recover(self, request: PlaceRequest, claim: Claimed) -> BaseModel | Lost | Ordinary:
         """An earlier attempt sent ``claim.commit`` and was interrupted: ask the ledger again (a repeat

@@ -13,7 +13,7 @@ from services.placement.admission import AdmissionHandlers
 from services.placement.mapping import placement_request_id
 from services.placement.store import DecisionStore
 from services.placement.tally import QuotaTally
-from shared.contracts.base import ErrorBody, ErrorCode, Rejected
+from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import (
     AllocationEvent,
@@ -60,7 +60,7 @@ class Lifecycle:
         if self._admission is not None:  # an admission's KV hold, released for the tenant that asked for it
             owner = self._admission.owner_of_hold(request.allocation_id, request.tenant)
             if isinstance(owner, Rejected):
-                return ReleaseReply(status="rejected", error=owner.error)
+                return owner
             if owner is not None:
                 return await self._admission.release_hold(request.allocation_id, owner)
         try:
@@ -70,9 +70,11 @@ class Lifecycle:
                 LedgerReleaseReply,
             )
         except RpcError as exc:
-            return ReleaseReply(status="rejected", error=ErrorBody(code=ErrorCode.INTERNAL, message=str(exc)))
-        if isinstance(released, Rejected) or released.status != "released":
-            return ReleaseReply(status="rejected", error=released.error)
+            return rejected(ErrorCode.INTERNAL, str(exc))
+        if isinstance(released, Rejected):
+            return released
+        if released.status != "released":
+            return _refused(released.error)
 
         async def work(uow: UnitOfWork) -> None:
             await self._store.mark_released(session=uow.session, allocation_id=request.allocation_id)
@@ -92,7 +94,7 @@ class Lifecycle:
         if self._admission is not None:  # an admission's KV hold: renewed under its replica's owner
             owner = self._admission.owner_of_hold(request.allocation_id, request.tenant)
             if isinstance(owner, Rejected):
-                return RenewReply(status="rejected", error=owner.error)
+                return owner
             tenant = owner or tenant
         try:
             renewed = await self._rpc.ask(
@@ -101,9 +103,11 @@ class Lifecycle:
                 LedgerRenewReply,
             )
         except RpcError as exc:
-            return RenewReply(status="rejected", error=ErrorBody(code=ErrorCode.INTERNAL, message=str(exc)))
-        if isinstance(renewed, Rejected) or renewed.status != "renewed":
-            return RenewReply(status="rejected", error=renewed.error)
+            return rejected(ErrorCode.INTERNAL, str(exc))
+        if isinstance(renewed, Rejected):
+            return renewed
+        if renewed.status != "renewed":
+            return _refused(renewed.error)
         return RenewReply(status="renewed", lease_expires_at=renewed.lease_expires_at)
 
     # -- LEDGER events (a durable consumer: what the ledger did to placement's allocations) -------------
@@ -149,3 +153,8 @@ class Lifecycle:
         self._tally.holdings.end(allocation_id)
         if self._admission is not None:
             self._admission.on_allocation_ended(allocation_id)
+
+
+def _refused(error: ErrorBody | None) -> Rejected:
+    """A ledger reply that says no in its own model (a deprecated shape): passed on as ``Rejected``."""
+    return Rejected(error=error or ErrorBody(code=ErrorCode.INTERNAL, message="the ledger refused without a reason"))

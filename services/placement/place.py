@@ -37,7 +37,8 @@ from services.placement.reclaim import Reclaimer
 from services.placement.tally import QuotaTally
 from shared.contracts.base import ErrorCode, rejected
 from shared.contracts.placement import PlacementEventName, PlaceRequest
-from shared.domain.placement.view import LedgerAccelerator, overlay
+from shared.domain.capacity import AcceleratorCapacity
+from shared.domain.placement.view import overlay
 from shared.infra import deadline
 from shared.infra.fleet_view import to_domain
 from shared.infra.locks import KeyedLocks
@@ -158,7 +159,7 @@ class Placing:
         request: PlaceRequest,
         claim: Claimed,
         *,
-        fresher: dict[str, LedgerAccelerator] | None = None,
+        fresher: dict[str, AcceleratorCapacity] | None = None,
         decision_ms: float = 0.0,
         first: int = 1,
     ) -> BaseModel | Lost:

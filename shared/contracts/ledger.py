@@ -226,6 +226,8 @@ class AcceleratorBalance(Contract):
 
 
 class CommitReply(Contract):
+    # "rejected": only in `ledger.commit_batch` results; `ledger.commit` refuses with `Rejected` (the
+    # variant there is deprecated, accepted for one release).
     status: Literal["committed", "rejected"] = Field(description="Outcome.", examples=["committed"])
     request_id: str | None = Field(default=None, description="Echo.", examples=["r-1"])
     allocation_id: str | None = Field(default=None, description="The allocation.", examples=["al-..."])
@@ -252,6 +254,7 @@ class LedgerReleaseRequest(Request):
 
 
 class LedgerReleaseReply(Contract):
+    # "rejected": deprecated, accepted for one release; refusals come as `Rejected` (docs/API.md, "Refusals").
     status: Literal["released", "rejected"] = Field(description="Outcome.", examples=["released"])
     already: bool = Field(default=False, description="It had been released or had expired before.")
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
@@ -281,6 +284,7 @@ class LedgerPreemptRequest(Request):
 
 
 class LedgerPreemptReply(Contract):
+    # "rejected": deprecated, accepted for one release; refusals come as `Rejected` (docs/API.md, "Refusals").
     status: Literal["ended", "scheduled", "rejected"] = Field(
         description="`ended` (freed now), `scheduled` (its lease now ends at `lease_expires_at`).", examples=["ended"]
     )
@@ -310,6 +314,7 @@ class LedgerRenewRequest(Request):
 
 
 class LedgerRenewReply(Contract):
+    # "rejected": deprecated, accepted for one release; refusals come as `Rejected` (docs/API.md, "Refusals").
     status: Literal["renewed", "rejected"] = Field(description="Outcome.", examples=["renewed"])
     lease_expires_at: datetime | None = Field(default=None, description="New lease end (UTC).")
     error: ErrorBody | None = Field(default=None, description="Null, or why.")

@@ -197,6 +197,7 @@ class Estimate(Contract):
 
 
 class PlaceReply(Contract):
+    # "rejected" stays: a refused decision keeps its explanation and record (docs/API.md, "Refusals").
     status: Literal["placed", "rejected", "queued"] = Field(description="Outcome.", examples=["placed"])
     request_id: str = Field(description="Echo.", examples=["req-42"])
     allocation_id: str | None = Field(default=None, description="Ledger allocation.", examples=["alloc-1"])
@@ -236,6 +237,7 @@ class ReleaseRequest(Request):
 
 
 class ReleaseReply(Contract):
+    # "rejected": deprecated, accepted for one release; refusals come as `Rejected` (docs/API.md, "Refusals").
     status: Literal["released", "rejected"] = Field(description="Outcome.", examples=["released"])
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
 
@@ -251,6 +253,7 @@ class RenewRequest(Request):
 
 
 class RenewReply(Contract):
+    # "rejected": deprecated, accepted for one release; refusals come as `Rejected` (docs/API.md, "Refusals").
     status: Literal["renewed", "rejected"] = Field(description="Outcome.", examples=["renewed"])
     lease_expires_at: datetime | None = Field(default=None, description="New expiry (UTC).")
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
@@ -289,6 +292,7 @@ class AdmitRequest(Request):
 
 
 class AdmitReply(Contract):
+    # "rejected": only nested in `route.select`'s `admission`; `placement.admit` refuses with `Rejected`.
     status: Literal["admitted", "queued", "rejected"] = Field(description="Outcome.", examples=["admitted"])
     allocation_id: str | None = Field(
         default=None,

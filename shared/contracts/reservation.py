@@ -105,6 +105,7 @@ class ReservationCreateRequest(Request):
 
 
 class ReservationCreateReply(Contract):
+    # "rejected": deprecated, accepted for one release; refusals come as `Rejected` (docs/API.md, "Refusals").
     status: Literal["created", "rejected"] = Field(description="`created` or `rejected`.", examples=["created"])
     reservation_id: str | None = Field(default=None, description="Reservation id.", examples=["res-1"])
     accelerators: list[str] = Field(default_factory=list, description="The accelerators reserved.")
@@ -118,6 +119,7 @@ class ReservationCancelRequest(Request):
 
 
 class ReservationCancelReply(Contract):
+    # "rejected": deprecated, accepted for one release; refusals come as `Rejected` (docs/API.md, "Refusals").
     status: Literal["cancelled", "rejected"] = Field(description="Outcome.", examples=["cancelled"])
     reservation_id: str | None = Field(default=None, description="Reservation id.", examples=["res-1"])
     already: bool = Field(default=False, description="It had been cancelled before.")
@@ -192,6 +194,7 @@ class ReservationReclaimRequest(Request):
 
 
 class ReservationReclaimReply(Contract):
+    # "rejected": deprecated, accepted for one release; refusals come as `Rejected` (docs/API.md, "Refusals").
     status: Literal["preempted", "rejected"] = Field(description="Outcome.", examples=["preempted"])
     preemptions: list[PreemptionView] = Field(default_factory=list, description="One per allocation.")
     error: ErrorBody | None = Field(default=None, description="Null, or why.")

@@ -69,6 +69,7 @@ class RouteCost(Contract):
 
 
 class RouteSelectReply(Contract):
+    # "rejected": deprecated, accepted for one release; refusals come as `Rejected` (docs/API.md, "Refusals").
     status: Literal["routed", "rejected"] = Field(description="`routed` or `rejected`.", examples=["routed"])
     region: str | None = Field(default=None, description="Chosen region.", examples=["us-east-1"])
     tier: Literal["affinity", "cost", "fallback"] | None = Field(default=None, description="Why that region.")
@@ -91,6 +92,7 @@ class RouteRegionRequest(Request):
 
 
 class RouteRegionReply(Contract):
+    # "rejected": deprecated, accepted for one release; refusals come as `Rejected` (docs/API.md, "Refusals").
     status: Literal["ok", "rejected"] = Field(description="Outcome.", examples=["ok"])
     region: str | None = Field(default=None, description="Region.", examples=["us-east-1"])
     state: RegionStateName | None = Field(default=None, description="Its state now.", examples=["drain"])

@@ -27,6 +27,7 @@ from shared.contracts.topology import (
     TopologyEventName,
     TpuPodEvent,
 )
+from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.fleet import AcceleratorId, NodeProfile, Rack, TpuPod
 from shared.domain.hardware import Sku
 from shared.domain.ledger.replay import allocation_delta
@@ -35,7 +36,6 @@ from shared.domain.placement.types import PlacementRequest, Slo
 from shared.domain.placement.view import (
     DEFAULT_PCIE_WINDOW_S,
     FleetView,
-    LedgerAccelerator,
     LedgerMirror,
     PcieSample,
 )
@@ -72,12 +72,12 @@ def to_domain(request: PlaceRequest) -> PlacementRequest:
     )
 
 
-def balance_to_domain(node: str | None, balance: AcceleratorBalance) -> LedgerAccelerator:
-    return LedgerAccelerator(
-        id=balance.id,
-        node=node or AcceleratorId.parse(balance.id).host,
-        usable=balance.usable_bytes,
-        reserved=balance.reserved_bytes,
+def balance_to_domain(node: str | None, balance: AcceleratorBalance) -> AcceleratorCapacity:
+    return AcceleratorCapacity.of_ledger(
+        balance.id,
+        node or AcceleratorId.parse(balance.id).host,
+        balance.usable_bytes,
+        balance.reserved_bytes,
         available=balance.available,
     )
 
@@ -117,11 +117,11 @@ def view_from(
         ],
         ledger=LedgerMirror(
             [
-                LedgerAccelerator(
-                    id=a.id,
-                    node=a.node,
-                    usable=a.hbm_usable_bytes,
-                    reserved=a.hbm_reserved_bytes,
+                AcceleratorCapacity.of_ledger(
+                    a.id,
+                    a.node,
+                    a.hbm_usable_bytes,
+                    a.hbm_reserved_bytes,
                     available=a.available,
                     allocations=tuple(a.allocations),
                     shared=a.shared,

@@ -46,8 +46,9 @@ class RpcError(Exception):
 
 
 def parse_reply(rpc: Rpc, data: bytes, *, rejection_as_reply: bool = False) -> BaseModel:
-    """A raw reply as the subject's reply model, or ``Rejected``. With ``rejection_as_reply``, a refusal
-    the reply model can hold (e.g. a ``PlaceReply`` with its ``explanation``) stays that model."""
+    """A raw reply as the subject's reply model, or ``Rejected`` (every refusal's one shape). With
+    ``rejection_as_reply``, a refusal the reply model holds stays that model: only ``placement.place`` /
+    ``explain`` still refuse in theirs (a ``PlaceReply`` with its ``explanation``; docs/API.md)."""
     try:
         body: Any = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -90,6 +90,14 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=(PLACEMENT_UNIT,),
     ),
     Mutant(
+        name="conflict_view_ignored",
+        what="placement drops the fresher figures a ledger conflict carries in its Rejected details",
+        file="services/placement/commit.py",
+        find='        return _BALANCES.validate_python((details or {}).get("view") or [])\n',
+        replace="        return []\n",
+        tests=(PLACEMENT_UNIT,),
+    ),
+    Mutant(
         name="renew_ignores_lease",
         what="placement.renew ignores the requested lease",
         file="services/placement/lifecycle.py",

@@ -97,7 +97,7 @@ REPLY = RebalanceStatusReply(
 def test_asks_rebalance_status_once_with_an_empty_body(monkeypatch: pytest.MonkeyPatch) -> None:
     result, client = _cli(monkeypatch, REPLY)
     assert result.exit_code == 0, result.output
-    # No rejection_as_reply: the status reply has no error field, a refusal comes back as Rejected.
+    # A refusal comes back as Rejected.
     assert client.calls == [(Rpc.REBALANCE_STATUS, RebalanceStatusRequest(), {})]
 
 

@@ -99,7 +99,7 @@ def test_reserve_by_count_asks_once_and_prints_the_id_and_accelerators(monkeypat
     assert result.exit_code == 0, result.output
     ((rpc, request, options),) = client.calls
     assert rpc is Rpc.RESERVATION_CREATE
-    assert options == {"rejection_as_reply": True}
+    assert options == {}  # a refusal comes back as the Rejected the service sent
     assert request == ReservationCreateRequest(
         request_id="r-1", tenant="acme", policy="soft", count=2, sku="H100-SXM-80GB", region="us-west-1"
     )

@@ -8,7 +8,7 @@ scheduler's snapshot: plugins read it, never the ledger); ``apply`` returns the 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Literal
 
@@ -443,16 +443,7 @@ def apply(snapshot: FleetSnapshot, decision: Decision) -> FleetSnapshot:
                 key = snapshot.rack_key(cap.node)
                 power[key] = power.get(key, 0.0) + snapshot.skus[cap.sku].tdp_w
                 touched_racks.add(key)
-            capacity[acc_id] = AcceleratorCapacity(
-                cap.id,
-                cap.node,
-                cap.index,
-                cap.sku,
-                cap.usable,
-                cap.reserved + need,
-                cap.available,
-                shared=decision.sharing == "shared",
-            )
+            capacity[acc_id] = replace(cap, reserved=cap.reserved + need, shared=decision.sharing == "shared")
         touched = frozenset(decision.accelerators)
         touched_pods = frozenset()
     cross_domain = snapshot.cross_domain_used

@@ -45,20 +45,6 @@ DEFAULT_PCIE_WINDOW_S = 60.0
 """The brief: a node whose PCIe stays over the threshold for 60 s takes no cold loads."""
 
 
-@dataclass(frozen=True, slots=True)
-class LedgerAccelerator:
-    """One accelerator as the ledger reports it (a snapshot row or a ``capacity_changed`` balance);
-    ``allocations`` are the allocations its reserved bytes belong to, when known."""
-
-    id: str
-    node: str
-    usable: int
-    reserved: int
-    available: bool = True
-    allocations: tuple[str, ...] = ()
-    shared: bool = False  # its reservations all belong to `shared` replicas
-
-
 def reservation(snapshot: FleetSnapshot, decision: Decision) -> dict[str, MemoryShare]:
     """What a placed decision asks the ledger to hold on each accelerator: its share on each GPU; on a
     TPU the slice's chips whole (a slice is exclusive), each chip's usable HBM counted as weights."""
@@ -72,7 +58,7 @@ def reservation(snapshot: FleetSnapshot, decision: Decision) -> dict[str, Memory
     return dict.fromkeys(decision.accelerators, decision.share)
 
 
-def overlay(snapshot: FleetSnapshot, fresher: Mapping[str, LedgerAccelerator]) -> FleetSnapshot:
+def overlay(snapshot: FleetSnapshot, fresher: Mapping[str, AcceleratorCapacity]) -> FleetSnapshot:
     """``snapshot`` with fresher ledger figures for some GPUs (the view a ``conflict`` answer carries):
     each takes the larger reserved figure of the two and is available only if both say so, so a retry
     does not pick what the ledger just refused. GPUs the snapshot lacks, and TPU chips, are left to the
@@ -203,7 +189,7 @@ class LedgerMirror:
 
     def __init__(
         self,
-        accelerators: Iterable[LedgerAccelerator] = (),
+        accelerators: Iterable[AcceleratorCapacity] = (),
         *,
         cross_domain_used: Mapping[str, float] | None = None,
         crossing: Mapping[str, Crossing] | None = None,
@@ -231,7 +217,7 @@ class LedgerMirror:
                 self._shared.update(acc.allocations)
                 self._shared_seed.add(acc.id)
 
-    def _describe(self, acc: LedgerAccelerator) -> None:
+    def _describe(self, acc: AcceleratorCapacity) -> None:
         self.node[acc.id] = acc.node
         self.usable[acc.id] = acc.usable
         self.available[acc.id] = acc.available
@@ -302,7 +288,7 @@ class LedgerMirror:
             return all(holder in self._shared for holder in holders)
         return accelerator_id in self._shared_seed and self.reserved.get(accelerator_id, 0) > 0
 
-    def capacity(self, accelerators: Iterable[LedgerAccelerator]) -> set[str]:
+    def capacity(self, accelerators: Iterable[AcceleratorCapacity]) -> set[str]:
         """Accelerators registered, resized, lost or recovered. Reserved bytes stay as the allocations
         say; only an accelerator never seen takes the reported figure."""
         changed: set[str] = set()
@@ -445,7 +431,7 @@ class FleetView:
                 self.forget(token)
         self._touch(self.ledger.move(allocation_id, delta, shared=shared, crossing=crossing))
 
-    def capacity_changed(self, accelerators: Iterable[LedgerAccelerator]) -> None:
+    def capacity_changed(self, accelerators: Iterable[AcceleratorCapacity]) -> None:
         changed = self.ledger.capacity(accelerators)
         if any(acc not in self._gpu_rack and acc not in self._chip_pod for acc in changed):
             self._snapshot = None  # an accelerator the snapshot lacks: a node or pod may now be complete

@@ -53,7 +53,6 @@ from dataclasses import dataclass, field, replace
 from shared.domain.hardware import Sku
 from shared.domain.latency import LatencyEstimate, ModelShape, decode_step_ms, prefill_ms
 from shared.domain.placement import (
-    AcceleratorCapacity,
     Decision,
     FleetSnapshot,
     PlacementRequest,
@@ -181,16 +180,7 @@ def release(snapshot: FleetSnapshot, decision: Decision) -> FleetSnapshot:
     for acc_id in decision.accelerators:
         cap = capacity[acc_id]
         reserved = max(0, cap.reserved - decision.share.total)
-        capacity[acc_id] = AcceleratorCapacity(
-            cap.id,
-            cap.node,
-            cap.index,
-            cap.sku,
-            cap.usable,
-            reserved,
-            cap.available,
-            shared=cap.shared and reserved > 0,
-        )
+        capacity[acc_id] = replace(cap, reserved=reserved, shared=cap.shared and reserved > 0)
         if reserved == 0 and cap.reserved > 0:
             key = snapshot.rack_key(cap.node)
             power[key] = max(0.0, power.get(key, 0.0) - snapshot.skus[cap.sku].tdp_w)

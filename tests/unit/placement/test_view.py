@@ -7,9 +7,10 @@ import random
 
 import pytest
 
+from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.memory import usable_hbm
 from shared.domain.placement import decide
-from shared.domain.placement.view import FleetView, LedgerAccelerator, LedgerMirror, overlay, reservation
+from shared.domain.placement.view import FleetView, LedgerMirror, overlay, reservation
 from shared.domain.topology.tpu import TpuType
 from tests.unit.placement.builders import models, node, request, skus, tpu_pod
 
@@ -19,13 +20,13 @@ USABLE = usable_hbm(H100.hbm_bytes)
 KEY = ("acme", "placement/r-1")
 
 
-def ledger_rows(name: str, gpus: int = 8, **reserved: int) -> list[LedgerAccelerator]:
+def ledger_rows(name: str, gpus: int = 8, **reserved: int) -> list[AcceleratorCapacity]:
     """The ledger's rows for one node; ``gpu3=5`` reserves 5 GB on gpu3 (for allocation ``al-gpu3``)."""
     rows = []
     for i in range(gpus):
         held = reserved.get(f"gpu{i}", 0) * GB
         rows.append(
-            LedgerAccelerator(
+            AcceleratorCapacity.of_ledger(
                 id=f"{name}/gpu{i}",
                 node=name,
                 usable=USABLE,
@@ -36,7 +37,7 @@ def ledger_rows(name: str, gpus: int = 8, **reserved: int) -> list[LedgerAcceler
     return rows
 
 
-def view_of(*names: str, rows: list[LedgerAccelerator] | None = None, pods: tuple[str, ...] = ()) -> FleetView:
+def view_of(*names: str, rows: list[AcceleratorCapacity] | None = None, pods: tuple[str, ...] = ()) -> FleetView:
     profiles = [(node(n).nvswitch(8).profile(), True) for n in names]
     pod_list = [(tpu_pod(p, shape=(4, 4)), None) for p in pods]
     if rows is None:
@@ -88,7 +89,9 @@ def test_commit_then_release_after_the_snapshot_nets_to_nothing_once() -> None:
 def test_a_commit_half_in_a_paged_snapshot_counts_only_the_other_half() -> None:
     # Page 1 (gpu0) was read before al-9 committed, page 2 (gpu1) after: the event adds gpu0 only.
     rows = ledger_rows("n1")
-    rows[1] = LedgerAccelerator(id="n1/gpu1", node="n1", usable=USABLE, reserved=3 * GB, allocations=("al-9",))
+    rows[1] = AcceleratorCapacity.of_ledger(
+        id="n1/gpu1", node="n1", usable=USABLE, reserved=3 * GB, allocations=("al-9",)
+    )
     view = view_of("n1", rows=rows)
     commit(view, "al-9", [("n1/gpu0", 3 * GB), ("n1/gpu1", 3 * GB)], ("t", "r"))
     assert (reserved(view, "n1/gpu0"), reserved(view, "n1/gpu1")) == (3 * GB, 3 * GB)
@@ -96,7 +99,7 @@ def test_a_commit_half_in_a_paged_snapshot_counts_only_the_other_half() -> None:
 
 def test_capacity_changes_keep_the_reserved_bytes_the_allocations_say() -> None:
     view = view_of("n1", rows=ledger_rows("n1", gpu0=10))
-    stale = LedgerAccelerator(id="n1/gpu0", node="n1", usable=USABLE, reserved=0, available=False)
+    stale = AcceleratorCapacity.of_ledger(id="n1/gpu0", node="n1", usable=USABLE, reserved=0, available=False)
     view.capacity_changed([stale])
     cap = view.snapshot.capacity["n1/gpu0"]
     assert (cap.reserved, cap.available, cap.free) == (10 * GB, False, 0)
@@ -129,7 +132,7 @@ def test_tpu_chips_with_bytes_reserved_are_taken() -> None:
     pod = tpu_pod("p1", shape=(4, 4))
     hbm = skus()["TPU-V5E"].hbm_bytes
     chips = [
-        LedgerAccelerator(id=f"p1/{x}.{y}", node="p1", usable=usable_hbm(hbm), reserved=0)
+        AcceleratorCapacity.of_ledger(id=f"p1/{x}.{y}", node="p1", usable=usable_hbm(hbm), reserved=0)
         for x in range(4)
         for y in range(4)
     ]
@@ -184,7 +187,11 @@ def test_a_new_view_adopts_the_assumptions_in_flight() -> None:
 
 def test_reservation_holds_a_tpu_slice_whole() -> None:
     view = view_of(
-        rows=[LedgerAccelerator(id=f"p1/{x}.{y}", node="p1", usable=1, reserved=0) for x in range(4) for y in range(4)],
+        rows=[
+            AcceleratorCapacity.of_ledger(id=f"p1/{x}.{y}", node="p1", usable=1, reserved=0)
+            for x in range(4)
+            for y in range(4)
+        ],
         pods=("p1",),
     )
     decision = decide(view.snapshot, request("llama3-8b", backend="tpu"))
@@ -223,7 +230,7 @@ def test_the_incremental_snapshot_equals_a_fresh_build() -> None:
 
 def test_overlay_takes_the_fresher_figures_of_a_conflict() -> None:
     view = view_of("n1")
-    fresher = {"n1/gpu0": LedgerAccelerator(id="n1/gpu0", node="n1", usable=USABLE, reserved=50 * GB)}
+    fresher = {"n1/gpu0": AcceleratorCapacity.of_ledger(id="n1/gpu0", node="n1", usable=USABLE, reserved=50 * GB)}
     after = overlay(view.snapshot, fresher)
     assert after.capacity["n1/gpu0"].reserved == 50 * GB and view.snapshot.capacity["n1/gpu0"].reserved == 0
     assert after.rack_power_used_w[("us-west-1", "c1", "r1")] == pytest.approx(H100.tdp_w)

@@ -9,10 +9,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.memory import usable_hbm
 from shared.domain.placement.view import (
     FleetView,
-    LedgerAccelerator,
     LedgerMirror,
     PcieSample,
     PcieWindow,
@@ -28,13 +28,13 @@ T0 = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
 GEN5_X16 = link_bytes_per_s(5, 16)  # one direction: 3.938 GB/s x 16 lanes
 
 
-def rows(name: str, **held: tuple[int, str, bool]) -> list[LedgerAccelerator]:
+def rows(name: str, **held: tuple[int, str, bool]) -> list[AcceleratorCapacity]:
     """The ledger's rows of one 8-GPU node; ``gpu0=(5, "al-x", True)``: 5 GB held by a shared al-x."""
     out = []
     for i in range(8):
         nbytes, allocation, shared = held.get(f"gpu{i}", (0, "", False))
         out.append(
-            LedgerAccelerator(
+            AcceleratorCapacity.of_ledger(
                 id=f"{name}/gpu{i}",
                 node=name,
                 usable=USABLE,
@@ -47,7 +47,7 @@ def rows(name: str, **held: tuple[int, str, bool]) -> list[LedgerAccelerator]:
 
 
 def view_of(
-    ledger: list[LedgerAccelerator] | None = None,
+    ledger: list[AcceleratorCapacity] | None = None,
     *,
     cross_domain_used: dict[str, float] | None = None,
     crossing: dict[str, tuple[str, float]] | None = None,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from services.capacity_ledger.batcher import CommitBatcher
+from shared.contracts.base import Rejected
 from shared.contracts.ledger import CommitBatchRequest, CommitReply, LedgerRenewRequest
 from shared.domain.capacity import AcceleratorCapacity
 from shared.infra import deadline
@@ -27,7 +28,7 @@ class Clock:
         monkeypatch.setattr(deadline, "now_ms", lambda: self.ms)
 
 
-def codes(replies: Iterable[CommitReply]) -> list[str | None]:
+def codes(replies: Iterable[CommitReply | Rejected]) -> list[str | None]:
     return [r.error.code if r.error else r.status for r in replies]
 
 
@@ -45,7 +46,7 @@ async def test_a_commit_whose_deadline_passed_reserves_nothing(monkeypatch: pyte
     clock = Clock(monkeypatch)
     handlers, store, units = make(gpu("n/gpu0"))
     reply = await in_request(clock.ms - 1, lambda: handlers.commit(commit_request("a", ("n/gpu0", 10))))
-    assert isinstance(reply, CommitReply) and codes([reply]) == ["deadline_exceeded"]
+    assert isinstance(reply, Rejected) and codes([reply]) == ["deadline_exceeded"] and reply.request_id == "a"
     assert store.accelerators["n/gpu0"].reserved == 0 and units.runs == 0
 
 

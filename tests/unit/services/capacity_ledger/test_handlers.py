@@ -287,6 +287,8 @@ async def test_commits_through_the_batcher_each_get_their_own_reply() -> None:
         await batcher.stop()
     assert [r.request_id for r in replies] == [f"r{i}" for i in range(10)]  # type: ignore[attr-defined]
     assert [r.status for r in replies] == ["committed"] * 8 + ["rejected"] * 2  # type: ignore[attr-defined]
+    assert all(isinstance(r, Rejected) for r in replies[8:])  # a single commit refuses in the one shape
+    assert [r.error.details["view"][0]["reserved_bytes"] for r in replies[8:]] == [80 * GB] * 2  # type: ignore[attr-defined]
     assert batcher.batches < 10  # commits that queued together shared a transaction
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from services.cross_region_router.readmodel import ReplicaRegions
 from services.cross_region_router.store import StoredReplica
-from shared.contracts.base import ErrorCode
+from shared.contracts.base import ErrorCode, Rejected
 from shared.infra.uow import UnitOfWork
 from tests.unit.services.cross_region_router.fakes import decided, released, router
 
@@ -72,8 +72,8 @@ async def test_a_decided_replica_whose_transaction_rolled_back_adds_no_capacity(
     with pytest.raises(RuntimeError):
         await r.uow.run(batch)
     assert len(r.handlers.replicas) == 0
-    reply = await r.routed()
-    assert reply.status == "rejected" and reply.error is not None and reply.error.code is ErrorCode.NO_CAPACITY
+    reply = await r.select()
+    assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.NO_CAPACITY
 
 
 @pytest.mark.asyncio

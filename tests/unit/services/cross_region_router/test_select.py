@@ -59,10 +59,9 @@ async def test_an_unknown_origin_or_model_is_a_typed_error_that_changes_nothing(
 
 async def test_a_model_no_region_serves_is_rejected_no_capacity_without_asking_admission() -> None:
     r = router(replicas=EVERYWHERE)
-    reply = await r.routed(model="llama3-70b")  # replicas serve llama3-8b only
-    assert reply.status == "rejected" and reply.region is None
-    assert reply.error is not None and reply.error.code is ErrorCode.NO_CAPACITY
-    assert "no region can take the request" in (reply.explanation or "")
+    reply = await r.select(model="llama3-70b")  # replicas serve llama3-8b only
+    assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.NO_CAPACITY
+    assert reply.error.details is not None and "no region can take the request" in reply.error.details["explanation"]
     assert r.rpc.sent == [] and r.store.tenants == {}
 
 
@@ -127,8 +126,8 @@ async def test_a_region_whose_admission_is_full_is_passed_over_for_the_next_tier
 
 async def test_full_everywhere_is_rejected_after_asking_each_region_once() -> None:
     r = router(replicas=EVERYWHERE, admit=[full_in("east", "west", "eu")])
-    reply = await r.routed()
-    assert reply.status == "rejected" and reply.error is not None and reply.error.code is ErrorCode.NO_CAPACITY
+    reply = await r.select()
+    assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.NO_CAPACITY
     assert sorted(admitted_regions(r)) == ["east", "eu", "west"]
 
 

@@ -29,10 +29,11 @@ from shared.contracts.ledger import (
 )
 from shared.contracts.placement import PlacementEvent, PlaceReply, PlaceRequest, ReleaseRequest, RenewRequest
 from shared.contracts.subjects import Rpc
+from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.fleet import AcceleratorId, tpu_chip_ids
 from shared.domain.memory import usable_hbm
 from shared.domain.placement.ownership import Intent, IntentState
-from shared.domain.placement.view import FleetView, LedgerAccelerator, LedgerMirror
+from shared.domain.placement.view import FleetView, LedgerMirror
 from shared.domain.quotas import Quotas
 from shared.infra import deadline
 from shared.infra.rpc import RpcError
@@ -305,14 +306,16 @@ class FakeTimer:
 
 def fleet_view(*, nodes: tuple[str, ...] = ("n1",), pods: tuple[str, ...] = ()) -> FleetView:
     rows = [
-        LedgerAccelerator(id=AcceleratorId.gpu(n, i), node=n, usable=USABLE, reserved=0)
+        AcceleratorCapacity.of_ledger(id=AcceleratorId.gpu(n, i), node=n, usable=USABLE, reserved=0)
         for n in nodes
         for i in range(8)
     ]
     tpu_hbm = usable_hbm(skus()["TPU-V5E"].hbm_bytes)
     pod_list = [tpu_pod(p, shape=(4, 4)) for p in pods]
     rows += [
-        LedgerAccelerator(id=c, node=p.name, usable=tpu_hbm, reserved=0) for p in pod_list for c in tpu_chip_ids(p)
+        AcceleratorCapacity.of_ledger(id=c, node=p.name, usable=tpu_hbm, reserved=0)
+        for p in pod_list
+        for c in tpu_chip_ids(p)
     ]
     return FleetView(
         skus=skus(),
@@ -385,10 +388,12 @@ def committed(allocation_id: str = "al-1") -> Callable[[BaseModel], BaseModel]:
     return answer
 
 
-def refused(code: ErrorCode, *, full: bool = True) -> Callable[[BaseModel], BaseModel]:
-    """The ledger refuses the commit; its view shows the asked GPUs full (a fresher view than ours)."""
+def refused(code: ErrorCode, *, full: bool = True, legacy: bool = False) -> Callable[[BaseModel], BaseModel]:
+    """The ledger refuses the commit (``Rejected``, as it answers on the wire); its view, in the error's
+    details, shows the asked GPUs full (a fresher view than ours). ``legacy``: in the deprecated
+    ``CommitReply(status="rejected", view=...)`` shape instead."""
 
-    def answer(request: BaseModel) -> CommitReply:
+    def answer(request: BaseModel) -> BaseModel:
         assert isinstance(request, CommitRequest)
         view = [
             AcceleratorBalance(
@@ -396,12 +401,11 @@ def refused(code: ErrorCode, *, full: bool = True) -> Callable[[BaseModel], Base
             )
             for s in request.shares
         ]
-        return CommitReply(
-            status="rejected",
-            request_id=request.request_id,
-            error=ErrorBody(code=code, message="HBM short"),
-            view=view,
-        )
+        if legacy:
+            error = ErrorBody(code=code, message="HBM short")
+            return CommitReply(status="rejected", request_id=request.request_id, error=error, view=view)
+        error = ErrorBody(code=code, message="HBM short", details={"view": [b.model_dump() for b in view]})
+        return Rejected(error=error, request_id=request.request_id)
 
     return answer
 
@@ -439,8 +443,9 @@ async def test_the_same_request_id_returns_the_stored_decision() -> None:
     assert len(rig.rpc.requests(Rpc.LEDGER_COMMIT)) == 1
 
 
-async def test_a_conflict_decides_again_on_the_ledgers_fresher_figures() -> None:
-    rig = Rig(FakeRpc(ledger_commit=[refused(ErrorCode.CONFLICT), committed("al-2")]))
+@pytest.mark.parametrize("legacy", [False, True], ids=["rejected", "deprecated-commit-reply"])
+async def test_a_conflict_decides_again_on_the_ledgers_fresher_figures(legacy: bool) -> None:
+    rig = Rig(FakeRpc(ledger_commit=[refused(ErrorCode.CONFLICT, legacy=legacy), committed("al-2")]))
     reply = await rig.handlers.placing.place(place())
     assert isinstance(reply, PlaceReply) and reply.status == "placed" and reply.allocation_id == "al-2"
     first, second = rig.rpc.requests(Rpc.LEDGER_COMMIT)
@@ -566,7 +571,7 @@ async def test_a_refused_release_changes_nothing() -> None:
     refusal = LedgerReleaseReply(status="rejected", error=ErrorBody(code=ErrorCode.FORBIDDEN, message="not yours"))
     rig = Rig(FakeRpc(ledger_release=[refusal]))
     reply = await rig.handlers.lifecycle.release(ReleaseRequest(allocation_id="al-1", tenant="globex"))
-    assert reply.model_dump()["error"]["code"] == "forbidden"
+    assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.FORBIDDEN
     assert rig.uow.events == [] and rig.store.released == []
 
 
@@ -581,4 +586,4 @@ async def test_renew_passes_exactly_the_requested_lease() -> None:
 async def test_renew_without_an_answer_is_a_typed_refusal() -> None:
     rig = Rig(FakeRpc(ledger_renew=[RpcError(Rpc.LEDGER_RENEW, "no service answers this subject")]))
     reply = await rig.handlers.lifecycle.renew(RenewRequest(allocation_id="al-1", tenant="acme", lease_s=60))
-    assert reply.model_dump()["status"] == "rejected"
+    assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.INTERNAL

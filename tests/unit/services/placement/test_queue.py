@@ -16,9 +16,10 @@ from shared.contracts.base import ErrorCode
 from shared.contracts.ledger import CommitRequest
 from shared.contracts.placement import PlacementEvent, PlaceReply, PlaceRequest
 from shared.contracts.subjects import Rpc
+from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.fleet import AcceleratorId
 from shared.domain.memory import usable_hbm
-from shared.domain.placement.view import FleetView, LedgerAccelerator, LedgerMirror
+from shared.domain.placement.view import FleetView, LedgerMirror
 from tests.fakes import FakeRpc
 from tests.unit.placement.builders import models, node, skus
 from tests.unit.services.placement.test_handlers import Rig, committed, fleet_view, place
@@ -171,7 +172,7 @@ def two_sku_view() -> FleetView:
     """An 8-GPU H100 node and a one-GPU L40S node: the probe's A100 backlog and globex's idle L40S."""
     profiles = [node("h1").nvswitch(8).profile(), node("l1").sku("L40S-48GB").pcie(1).profile()]
     rows = [
-        LedgerAccelerator(
+        AcceleratorCapacity.of_ledger(
             id=AcceleratorId.gpu(p.name, a.index), node=p.name, usable=usable_hbm(a.hbm_bytes), reserved=0
         )
         for p in profiles
