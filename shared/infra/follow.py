@@ -185,7 +185,7 @@ class Follower:
         self._opening: _Feed | None = None
         self._applied = asyncio.Event()
         self._tail = StreamTail(self._last_sequence)
-        self.problem = "not started"
+        self.problem = ""  # why it cannot follow (its stream not existing yet is no problem: nothing to miss)
         self.dropped = 0
 
     def bind(self, ctx: Any) -> None:
@@ -241,7 +241,13 @@ class Follower:
         while self._feed is None:
             try:
                 feed = await self.open()
-            except Exception as exc:  # its owner has not created the stream yet, or NATS is electing a leader
+            except NotFoundError:  # its owner has not created the stream: nothing to follow yet, nothing missed
+                self.problem = ""
+                self._log.debug("no stream to follow yet; retrying", extra={"stream": self.stream})
+                await asyncio.sleep(wait_s)
+                wait_s = min(RETRY_MAX_S, wait_s * 2)
+                continue
+            except Exception as exc:  # NATS away or electing a leader
                 self.problem = f"waiting for stream {self.stream} ({type(exc).__name__})"
                 self._log.debug("no stream to follow yet; retrying", extra={"stream": self.stream})
                 await asyncio.sleep(wait_s)
@@ -333,7 +339,7 @@ class Follower:
     def behind(self, now: datetime, *, stale_after_ms: float) -> str | None:
         """Why this follower may be older than ``stale_after_ms``, or None."""
         if self._feed is None:
-            return f"{self.context.value} {self.problem or 'starting'}"
+            return f"{self.context.value} {self.problem}" if self.problem else None
         progress = self._feed.progress
         if progress.pending and progress.occurred_at is not None:
             lag_ms = (now - progress.occurred_at).total_seconds() * 1000
