@@ -199,8 +199,8 @@ async def test_a_stale_view_is_a_conflict_with_the_fresh_view(ledger: Client, se
     first = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 60, expected={acc: seen}, sharing="shared"))
     assert first["status"] == "committed"
     late = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 30, expected={acc: seen}, sharing="shared"))
-    assert late["error"]["code"] == "conflict"
-    assert late["view"] == [
+    assert late["status"] == "rejected" and late["error"]["code"] == "conflict"
+    assert late["error"]["details"]["view"] == [
         {
             "id": acc,
             "usable_bytes": H100_USABLE,

@@ -106,9 +106,18 @@ async def test_a_consumer_batch_that_rolls_back_leaves_the_fold_unchanged_and_ea
     events = [node_event(f"fold{n}-{tag}") for n in range(6)]
     poisoned = events[3]
     probe = Lost(poison={poisoned.event_id})
-    app, _runtime = build_app(lost_service(probe, durable=f"fold-{tag}"), tuned)
+    # Streams of its own (a subject and stream prefix for this test): the consumer's first fetch holds these
+    # six events and nothing another test published.
+    kit = settings.kit  # under the run's prefixes, so the run's clean-up deletes these streams too
+    own = tuned.updated(
+        kit={"subject_prefix": f"{kit.subject_prefix}rs{tag}", "stream_prefix": f"{kit.stream_prefix}RS{tag}_"}
+    )
+    await ensure_streams(
+        js, stream_specs(subjects=Subjects(own.kit.subject_prefix), stream_prefix=own.kit.stream_prefix)
+    )
+    app, _runtime = build_app(lost_service(probe, durable=f"fold-{tag}"), own)
     for event in events:  # published before the consumer starts: its first fetch takes them as one batch
-        await publish(js, settings, event)
+        await publish(js, own, event)
     good = [f"fold{n}-{tag}" for n in (0, 1, 2, 4, 5)]
     async with app:
         await wait_for(
