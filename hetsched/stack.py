@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats
 from pydantic import SecretStr
@@ -25,7 +25,6 @@ from hetsched.embedded import (
     role_password_file,
     stop_process,
 )
-from services.registry import SERVICES, module_of
 from shared.contracts.base import Rejected
 from shared.contracts.health import HealthReply, HealthRequest
 from shared.contracts.permissions import Permissions, inbox_prefix, service_identity, service_permissions
@@ -53,6 +52,17 @@ SERVER_RESTART_ATTEMPTS = 3
 """Tries to bring a dead embedded server back (same port, same data) before `up` gives up."""
 SERVER_RESTART_BACKOFF_S = 1.0
 """Wait before the second try, doubled each time: a killed Postgres's backends need a moment to exit."""
+
+if TYPE_CHECKING:
+    from shared.infra.service import ServiceDefinition
+
+
+def services() -> dict[str, ServiceDefinition]:
+    """The six services' definitions. Imported when a command starts or probes them, not at the CLI's start:
+    importing every service's app costs about two seconds, which every other command would pay."""
+    from services.registry import SERVICES
+
+    return SERVICES
 
 
 class ServerDied(RuntimeError):
@@ -112,7 +122,9 @@ HEALTH_PROBE_TIMEOUT_S = 1.0
 async def probe_health(rpc: RpcClient, package: str) -> dict[str, Any]:
     """One service's health reply as JSON (``HealthReply``), or ``{"status": "down", "error": ...}``."""
     try:
-        reply = await rpc.ask(SERVICES[package].health, HealthRequest(), HealthReply, timeout_s=HEALTH_PROBE_TIMEOUT_S)
+        reply = await rpc.ask(
+            services()[package].health, HealthRequest(), HealthReply, timeout_s=HEALTH_PROBE_TIMEOUT_S
+        )
     except RpcError as exc:
         return {"status": "down", "error": exc.reason}
     if isinstance(reply, Rejected):
@@ -132,7 +144,7 @@ async def wait_healthy(
     try:
         deadline = time.monotonic() + deadline_s
         replies: dict[str, dict[str, Any]] = {}
-        packages = [p for p in SERVICES if only is None or p in only]
+        packages = [p for p in services() if only is None or p in only]
         while True:
             waiting = [p for p in packages if replies.get(p, {}).get("status") != "ok"]
             answers = await asyncio.gather(*(probe_health(rpc, p) for p in waiting))
@@ -175,7 +187,7 @@ def write_identities(settings: Settings) -> Identities:
         package: ensure_seeded(
             directory, registry, id=service_identity(definition.schema), kind="service", name=definition.name
         )
-        for package, definition in SERVICES.items()
+        for package, definition in services().items()
     }
     registry.save(directory)
     auth_conf = write_auth_conf(directory, registry, service_permission_map(settings))
@@ -185,7 +197,7 @@ def write_identities(settings: Settings) -> Identities:
 def service_permission_map(settings: Settings) -> dict[str, Permissions]:
     """Each service's NATS permissions under ``settings``, by service name (what auth.conf grants)."""
     subjects = Subjects(settings.kit.subject_prefix)
-    grants = [grant_of(definition, settings) for definition in SERVICES.values()]
+    grants = [grant_of(definition, settings) for definition in services().values()]
     # Each service's consumers are its own: the others' durables are denied to it by name.
     return {
         grant.name: service_permissions(grant, subjects, others=grants, stream_prefix=settings.kit.stream_prefix)
@@ -263,7 +275,7 @@ class Stack:
         if not self.settings.kit.database_roles:  # it connects as the URL's user: it needs that user's password
             return {"HETSCHED_DATABASE_URL": self.database_url}
         env = {"HETSCHED_DATABASE_URL": without_password(self.database_url)}
-        own = role_password_file(self.settings.kit.data_dir, role_of(SERVICES[package].schema))
+        own = role_password_file(self.settings.kit.data_dir, role_of(services()[package].schema))
         if self.settings.kit.database_role_password is not None:  # one for every role, wherever settings came from
             env["HETSCHED_DATABASE_ROLE_PASSWORD"] = self.settings.kit.database_role_password.get_secret_value()
         elif self.postgres is not None and own.exists():
@@ -290,7 +302,7 @@ class Stack:
             return {}
         return {
             "HETSCHED_NATS_NKEY_SEED_FILE": str(seed),
-            "HETSCHED_NATS_INBOX_PREFIX": inbox_prefix(service_identity(SERVICES[package].schema)),
+            "HETSCHED_NATS_INBOX_PREFIX": inbox_prefix(service_identity(services()[package].schema)),
         }
 
     def create_streams(self) -> None:
@@ -312,7 +324,7 @@ class Stack:
     def _spawn(self, package: str) -> subprocess.Popen[bytes]:
         with open(self.settings.kit.data_dir / "logs" / f"{package}.log", "ab") as log:  # the child keeps its copy
             return subprocess.Popen(
-                [sys.executable, "-m", module_of(package)],
+                [sys.executable, "-m", f"services.{package}"],
                 env=self._child_env(package),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -320,7 +332,7 @@ class Stack:
             )
 
     def start_services(self) -> None:
-        for package in SERVICES:
+        for package in services():
             self.children[package] = Child(package=package, proc=self._spawn(package))
 
     def write_state(self) -> None:

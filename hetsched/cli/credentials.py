@@ -15,8 +15,7 @@ import typer
 from rich.table import Table
 
 from hetsched.cli.common import DataDirOption, JsonOption, bad_input, console, settings_of
-from hetsched.stack import read_state, service_permission_map, write_identities
-from services.registry import SERVICES
+from hetsched.stack import read_state, service_permission_map, services, write_identities
 from shared.contracts.permissions import agent_identity, gateway_identity, inbox_prefix, service_identity
 from shared.contracts.subjects import token
 from shared.infra import identity as identities
@@ -76,7 +75,7 @@ def init(
         server_config.write_text("\n".join(lines) + "\n")
     console.print(f"operator seed   {written.operator_seed}")
     for package, seed in written.service_seeds.items():
-        inbox = inbox_prefix(service_identity(SERVICES[package].schema))
+        inbox = inbox_prefix(service_identity(services()[package].schema))
         console.print(f"{package:<20} HETSCHED_NATS_NKEY_SEED_FILE={seed} HETSCHED_NATS_INBOX_PREFIX={inbox}")
     console.print(f"auth.conf       {written.auth_conf}")
 
