@@ -33,7 +33,8 @@ from shared.contracts.permissions import agent_identity, gateway_identity, servi
 from shared.contracts.subjects import Context, Rpc
 from shared.contracts.topology import GpuSample, GpuTelemetryEvent
 from shared.infra.bus import follow
-from shared.infra.service import CONSUMER_GONE_MESSAGE, grant_of
+from shared.infra.consumers import CONSUMER_GONE_MESSAGE
+from shared.infra.service import grant_of
 from shared.infra.settings import Settings
 from tests.integration import test_security
 from tests.integration.secure_stack import Caller, SecureBus

@@ -40,9 +40,10 @@ from shared.contracts.streams import deadletter_stream_name, stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
 from shared.contracts.topology import NodeStateEvent, TopologyEventName
 from shared.infra import deadletter
+from shared.infra.consumers import DEAD_LETTERED_MESSAGE
 from shared.infra.db import make_engine, make_sessions
 from shared.infra.outbox import QUARANTINED_MESSAGE, OutboxRelay, RelayStalled, enqueue, event_body
-from shared.infra.service import DEAD_LETTERED_MESSAGE, Consumer, Runtime, ServiceDefinition, build_app
+from shared.infra.service import Consumer, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
 from shared.infra.tables import inbox_table, outbox_table
 from shared.infra.uow import EventTooLarge, UnitOfWork

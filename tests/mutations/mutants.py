@@ -52,7 +52,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="deleted_consumer_not_recreated",
         what="an event loop whose durable was deleted notices it but never re-creates it",
-        file="shared/infra/service.py",
+        file="shared/infra/consumers.py",
         find="                await subscription.unsubscribe()\n            return await self._subscribe(runtime)\n",
         replace="                await subscription.unsubscribe()\n            return subscription\n",
         tests=("tests/integration/test_consumer_ownership.py",),
@@ -237,7 +237,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="health_never_probes",
         what="health waits for the next real call (or a minute) to say a dependency that failed is back",
-        file="shared/infra/service.py",
+        file="shared/infra/health.py",
         find="        if probes:\n            await _probe(runtime, probes)\n",
         replace="        if False:\n            await _probe(runtime, probes)\n",
         tests=(

@@ -55,7 +55,8 @@ async def test_health_probes_a_failing_dependency_and_says_ok_once_it_answers() 
     from pydantic import BaseModel
 
     from shared.contracts.health import HealthReply, HealthRequest
-    from shared.infra.service import _health, health_probes
+    from shared.infra.health import health_handler as _health
+    from shared.infra.health import health_probes
     from shared.infra.settings import Settings
 
     up = {"filler": False}

@@ -12,7 +12,9 @@ from services.registry import SERVICES
 from shared.contracts.permissions import Permissions, ServiceGrant, service_identity, service_permissions
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Subjects
-from shared.infra.service import _EventLoop, consumers_check, durable_name, grant_of
+from shared.infra.consumers import EventLoop as _EventLoop
+from shared.infra.consumers import consumers_check
+from shared.infra.service import durable_name, grant_of
 from shared.infra.settings import Settings
 
 SETTINGS = Settings(kit={"subject_prefix": "hetsched", "stream_prefix": ""})

@@ -290,8 +290,8 @@ async def test_saturation_is_reported_when_every_worker_stays_busy() -> None:
 
 
 async def test_health_says_degraded_when_a_subjects_workers_are_saturated() -> None:
+    from shared.infra.health import health_handler as _health
     from shared.infra.rpc import CallStats
-    from shared.infra.service import _health
     from shared.infra.settings import Settings
 
     release = asyncio.Event()
