@@ -222,6 +222,20 @@ def refusal(reply: BaseModel, as_json: bool) -> None:
     raise typer.Exit(REJECTED_EXIT)
 
 
+def shown(
+    data_dir: Path | None, rpc: Rpc, request: BaseModel, reply_type: type[ModelT], as_json: bool
+) -> ModelT | None:
+    """Ask; a refusal exits 1 (``refusal``); with --json the reply is printed and None comes back (nothing
+    more to show); otherwise the reply, for the command to show in words."""
+    answer = ask(data_dir, rpc, request, reply_type)
+    refusal(answer, as_json)
+    if as_json:
+        print(answer.model_dump_json(indent=2))
+        return None
+    assert isinstance(answer, reply_type)
+    return answer
+
+
 def fraction(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from hetsched.cli.common import DataDirOption, JsonOption, ask, columns, refusal, say
+from hetsched.cli.common import DataDirOption, JsonOption, columns, say, shown
 from shared.contracts.rebalance import RebalanceStatusReply, RebalanceStatusRequest
 from shared.contracts.subjects import Rpc
 
@@ -16,12 +16,9 @@ def rebalance(as_json: JsonOption = False, data_dir: DataDirOption = None) -> No
     """Operators: the rebalancer now (`rebalance.status`): each detector and its targets pending or firing,
     the plans open or running (and the last finished) and the recent actions, newest first."""
     request = RebalanceStatusRequest()
-    answer = ask(data_dir, Rpc.REBALANCE_STATUS, request, RebalanceStatusReply)
-    refusal(answer, as_json)
-    if as_json:
-        print(answer.model_dump_json(indent=2))
+    answer = shown(data_dir, Rpc.REBALANCE_STATUS, request, RebalanceStatusReply, as_json)
+    if answer is None:
         return
-    assert isinstance(answer, RebalanceStatusReply)
     # The direction is part of the threshold (`>0.85` fires above it), so each cell is one word for `awk`.
     columns(
         ["detector", "threshold", "window_s", "state", "targets"],

@@ -13,13 +13,12 @@ from hetsched.cli.common import (
     DataDirOption,
     JsonOption,
     TenantOption,
-    ask,
     bad_input,
     build,
     columns,
     fraction,
-    refusal,
     say,
+    shown,
 )
 from hetsched.cli.common import (
     request_id as _request_id,
@@ -80,12 +79,9 @@ def reserve(
         "spot_eviction_s": spot_eviction_s,
     }
     request = build(lambda: ReservationCreateRequest.model_validate({k: v for k, v in fields.items() if v is not None}))
-    reply = ask(data_dir, Rpc.RESERVATION_CREATE, request, ReservationCreateReply)
-    refusal(reply, as_json)
-    if as_json:
-        print(reply.model_dump_json(indent=2))
+    reply = shown(data_dir, Rpc.RESERVATION_CREATE, request, ReservationCreateReply, as_json)
+    if reply is None:
         return
-    assert isinstance(reply, ReservationCreateReply)
     again = " (this request id had created it before)" if reply.duplicate else ""
     say(f"reservation {reply.reservation_id}: {policy.value}, {len(reply.accelerators)} accelerators{again}")
     for acc in reply.accelerators:
@@ -117,12 +113,9 @@ def reservations(
         _reservation_cancel(data_dir, cancel, tenant, as_json)
         return
     request = build(lambda: ReservationStatusRequest(tenant=tenant))
-    answer = ask(data_dir, Rpc.RESERVATION_STATUS, request, ReservationStatusReply)
-    refusal(answer, as_json)
-    if as_json:
-        print(answer.model_dump_json(indent=2))
+    answer = shown(data_dir, Rpc.RESERVATION_STATUS, request, ReservationStatusReply, as_json)
+    if answer is None:
         return
-    assert isinstance(answer, ReservationStatusReply)
     rows = [
         [
             view.reservation_id,
@@ -154,12 +147,9 @@ def reservations(
 def _reservation_cancel(data_dir: Path | None, reservation_id: str, tenant: str, as_json: bool) -> None:
     """`hetsched reservations --cancel RES_ID --tenant T`: one `reservation.cancel` call."""
     request = build(lambda: ReservationCancelRequest(reservation_id=reservation_id, tenant=tenant))
-    reply = ask(data_dir, Rpc.RESERVATION_CANCEL, request, ReservationCancelReply)
-    refusal(reply, as_json)
-    if as_json:
-        print(reply.model_dump_json(indent=2))
+    reply = shown(data_dir, Rpc.RESERVATION_CANCEL, request, ReservationCancelReply, as_json)
+    if reply is None:
         return
-    assert isinstance(reply, ReservationCancelReply)
     before = " (it had been cancelled before)" if reply.already else ""
     say(f"cancelled {reply.reservation_id}{before}")
 
@@ -167,12 +157,9 @@ def _reservation_cancel(data_dir: Path | None, reservation_id: str, tenant: str,
 def _reservation_report(data_dir: Path | None, as_json: bool) -> None:
     """`hetsched reservations --report`: one `reservation.report` call (operators)."""
     request = ReservationReportRequest()
-    answer = ask(data_dir, Rpc.RESERVATION_REPORT, request, ReservationReportReply)
-    refusal(answer, as_json)
-    if as_json:
-        print(answer.model_dump_json(indent=2))
+    answer = shown(data_dir, Rpc.RESERVATION_REPORT, request, ReservationReportReply, as_json)
+    if answer is None:
         return
-    assert isinstance(answer, ReservationReportReply)
     say(
         f"fill rate {fraction(answer.fill_rate)}: {answer.reserved} reserved, {answer.owner_used} used by their "
         f"owners, {answer.lent} lent; idle ${answer.idle_cost_usd_per_hour:.2f}/h"

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from services.placement.ledger_calls import ask_ledger
 from services.placement.replicas import Hold, Replica, ReplicaBook, hold_request_id, hold_requester, replica_of
 from shared.contracts.base import ErrorCode, Rejected, rejected
 from shared.contracts.ledger import (
@@ -435,14 +436,12 @@ class AdmissionHandlers:
         return replica.owner if replica is not None else tenant
 
     async def release_hold(self, allocation_id: str, owner: str) -> ReleaseReply | Rejected:
-        try:
-            released = await self._rpc.ask(
-                Rpc.LEDGER_RELEASE,
-                LedgerReleaseRequest(allocation_id=allocation_id, tenant=owner),
-                LedgerReleaseReply,
-            )
-        except RpcError as exc:
-            return rejected(ErrorCode.INTERNAL, str(exc))
+        released = await ask_ledger(
+            self._rpc,
+            Rpc.LEDGER_RELEASE,
+            LedgerReleaseRequest(allocation_id=allocation_id, tenant=owner),
+            LedgerReleaseReply,
+        )
         if isinstance(released, Rejected):
             return released
         if released.status != "released":

@@ -10,10 +10,11 @@ from collections.abc import Callable
 from pydantic import BaseModel
 
 from services.placement.admission import AdmissionHandlers
+from services.placement.ledger_calls import ask_ledger
 from services.placement.mapping import placement_request_id
 from services.placement.store import DecisionStore
 from services.placement.tally import QuotaTally
-from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
+from shared.contracts.base import ErrorBody, ErrorCode, Rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import (
     AllocationEvent,
@@ -32,7 +33,7 @@ from shared.contracts.placement import (
 )
 from shared.contracts.subjects import Context, Rpc
 from shared.domain.placement.ownership import IntentState
-from shared.infra.rpc import RpcClient, RpcError
+from shared.infra.rpc import RpcClient
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
 
@@ -63,14 +64,12 @@ class Lifecycle:
                 return owner
             if owner is not None:
                 return await self._admission.release_hold(request.allocation_id, owner)
-        try:
-            released = await self._rpc.ask(
-                Rpc.LEDGER_RELEASE,
-                LedgerReleaseRequest(allocation_id=request.allocation_id, tenant=request.tenant),
-                LedgerReleaseReply,
-            )
-        except RpcError as exc:
-            return rejected(ErrorCode.INTERNAL, str(exc))
+        released = await ask_ledger(
+            self._rpc,
+            Rpc.LEDGER_RELEASE,
+            LedgerReleaseRequest(allocation_id=request.allocation_id, tenant=request.tenant),
+            LedgerReleaseReply,
+        )
         if isinstance(released, Rejected):
             return released
         if released.status != "released":
@@ -96,14 +95,12 @@ class Lifecycle:
             if isinstance(owner, Rejected):
                 return owner
             tenant = owner or tenant
-        try:
-            renewed = await self._rpc.ask(
-                Rpc.LEDGER_RENEW,
-                LedgerRenewRequest(allocation_id=request.allocation_id, tenant=tenant, lease_s=request.lease_s),
-                LedgerRenewReply,
-            )
-        except RpcError as exc:
-            return rejected(ErrorCode.INTERNAL, str(exc))
+        renewed = await ask_ledger(
+            self._rpc,
+            Rpc.LEDGER_RENEW,
+            LedgerRenewRequest(allocation_id=request.allocation_id, tenant=tenant, lease_s=request.lease_s),
+            LedgerRenewReply,
+        )
         if isinstance(renewed, Rejected):
             return renewed
         if renewed.status != "renewed":
