@@ -103,7 +103,3 @@ def health_handler(
         )
 
     return handler
-
-
-def _describe_slow(slow: Mapping[str, str]) -> str:
-    return "slow: " + "; ".join(f"{context}: {why}" for context, why in sorted(slow.items()))
