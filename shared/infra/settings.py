@@ -491,7 +491,8 @@ class LedgerSettings(Section):
     cross_domain_budget_bytes_per_s: int = Field(
         default=256_000_000_000,
         ge=0,
-        description="Cross-domain TP traffic the replicas of one cluster may send in all (the brief's 256 GB/s); "
+        description="Cross-domain TP traffic the replicas of one cluster may send in all (default 256 GB/s, a "
+        "product requirement; size it to your inter-node fabric); "
         "the ledger refuses a commit past it (`no_capacity`); placement shares it out by SLO below it. "
         "0: not enforced.",
     )
