@@ -217,7 +217,7 @@ MUTANTS: tuple[Mutant, ...] = (
         + '        await session.execute(__import__("sqlalchemy").text("SELECT count(*) FROM ledger.allocations"))\n',
         tests=("tests/unit/test_schema_ownership.py", PLACEMENT_IT),
     ),
-    # Issue 23 rows 10 and 11 (docs/SECURITY.md "Hostile probe, round 3 — rows 10 and 11").
+    # Hostile probe, round 3, findings 10 and 11 (docs/SECURITY.md).
     Mutant(
         name="reclaim_waits_the_whole_deadline",
         what="an owner's placement waits for reservation.reclaim as long as the caller's deadline allows",
