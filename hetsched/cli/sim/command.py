@@ -23,8 +23,18 @@ app = typer.Typer()
 
 @app.command()
 def sim(
-    fleet: Annotated[Path, typer.Option("--fleet", help="Fleet inventory YAML (API.md format).")],
-    trace: Annotated[Path, typer.Option("--trace", help="Workload trace (Azure CSV, Mooncake JSONL, plain CSV).")],
+    fleet: Annotated[
+        Path | None,
+        typer.Option("--fleet", help="Fleet inventory YAML (API.md format); default: the shipped demo fleet."),
+    ] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            "--trace",
+            help="Workload trace (Azure CSV, Mooncake JSONL, plain CSV); default: the shipped sample (4,000 "
+            "requests of the Azure LLM inference trace 2023, CC-BY 4.0), at --load 0.8 unless given.",
+        ),
+    ] = None,
     policy: Annotated[SimPolicy | None, typer.Option(help="One policy; default all.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the model mix and the random policy.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help='Print {"policies": {NAME: KPIS}}.')] = False,
@@ -81,11 +91,12 @@ def sim(
     ] = None,
     data_dir: DataDirOption = None,
 ) -> None:
-    """Replay a workload trace against a fleet under each placement policy and print the KPIs."""
+    """Replay a workload trace against a fleet under each placement policy and print the KPIs (with no
+    --trace: the shipped sample at load 0.8 on the demo fleet)."""
     from hetsched.cli.sim.report import dump_json, render_table, write_plots
-    from hetsched.cli.sim.run import parse_reservations, run_sim
+    from hetsched.cli.sim.run import SAMPLE_LOAD, parse_reservations, run_sim, sample_trace_path, trace_notes
     from shared.domain.sim import SimConfig
-    from shared.infra.catalog import load_models
+    from shared.infra.catalog import demo_fleet_path, load_models
 
     compare = sharing is SimSharing.COMPARE
     if sharing is not SimSharing.EXCLUSIVE and live:
@@ -102,6 +113,20 @@ def sim(
         reservations = parse_reservations(reserve or [], owner_models or [], known_models=load_models())
     except ValueError as exc:
         bad_input(str(exc))
+    if fleet is None:
+        fleet = demo_fleet_path()
+        err.print(f"fleet: the shipped demo fleet, {fleet}", markup=False, soft_wrap=True)
+    if trace is None:
+        trace = sample_trace_path()
+        err.print(f"trace: the shipped sample, {trace}", markup=False, soft_wrap=True)
+        notes = trace_notes(trace)
+        for key in ("Sample", "Source", "Licence", "Citation"):
+            if key in notes:
+                err.print(f"  {key.lower()}: {notes[key]}", markup=False, highlight=False, soft_wrap=True)
+        if load is None and not (sweep or live or compare):
+            # At its own rate the sample keeps the demo fleet ~2 % busy: every policy would score the same.
+            load = SAMPLE_LOAD
+            err.print(f"load: {load:g}, the sample's default (--load sets another)")
     policy_name = policy.value if policy is not None else None
     if sweep or load is not None:
         _sim_sweep(
