@@ -93,7 +93,8 @@ def sim(
 ) -> None:
     """Replay a workload trace against a fleet under each placement policy and print the KPIs (with no
     --trace: the shipped sample at load 0.8 on the demo fleet)."""
-    from hetsched.cli.sim.report import dump_json, render_table, write_plots
+    from hetsched.cli.sim.plots import write_plots
+    from hetsched.cli.sim.report import dump_json, render_table
     from hetsched.cli.sim.run import SAMPLE_LOAD, parse_reservations, run_sim, sample_trace_path, trace_notes
     from shared.domain.sim import SimConfig
     from shared.infra.catalog import demo_fleet_path, load_models
@@ -184,8 +185,15 @@ def sim(
     else:
         render_table(results, console)
     if plots is not None:
-        for path in write_plots(results, plots):
+        for path in write_plots(results, plots, title=_title(trace, fleet, results)):
             err.print(f"wrote {path}")
+
+
+def _title(trace: Path, fleet: Path, results: Any, load: float | None = None) -> str:
+    """The comparison figure's title: what ran, on what, how hard."""
+    requests = max((r.kpis.requests for r in results.values()), default=0)
+    at = "its own rate" if load is None else f"load {load:g}"
+    return f"{trace.stem} on {fleet.stem}: {requests} requests at {at}"
 
 
 @contextlib.contextmanager
@@ -230,14 +238,8 @@ def _sim_sweep(
 ) -> None:
     """`hetsched sim --sweep`: every policy at each load, one table, margins, cost-vs-SLO plots. Without
     ``sweep`` (`--load X`): the one load's KPI table, time-series plots, and the scaling on stderr."""
-    from hetsched.cli.sim.report import (
-        dump_json,
-        dump_sweep_json,
-        render_sweep,
-        render_table,
-        write_plots,
-        write_sweep_plots,
-    )
+    from hetsched.cli.sim.plots import write_plots, write_sweep_plots
+    from hetsched.cli.sim.report import dump_json, dump_sweep_json, render_sweep, render_table
     from hetsched.cli.sim.run import parse_loads, run_sweep
     from shared.domain.sim import SimConfig
 
@@ -265,7 +267,7 @@ def _sim_sweep(
         else:
             render_table(point.results, console)
         if plots is not None:
-            for path in write_plots(point.results, plots):
+            for path in write_plots(point.results, plots, title=_title(trace, fleet, point.results, point.load)):
                 err.print(f"wrote {path}")
         return
     if as_json:
@@ -281,7 +283,8 @@ def _sim_sharing_compare(
     fleet: Path, trace: Path, *, seed: int, bad_rows: BadRows, limit: int | None, as_json: bool, plots: Path | None
 ) -> None:
     """`hetsched sim --sharing compare`: the same trace with small models exclusive, then shared."""
-    from hetsched.cli.sim.report import dump_sharing_json, render_sharing_table, write_plots
+    from hetsched.cli.sim.plots import write_plots
+    from hetsched.cli.sim.report import dump_sharing_json, render_sharing_table
     from hetsched.cli.sim.run import run_sharing_compare
 
     with _trace_errors(trace):
@@ -292,5 +295,6 @@ def _sim_sharing_compare(
     else:
         render_sharing_table(comparison, console)
     if plots is not None:
-        for path in write_plots(comparison.results, plots):
+        title = f"{trace.stem} on {fleet.stem}: hetsched, every replica exclusive vs small models shared"
+        for path in write_plots(comparison.results, plots, title=title):
             err.print(f"wrote {path}")
