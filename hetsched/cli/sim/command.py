@@ -237,7 +237,8 @@ def _sim_sweep(
     reservations: Any = None,  # shared.domain.sim.reservations.ReservationSetup (imported when run)
 ) -> None:
     """`hetsched sim --sweep`: every policy at each load, one table, margins, cost-vs-SLO plots. Without
-    ``sweep`` (`--load X`): the one load's KPI table, time-series plots, and the scaling on stderr."""
+    ``sweep`` (`--load X`): the one load's KPI table, its plots (policies compared, time series), and the
+    scaling on stderr."""
     from hetsched.cli.sim.plots import write_plots, write_sweep_plots
     from hetsched.cli.sim.report import dump_json, dump_sweep_json, render_sweep, render_table
     from hetsched.cli.sim.run import parse_loads, run_sweep
