@@ -17,7 +17,9 @@ formats are understood (`TraceFormat`):
 Common rules, for all formats:
 
 * Header names are matched case-insensitively after trimming blanks; columns may come in any order.
-* Blank lines are ignored and do not count as rows. Rows are numbered from 1 over the data rows
+* Blank lines are ignored and do not count as rows. In the CSV formats, lines starting with ``#`` before
+  the header are comments (a shipped sample names its source and licence there; `comment_header`
+  returns them); a ``#`` line after the header is a row like any other. Rows are numbered from 1 over the data rows
   (the CSV header is not a row); errors also give the physical line number.
 * ``arrival_ms`` is relative to the first *accepted* request, which therefore arrives at 0.0.
 * Token counts must be whole numbers greater than zero (``12`` or ``12.0``, not ``12.5``).
@@ -222,9 +224,29 @@ def _collect(records: Iterator[_Record], fmt: TraceFormat, on_error: OnError) ->
     return Trace(requests=tuple(requests), skipped=skipped, format=fmt)
 
 
+def _leading_comments(lines: Sequence[str]) -> int:
+    """How many of ``lines`` are ``#`` comments or blank before the first other line."""
+    count = 0
+    for line in lines:
+        if line.strip() and not line.lstrip().startswith("#"):
+            break
+        count += 1
+    return count
+
+
+def comment_header(text: str) -> tuple[str, ...]:
+    """The ``#`` comment lines before a CSV trace's header, without the ``#`` and one following blank."""
+    lines = text.lstrip("\ufeff").splitlines()
+    comments = (line.lstrip()[1:] for line in lines[: _leading_comments(lines)] if line.strip())
+    return tuple(c[1:] if c.startswith(" ") else c for c in comments)
+
+
 def _csv_rows(text: str) -> Iterator[tuple[int, list[str]]]:
-    """(physical line, cells) for each non-blank CSV record, header first."""
-    reader = csv.reader(text.lstrip("\ufeff").splitlines())
+    """(physical line, cells) for each non-blank CSV record, header first; leading comments skipped."""
+    lines = text.lstrip("\ufeff").splitlines()
+    skip = _leading_comments(lines)
+    # Blank in place of the comments, so the reader's line numbers stay the file's.
+    reader = csv.reader([""] * skip + lines[skip:])
     for cells in reader:
         if not cells or all(not cell.strip() for cell in cells):
             continue
@@ -368,15 +390,19 @@ def read_trace(text: str, fmt: str, *, on_error: OnError = "reject") -> Trace:
 
 
 def detect_format(text: str, filename: str = "") -> TraceFormat:
-    """The format of a trace, from its first non-blank line; the file name decides only when that is silent.
+    """The format of a trace, from its first non-blank line (past ``#`` comment lines); the file name
+    decides only when that is silent.
 
     A line starting with ``{`` is ``mooncake``; a CSV header with ``ContextTokens`` and
     ``GeneratedTokens`` is ``azure``; one with ``input_tokens`` and ``output_tokens`` is ``plain``.
     An empty text is ``mooncake`` for a ``.jsonl`` / ``.json`` name. Raises ValueError otherwise.
     """
-    first = next((line.strip() for line in text.lstrip("\ufeff").splitlines() if line.strip()), "")
+    lines = text.lstrip("\ufeff").splitlines()
+    first = next((line.strip() for line in lines if line.strip()), "")
     if first.startswith("{"):
         return "mooncake"
+    if first.startswith("#"):  # a CSV's comment lines: its header is the first line after them
+        first = next((line.strip() for line in lines[_leading_comments(lines) :] if line.strip()), "")
     if first:
         header = {cell.strip().lower() for cell in next(csv.reader([first]))}
         if {"contexttokens", "generatedtokens"} <= header:

@@ -23,8 +23,18 @@ app = typer.Typer()
 
 @app.command()
 def sim(
-    fleet: Annotated[Path, typer.Option("--fleet", help="Fleet inventory YAML (API.md format).")],
-    trace: Annotated[Path, typer.Option("--trace", help="Workload trace (Azure CSV, Mooncake JSONL, plain CSV).")],
+    fleet: Annotated[
+        Path | None,
+        typer.Option("--fleet", help="Fleet inventory YAML (API.md format); default: the shipped demo fleet."),
+    ] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            "--trace",
+            help="Workload trace (Azure CSV, Mooncake JSONL, plain CSV); default: the shipped sample (4,000 "
+            "requests of the Azure LLM inference trace 2023, CC-BY 4.0), at --load 0.8 unless given.",
+        ),
+    ] = None,
     policy: Annotated[SimPolicy | None, typer.Option(help="One policy; default all.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the model mix and the random policy.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help='Print {"policies": {NAME: KPIS}}.')] = False,
@@ -81,11 +91,13 @@ def sim(
     ] = None,
     data_dir: DataDirOption = None,
 ) -> None:
-    """Replay a workload trace against a fleet under each placement policy and print the KPIs."""
-    from hetsched.cli.sim.report import dump_json, render_table, write_plots
-    from hetsched.cli.sim.run import parse_reservations, run_sim
+    """Replay a workload trace against a fleet under each placement policy and print the KPIs (with no
+    --trace: the shipped sample at load 0.8 on the demo fleet)."""
+    from hetsched.cli.sim.plots import write_plots
+    from hetsched.cli.sim.report import dump_json, render_table
+    from hetsched.cli.sim.run import SAMPLE_LOAD, parse_reservations, run_sim, sample_trace_path, trace_notes
     from shared.domain.sim import SimConfig
-    from shared.infra.catalog import load_models
+    from shared.infra.catalog import demo_fleet_path, load_models
 
     compare = sharing is SimSharing.COMPARE
     if sharing is not SimSharing.EXCLUSIVE and live:
@@ -102,6 +114,20 @@ def sim(
         reservations = parse_reservations(reserve or [], owner_models or [], known_models=load_models())
     except ValueError as exc:
         bad_input(str(exc))
+    if fleet is None:
+        fleet = demo_fleet_path()
+        err.print(f"fleet: the shipped demo fleet, {fleet}", markup=False, soft_wrap=True)
+    if trace is None:
+        trace = sample_trace_path()
+        err.print(f"trace: the shipped sample, {trace}", markup=False, soft_wrap=True)
+        notes = trace_notes(trace)
+        for key in ("Sample", "Source", "Licence", "Citation"):
+            if key in notes:
+                err.print(f"  {key.lower()}: {notes[key]}", markup=False, highlight=False, soft_wrap=True)
+        if load is None and not (sweep or live or compare):
+            # At its own rate the sample keeps the demo fleet ~2 % busy: every policy would score the same.
+            load = SAMPLE_LOAD
+            err.print(f"load: {load:g}, the sample's default (--load sets another)")
     policy_name = policy.value if policy is not None else None
     if sweep or load is not None:
         _sim_sweep(
@@ -159,8 +185,15 @@ def sim(
     else:
         render_table(results, console)
     if plots is not None:
-        for path in write_plots(results, plots):
+        for path in write_plots(results, plots, title=_title(trace, fleet, results)):
             err.print(f"wrote {path}")
+
+
+def _title(trace: Path, fleet: Path, results: Any, load: float | None = None) -> str:
+    """The comparison figure's title: what ran, on what, how hard."""
+    requests = max((r.kpis.requests for r in results.values()), default=0)
+    at = "its own rate" if load is None else f"load {load:g}"
+    return f"{trace.stem} on {fleet.stem}: {requests} requests at {at}"
 
 
 @contextlib.contextmanager
@@ -204,15 +237,10 @@ def _sim_sweep(
     reservations: Any = None,  # shared.domain.sim.reservations.ReservationSetup (imported when run)
 ) -> None:
     """`hetsched sim --sweep`: every policy at each load, one table, margins, cost-vs-SLO plots. Without
-    ``sweep`` (`--load X`): the one load's KPI table, time-series plots, and the scaling on stderr."""
-    from hetsched.cli.sim.report import (
-        dump_json,
-        dump_sweep_json,
-        render_sweep,
-        render_table,
-        write_plots,
-        write_sweep_plots,
-    )
+    ``sweep`` (`--load X`): the one load's KPI table, its plots (policies compared, time series), and the
+    scaling on stderr."""
+    from hetsched.cli.sim.plots import write_plots, write_sweep_plots
+    from hetsched.cli.sim.report import dump_json, dump_sweep_json, render_sweep, render_table
     from hetsched.cli.sim.run import parse_loads, run_sweep
     from shared.domain.sim import SimConfig
 
@@ -240,7 +268,7 @@ def _sim_sweep(
         else:
             render_table(point.results, console)
         if plots is not None:
-            for path in write_plots(point.results, plots):
+            for path in write_plots(point.results, plots, title=_title(trace, fleet, point.results, point.load)):
                 err.print(f"wrote {path}")
         return
     if as_json:
@@ -256,7 +284,8 @@ def _sim_sharing_compare(
     fleet: Path, trace: Path, *, seed: int, bad_rows: BadRows, limit: int | None, as_json: bool, plots: Path | None
 ) -> None:
     """`hetsched sim --sharing compare`: the same trace with small models exclusive, then shared."""
-    from hetsched.cli.sim.report import dump_sharing_json, render_sharing_table, write_plots
+    from hetsched.cli.sim.plots import write_plots
+    from hetsched.cli.sim.report import dump_sharing_json, render_sharing_table
     from hetsched.cli.sim.run import run_sharing_compare
 
     with _trace_errors(trace):
@@ -267,5 +296,6 @@ def _sim_sharing_compare(
     else:
         render_sharing_table(comparison, console)
     if plots is not None:
-        for path in write_plots(comparison.results, plots):
+        title = f"{trace.stem} on {fleet.stem}: hetsched, every replica exclusive vs small models shared"
+        for path in write_plots(comparison.results, plots, title=title):
             err.print(f"wrote {path}")

@@ -1,11 +1,10 @@
-"""`hetsched sim`: the KPIs as JSON, tables and PNGs (``run.py`` produces them)."""
+"""`hetsched sim`: the KPIs as JSON and tables (``run.py`` produces them, ``plots.py`` draws them)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from rich import box
@@ -92,53 +91,6 @@ def render_sweep(sweep: Sweep, console: Console) -> None:
                 f"load {point.load:g}: hetsched SLO attainment {slo:+.3f} vs the best baseline, "
                 f"$/M tokens {cost_text} vs the cheapest"
             )
-
-
-def write_sweep_plots(sweep: Sweep, plots_dir: Path) -> list[Path]:
-    """Cost against SLO attainment, one point per load: ``sim_<trace>_<policy>.png`` per policy and
-    ``sim_<trace>_all.png`` with a line per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plots_dir.mkdir(parents=True, exist_ok=True)
-    names = list(sweep.points[0].results) if sweep.points else []
-    series = {
-        name: [
-            (p.load, p.results[name].kpis.cost_per_million_tokens, p.results[name].kpis.slo_attainment)
-            for p in sweep.points
-        ]
-        for name in names
-    }
-    written = []
-
-    def draw(ax: Any, name: str) -> None:
-        points = [(load, cost, slo) for load, cost, slo in series[name] if cost is not None]
-        ax.plot([c for _, c, _ in points], [s for _, _, s in points], marker="o", label=name)
-        for load, cost, slo in points:
-            ax.annotate(f"{load:g}", (cost, slo), textcoords="offset points", xytext=(4, 4), fontsize=8)
-
-    def finish(fig: Any, ax: Any, title: str, path: Path) -> None:
-        ax.set_xlabel("$ per million tokens")
-        ax.set_ylabel("SLO attainment")
-        ax.set_title(title, fontsize=10)
-        ax.grid(True, alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        written.append(path)
-
-    for name in names:
-        fig, ax = plt.subplots(figsize=(5, 3.6))
-        draw(ax, name)
-        finish(fig, ax, f"{sweep.trace}: {name} (labels: load)", plots_dir / f"sim_{sweep.trace}_{name}.png")
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for name in names:
-        draw(ax, name)
-    ax.legend(fontsize=8)
-    finish(fig, ax, f"{sweep.trace}: every policy (labels: load)", plots_dir / f"sim_{sweep.trace}_all.png")
-    return written
 
 
 def results_json(results: Mapping[str, SimResult], point: SweepPoint | None = None) -> dict[str, Any]:
@@ -236,36 +188,6 @@ def render_table(results: Mapping[str, SimResult], console: Console) -> None:
     for key, header in (*_COLUMNS, *(_RESERVATION_COLUMNS if reserved else ())):
         table.add_row(header, *(_fmt(rows[name][key]) for name in results))
     console.print(table)
-
-
-def write_plots(results: Mapping[str, SimResult], plots_dir: Path) -> list[Path]:
-    """One PNG per policy: active replicas, queue length and SLO attainment per minute."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plots_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, result in results.items():
-        minutes = [s.minute for s in result.samples]
-        fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
-        axes[0].plot(minutes, [s.active_replicas for s in result.samples])
-        axes[0].set_ylabel("active replicas")
-        axes[1].plot(minutes, [s.queue_length for s in result.samples])
-        axes[1].set_ylabel("queue length")
-        axes[2].plot(
-            minutes, [s.slo_attainment if s.slo_attainment is not None else float("nan") for s in result.samples]
-        )
-        axes[2].set_ylabel("SLO attainment")
-        axes[2].set_ylim(0, 1.05)
-        axes[2].set_xlabel("minute")
-        fig.suptitle(f"policy {name}")
-        path = plots_dir / f"{name}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        written.append(path)
-    return written
 
 
 def dump_json(results: Mapping[str, SimResult], point: SweepPoint | None = None) -> str:

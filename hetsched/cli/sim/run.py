@@ -7,6 +7,13 @@ policy of the per-minute time series (active replicas, queue length, SLO attainm
 
 Default model mix (all fit the demo fleet): llama3-8b 50 %, llama3-70b 30 %, mixtral-8x7b 20 %.
 
+Without ``--trace`` the run replays the shipped sample (``SAMPLE_TRACE``: the first 4,000 requests of
+the Azure LLM inference trace 2023, conversation service, CC-BY 4.0; its source, licence and citation
+are the file's ``#`` lines, printed on stderr) and, without ``--load``, scales it to ``SAMPLE_LOAD``:
+at its own rate the demo fleet is about 2 % busy, every replica has free slots, and every policy
+scores the same.
+Without ``--fleet`` it runs on the shipped demo fleet (``shared/catalog/demo_fleet.yaml``).
+
 ``--load X`` scales the trace's arrivals so the fleet runs at load X (``shared.domain.sim.load``:
 the sum over models of arrival rate / the rate the whole fleet serves that model alone, every
 replica full); ``--sweep`` runs every policy at each of ``--loads`` and prints one table per trace,
@@ -26,6 +33,7 @@ rate, the preemptions and the requests that failed on a preempted replica.
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -47,11 +55,44 @@ from shared.domain.sim import (
 )
 from shared.domain.sim.load import FleetLoad, fleet_load, scale_arrivals
 from shared.domain.sim.sharing import small_models
-from shared.domain.traces import AssignedRequest, OnError, Trace, assign_workload, detect_format, read_trace
-from shared.infra.catalog import load_inventory, load_models, load_skus
+from shared.domain.traces import (
+    AssignedRequest,
+    OnError,
+    Trace,
+    assign_workload,
+    comment_header,
+    detect_format,
+    read_trace,
+)
+from shared.infra.catalog import load_inventory, load_models, load_skus, packaged_file
 
 DEFAULT_MODEL_MIX: Mapping[str, float] = {"llama3-8b": 0.5, "llama3-70b": 0.3, "mixtral-8x7b": 0.2}
 DEFAULT_TENANTS: Mapping[str, float] = {"tenant-a": 0.5, "tenant-b": 0.3, "tenant-c": 0.2}
+
+SAMPLE_TRACE = "azure_conv_2023_sample.csv"  # in the package shared.catalog, beside the demo fleet
+SAMPLE_LOAD = 0.8  # the sample's default load: busy enough to queue in bursts, below saturation
+
+
+def sample_trace_path() -> Path:
+    """The shipped sample trace (installed with the package)."""
+    return packaged_file(SAMPLE_TRACE)
+
+
+def trace_notes(path: Path) -> dict[str, str]:
+    """The ``Key: value`` lines among the ``#`` lines before a CSV trace's header (the sample's
+    ``Sample``, ``Source``, ``Licence``, ``Citation``, ...); empty for a file without them or one
+    that cannot be read."""
+    try:
+        with path.open(encoding="utf-8", errors="replace") as handle:
+            head = "".join(itertools.islice(handle, 64))
+    except OSError:
+        return {}
+    notes = {}
+    for line in comment_header(head):
+        key, sep, value = line.partition(":")
+        if sep and key.strip() and " " not in key.strip():
+            notes[key.strip()] = value.strip()
+    return notes
 
 
 def load_trace(path: Path, *, on_bad_rows: OnError) -> Trace:

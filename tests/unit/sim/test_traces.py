@@ -17,6 +17,7 @@ from shared.domain.traces import (
     TraceRequest,
     _splitmix64,
     assign_workload,
+    comment_header,
     detect_format,
     parse_timestamp_ns,
     read_azure_csv,
@@ -112,10 +113,59 @@ def test_crlf_bom_and_blank_lines_are_tolerated() -> None:
         ('\n{"timestamp": 0, "input_length": 1, "output_length": 1}\n', "trace.txt", "mooncake"),
         ("arrival_s,input_tokens,output_tokens\n", "x.csv", "plain"),
         ("", "mooncake_trace.jsonl", "mooncake"),
+        ("# Source: x\n#\n\n# Licence: y\nTIMESTAMP,ContextTokens,GeneratedTokens\n", "x.csv", "azure"),
+        ("\ufeff# a comment\narrival_ms,input_tokens,output_tokens\n", "x.txt", "plain"),
     ],
 )
 def test_detect_format(text: str, filename: str, fmt: str) -> None:
     assert detect_format(text, filename) == fmt
+
+
+# --- '#' comment lines before a CSV header (where a shipped sample names its source and licence) ----------
+
+COMMENTED_AZURE = (
+    "# Source: https://example.org/trace.csv\n"
+    "#   continued, indented\n"
+    "\n"
+    "#Licence: CC-BY 4.0\n"
+    "TIMESTAMP,ContextTokens,GeneratedTokens\n"  # line 5
+    "2023-11-16 18:15:46.6805900,374,44\n"
+    "2023-11-16 18:15:50.9951690,396,109\n"
+)
+
+
+def test_comment_lines_before_the_header_are_skipped() -> None:
+    # 18:15:50.9951690 - 18:15:46.6805900 = 4.3145790 s
+    assert shape(read_azure_csv(COMMENTED_AZURE)) == [(0.0, 374, 44, 1), (4314.579, 396, 109, 2)]
+    plain = "# made by hand\r\n# second\r\narrival_s,input_tokens,output_tokens\r\n0,10,5\r\n1,11,6\r\n"
+    assert shape(read_plain_csv(plain)) == [(0.0, 10, 5, 1), (1000.0, 11, 6, 2)]
+    assert (
+        read_trace(COMMENTED_AZURE, detect_format(COMMENTED_AZURE)).requests == read_azure_csv(COMMENTED_AZURE).requests
+    )
+
+
+def test_comment_lines_keep_the_files_line_numbers_in_errors() -> None:
+    bad = COMMENTED_AZURE + "2023-11-16 18:15:51.0,zero,1\n"  # data row 3, physical line 8
+    with pytest.raises(TraceError, match=r"row 3 \(line 8\)"):
+        read_azure_csv(bad)
+
+
+def test_a_hash_line_after_the_header_is_a_row_not_a_comment() -> None:
+    text = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n# late note\n"
+    with pytest.raises(TraceError, match=r"row 2 \(line 3\)") as caught:
+        read_azure_csv(text)
+    assert caught.value.reason == "not_a_number"
+    assert read_azure_csv(text, on_error="skip").skipped == {"not_a_number": 1}
+
+
+def test_comment_header_returns_the_leading_comments_without_the_hash() -> None:
+    assert comment_header(COMMENTED_AZURE) == (
+        "Source: https://example.org/trace.csv",
+        "  continued, indented",
+        "Licence: CC-BY 4.0",
+    )
+    assert comment_header("TIMESTAMP,ContextTokens,GeneratedTokens\n# not a header comment\n") == ()
+    assert comment_header("") == ()
 
 
 def test_detect_format_refuses_what_it_cannot_tell() -> None:
