@@ -12,10 +12,21 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from hetsched.cli.common import DataDirOption, JsonOption, console, endpoints, err, settings_of
-from hetsched.stack import ServerDied, Stack, operator_options, read_state, server_liveness, wait_healthy
+from hetsched.cli.common import BAD_INPUT_EXIT, DataDirOption, JsonOption, console, endpoints, err, fail, settings_of
+from hetsched.stack import (
+    ALREADY_RUNNING_EXIT,
+    ServerDied,
+    Stack,
+    StackLock,
+    StackRunning,
+    operator_options,
+    read_state,
+    server_liveness,
+    wait_healthy,
+)
 from services.registry import SERVICES
 from shared.contracts.subjects import Subjects
+from shared.infra.db import DatabaseMissing
 
 app = typer.Typer()
 
@@ -26,8 +37,13 @@ def up(
     data_dir: Annotated[Path | None, typer.Option(help="Where embedded servers keep their data.")] = None,
     health_timeout_s: Annotated[float, typer.Option(help="How long to wait for six healthy services.")] = 60.0,
 ) -> None:
-    """Start the local stack in the foreground; SIGINT/SIGTERM stops everything cleanly."""
+    """Start the local stack in the foreground; SIGINT/SIGTERM stops everything cleanly. Another `up`
+    running from the same data dir: exit 4 at once, touching nothing."""
     settings = settings_of(data_dir)
+    try:
+        lock = StackLock.acquire(settings.kit.data_dir)  # before anything in the data dir is written
+    except StackRunning as exc:
+        fail(str(exc), ALREADY_RUNNING_EXIT)
     stack = Stack(settings, echo=console.print, fleet_file=fleet)
     stop_requested = False
 
@@ -71,12 +87,15 @@ def up(
         while not stop_requested:
             stack.supervise_once()
             time.sleep(0.2)
+    except DatabaseMissing as exc:
+        fail(str(exc), BAD_INPUT_EXIT)
     except ServerDied as exc:
         died = exc
         err.print(f"[bold red]!!! {exc}: stopping the stack[/bold red]")
     finally:
         console.print("stopping...")
         stack.stop()
+        lock.release()
         console.print("stopped")
     if died is not None:
         err.print(f"[bold red]hetsched up exits: embedded {died.server} died[/bold red]")
