@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import os
 import signal
@@ -48,13 +47,6 @@ from shared.infra.service import grant_of
 from shared.infra.settings import Settings, nats_servers
 
 STATE_FILE = "stack.json"
-LOCK_FILE = "up.lock"
-"""Held (``flock``, exclusive) by the `hetsched up` that runs from the data dir, for as long as it runs;
-it holds that process's pid. The kernel drops the lock when the process ends, however it ends."""
-ALREADY_RUNNING_EXIT = 4
-"""`hetsched up` found another one running from the same data dir and changed nothing."""
-LOCK_CONTENTION_S = 0.3
-"""How long `up` retries a lock that is taken: a CLI call checks for a running stack by taking it for a moment."""
 DATABASE_NAME = "hetsched"
 SERVER_RESTART_ATTEMPTS = 3
 """Tries to bring a dead embedded server back (same port, same data) before `up` gives up."""
@@ -102,84 +94,6 @@ def read_state(settings: Settings) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     return state
-
-
-class StackRunning(RuntimeError):
-    """Another `hetsched up` runs from this data dir: a second one must not touch its files."""
-
-    def __init__(self, data_dir: Path, pid: int | None) -> None:
-        who = f"pid {pid}" if pid else "pid unknown"
-        super().__init__(f"a stack is already running from {data_dir} ({who}); stop it first or set HETSCHED_DATA_DIR")
-        self.data_dir = data_dir
-        self.pid = pid
-
-
-@dataclass
-class StackLock:
-    """The data dir's lock, held by the running `hetsched up` (``LOCK_FILE``)."""
-
-    path: Path
-    fd: int
-
-    @classmethod
-    def acquire(cls, data_dir: Path) -> StackLock:
-        """Take the lock before anything else in the data dir is written; ``StackRunning`` (naming the
-        holder's pid) when another process holds it. Never blocks more than ``LOCK_CONTENTION_S``."""
-        data_dir.mkdir(parents=True, exist_ok=True)
-        path = data_dir / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        deadline = time.monotonic() + LOCK_CONTENTION_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() < deadline:
-                    time.sleep(0.02)
-                    continue
-                pid = _holder_pid(fd)
-                os.close(fd)
-                raise StackRunning(data_dir, pid) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return cls(path=path, fd=fd)
-
-    def release(self) -> None:
-        """Drop the lock (the file stays: removing it would race with the next `up` opening it)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def _holder_pid(fd: int) -> int | None:
-    """The pid the lock's holder wrote (it writes it just after taking the lock: wait a moment for it)."""
-    deadline = time.monotonic() + 0.5
-    while True:
-        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        if text.isdigit():
-            return int(text)
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.02)
-
-
-def stack_running(data_dir: Path) -> bool:
-    """Whether a `hetsched up` runs from ``data_dir`` (holds its lock). Takes the lock for a moment when
-    it is free, which `StackLock.acquire` tolerates."""
-    path = data_dir / LOCK_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
 
 
 def _running(pid: int) -> bool:
@@ -319,7 +233,7 @@ class Stack:
             self.nats.start(log_file=logs / "nats.log")
             self.nats_url = self.nats.url
         if not self.database_url:
-            self.postgres = EmbeddedPostgres(pgdata=data / "pg").start(log_file=logs / "postgres.log")
+            self.postgres = EmbeddedPostgres(pgdata=data / "pg").start(log_file=logs / "postgres.log", echo=self.echo)
             self.postgres.create_database(DATABASE_NAME)
             self.database_url = self.postgres.url(DATABASE_NAME)
 

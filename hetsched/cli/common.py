@@ -14,7 +14,8 @@ from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from typer.core import TyperGroup
 
-from hetsched.stack import operator_options, read_state, stack_running
+from hetsched.lock import stack_running
+from hetsched.stack import operator_options, read_state
 from shared.contracts.subjects import Rpc, Subjects
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings, load_settings

@@ -6,6 +6,7 @@ import asyncio
 import json
 import signal
 import time
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,17 +14,8 @@ import typer
 from rich.table import Table
 
 from hetsched.cli.common import BAD_INPUT_EXIT, DataDirOption, JsonOption, console, endpoints, err, fail, settings_of
-from hetsched.stack import (
-    ALREADY_RUNNING_EXIT,
-    ServerDied,
-    Stack,
-    StackLock,
-    StackRunning,
-    operator_options,
-    read_state,
-    server_liveness,
-    wait_healthy,
-)
+from hetsched.lock import ALREADY_RUNNING_EXIT, StackLock, StackRunning
+from hetsched.stack import ServerDied, Stack, operator_options, read_state, server_liveness, wait_healthy
 from services.registry import SERVICES
 from shared.contracts.subjects import Subjects
 from shared.infra.db import DatabaseMissing
@@ -44,7 +36,7 @@ def up(
         lock = StackLock.acquire(settings.kit.data_dir)  # before anything in the data dir is written
     except StackRunning as exc:
         fail(str(exc), ALREADY_RUNNING_EXIT)
-    stack = Stack(settings, echo=console.print, fleet_file=fleet)
+    stack = Stack(settings, echo=partial(console.print, soft_wrap=True), fleet_file=fleet)
     stop_requested = False
 
     def _on_signal(signum: int, _frame: Any) -> None:
