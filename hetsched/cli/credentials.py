@@ -23,6 +23,9 @@ from shared.infra.identity import Registry, reload_server, write_auth_conf
 from shared.infra.identity import nats_dir as identity_dir
 from shared.infra.settings import Settings
 
+CREDENTIALS_DIR = "credentials"
+"""Under the data dir: where `credentials issue` writes a credential without --out."""
+
 app = typer.Typer(help="NATS credentials: gateways (tenants) and agents (nodes).", no_args_is_help=True)
 
 
@@ -82,10 +85,21 @@ def init(
 
 @app.command()
 def issue(
-    out: Annotated[Path, typer.Option(help="Where to write the credential (an NKey seed file, mode 0600).")],
     tenant: Annotated[list[str] | None, typer.Option(help="A tenant this gateway acts for (repeatable).")] = None,
     agent: Annotated[str | None, typer.Option(help="Instead of tenants: an agent credential for this node.")] = None,
-    name: Annotated[str | None, typer.Option(help="Gateway name (default: the --out file's stem).")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where to write the credential (an NKey seed file, mode 0600); default "
+            "<data-dir>/credentials/<name>.nk."
+        ),
+    ] = None,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="Gateway name (default: the --out file's stem, else the tenants joined by '-' and '-gateway')."
+        ),
+    ] = None,
     as_json: JsonOption = False,
     data_dir: DataDirOption = None,
 ) -> None:
@@ -94,9 +108,14 @@ def issue(
         bad_input("give --tenant (a gateway) or --agent (a node), not both and not neither")
     settings = settings_of(data_dir)
     registry = _load(settings)
+    if agent:
+        kind, name_ = "agent", agent
+    else:
+        kind, name_ = "gateway", name or (out.stem if out else "-".join(dict.fromkeys(tenant or ())) + "-gateway")
+    # Outside the working tree by default, beside the other secrets of the data dir (0700 folder, 0600 file).
+    out = out or settings.kit.data_dir / CREDENTIALS_DIR / f"{token(name_)}.nk"
     if out.exists():
         bad_input(f"{out} exists: a credential is never overwritten (revoke it, then issue a new one)")
-    kind, name_ = ("agent", agent) if agent else ("gateway", name or out.stem)
     replaced = registry.identities.get(agent_identity(name_) if agent else gateway_identity(name_))
     identity = identities.issue(registry, kind=kind, name=name_, out=out, tenants=tenant or ())
     what = _apply(settings, registry)
