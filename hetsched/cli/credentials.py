@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from hetsched.cli.common import DataDirOption, JsonOption, bad_input, console, settings_of
+from hetsched.cli.common import DataDirOption, JsonOption, bad_input, console, say, settings_of
 from hetsched.stack import read_state, service_permission_map, services, write_identities
 from shared.contracts.permissions import agent_identity, gateway_identity, inbox_prefix, service_identity
 from shared.contracts.subjects import token
@@ -133,15 +133,13 @@ def issue(
     if as_json:
         print(json.dumps(reply, indent=2))
         return
-    console.print(f"{identity.kind} credential {identity.id} -> {out}")
-    console.print(f"  connect with nkeys_seed={out} and inbox_prefix={reply['inbox_prefix']}")
+    say(f"{identity.kind} credential {identity.id} -> {out}")
+    say(f"  connect with nkeys_seed={out} and inbox_prefix={reply['inbox_prefix']}")
     for t in identity.tenants:
-        console.print(
-            f"  tenant {t}: call {registry.subject_prefix}.placement.place.{token(t)} (and the other public subjects)"
-        )
+        say(f"  tenant {t}: call {registry.subject_prefix}.placement.place.{token(t)} (and the other public subjects)")
     if replaced:
-        console.print(f"  (replaces the previous key of {identity.id}: {replaced.public_key})")
-    console.print(f"  {what}")
+        say(f"  (replaces the previous key of {identity.id}: {replaced.public_key})")
+    say(f"  {what}")
 
 
 @app.command("list")
