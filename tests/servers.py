@@ -118,7 +118,7 @@ class RealServers:
             for role in [r for r in TEST_ROLES if r in created]:
                 try:
                     await conn.execute(f'DROP ROLE "{role}"')
-                except asyncpg.DependentObjectsStillInUseError:
+                except asyncpg.DependentObjectsStillExistError:
                     continue
                 dropped.append(role)
         finally:
