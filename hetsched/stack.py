@@ -233,7 +233,7 @@ class Stack:
             self.nats.start(log_file=logs / "nats.log")
             self.nats_url = self.nats.url
         if not self.database_url:
-            self.postgres = EmbeddedPostgres(pgdata=data / "pg").start(log_file=logs / "postgres.log")
+            self.postgres = EmbeddedPostgres(pgdata=data / "pg").start(log_file=logs / "postgres.log", echo=self.echo)
             self.postgres.create_database(DATABASE_NAME)
             self.database_url = self.postgres.url(DATABASE_NAME)
 

@@ -27,6 +27,7 @@ async def servers(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rea
     yield found
     try:
         await found.delete_streams()
+        await found.drop_created_roles()  # after the databases that use them (fixtures that need this one)
     finally:
         found.stop()
 

@@ -19,13 +19,18 @@ import asyncpg
 import nats
 
 from hetsched.embedded import EmbeddedNats, EmbeddedPostgres, nats_server_binary, stop_process
-from shared.infra.db import plain_url
+from shared.infra.db import SCHEMAS, generate_password, owner_role_of, plain_url, role_of
 from shared.infra.settings import nats_servers
 
-ROLE_PASSWORD = "hetsched-test-roles"
-"""The per-service roles' password in test runs: every migration sets it (``upgrade(..., role_password=)``)
-and every service gets it, so the roles log in on a server with password auth (the embedded Postgres is
-SCRAM) as on one with trust auth."""
+ROLE_PASSWORD = generate_password()
+"""The per-service roles' password in this test run (random, made at import: one per run): every
+migration sets it (``upgrade(..., role_password=)``) and every service gets it, so the roles log in on a
+server with password auth (the embedded Postgres is SCRAM) as on one with trust auth. Roles are
+cluster-wide: the roles this run created are dropped at its end (``RealServers.drop_created_roles``), and
+two runs at once against one server with password auth would set each other's password."""
+
+TEST_ROLES = tuple(role for schema in SCHEMAS for role in (role_of(schema), owner_role_of(schema)))
+"""The roles the migrations create (cluster-wide): a service's login role and its schema's owner."""
 
 
 def _listening(host: str, port: int) -> bool:
@@ -65,6 +70,7 @@ class RealServers:
     admin_url: str  # a Postgres URL with the right to CREATE DATABASE
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
     started: list[EmbeddedNats | EmbeddedPostgres] = field(default_factory=list)
+    roles_before: set[str] = field(default_factory=set)  # hetsched's roles on the server before this run
 
     @property
     def subject_prefix(self) -> str:
@@ -92,6 +98,32 @@ class RealServers:
             await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         finally:
             await conn.close()
+
+    async def existing_roles(self) -> set[str]:
+        """Which of hetsched's roles (``TEST_ROLES``) the server has."""
+        conn = await asyncpg.connect(plain_url(self.admin_url))
+        try:
+            rows = await conn.fetch("SELECT rolname FROM pg_roles WHERE rolname = ANY($1::text[])", list(TEST_ROLES))
+        finally:
+            await conn.close()
+        return {row["rolname"] for row in rows}
+
+    async def drop_created_roles(self) -> list[str]:
+        """Drop the roles this run created (none that were there before it); the dropped ones. A role still
+        used by a database (another run's, at the same time) stays: Postgres refuses to drop it."""
+        created = await self.existing_roles() - self.roles_before
+        dropped = []
+        conn = await asyncpg.connect(plain_url(self.admin_url))
+        try:
+            for role in [r for r in TEST_ROLES if r in created]:
+                try:
+                    await conn.execute(f'DROP ROLE "{role}"')
+                except asyncpg.DependentObjectsStillExistError:
+                    continue
+                dropped.append(role)
+        finally:
+            await conn.close()
+        return dropped
 
     async def delete_streams(self) -> None:
         nc = await nats.connect(nats_servers(self.nats_url))
@@ -126,7 +158,9 @@ async def find_servers(tmp: Path) -> RealServers:
         embedded_pg = await asyncio.to_thread(EmbeddedPostgres(pgdata=tmp / "pg").start)
         started.append(embedded_pg)
         admin_url = embedded_pg.url()
-    return RealServers(nats_url=nats_url, admin_url=admin_url, started=started)
+    found = RealServers(nats_url=nats_url, admin_url=admin_url, started=started)
+    found.roles_before = await found.existing_roles()
+    return found
 
 
 CLUSTER_SYNC_INTERVAL = "10s"

@@ -8,9 +8,16 @@ the one way out for bad input are in ``common.py``; the fixed choices are Enums 
 
 from __future__ import annotations
 
-import typer
+import sys
 
-from hetsched.cli import (
+from hetsched.lock import refuse_second_up
+
+# `hetsched up` beside a running one refuses here, before the commands below load (seconds when busy).
+refuse_second_up(sys.argv)
+
+import typer  # noqa: E402
+
+from hetsched.cli import (  # noqa: E402
     asyncapi,
     credentials,
     deadletter,
@@ -24,7 +31,7 @@ from hetsched.cli import (
     stack,
     webconsole,
 )
-from hetsched.cli.common import OneLineErrors
+from hetsched.cli.common import OneLineErrors  # noqa: E402
 
 app = typer.Typer(
     cls=OneLineErrors, help="hetsched: places LLM inference on heterogeneous GPU/TPU fleets.", no_args_is_help=True

@@ -14,13 +14,14 @@ from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from typer.core import TyperGroup
 
+from hetsched.lock import stack_running
 from hetsched.stack import operator_options, read_state
 from shared.contracts.subjects import Rpc, Subjects
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings, load_settings
 
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"  # where a stack without HETSCHED_NATS_URL or a state file listens
 BAD_INPUT_EXIT = 2
+NO_STACK_EXIT = 2  # as a stack that does not answer (`with_rpc`)
 REJECTED_EXIT = 1
 
 console = Console()
@@ -44,8 +45,13 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 def bad_input(message: str) -> NoReturn:
     """Input the command cannot use (an option, a combination, a file, what the contract or the service
     refused in it): one line on stderr saying what is wrong and what is allowed, exit 2."""
+    fail(message, BAD_INPUT_EXIT)
+
+
+def fail(message: str, code: int) -> NoReturn:
+    """``error: MESSAGE`` on one line on stderr, exit ``code``."""
     _print_error(message)
-    raise typer.Exit(BAD_INPUT_EXIT)
+    raise typer.Exit(code)
 
 
 def _print_error(message: str) -> None:
@@ -128,9 +134,22 @@ def settings_of(data_dir: Path | None = None) -> Settings:
 
 
 def endpoints(settings: Settings) -> tuple[str, str | None, str]:
-    """NATS URL, database URL and subject prefix: from the environment, else a running `hetsched up`."""
+    """NATS URL, database URL and subject prefix: from the environment, else a running `hetsched up`.
+    Neither (no HETSCHED_NATS_URL, no `up` holding the data dir's lock): one line saying so, exit 2,
+    instead of asking whatever listens on the default port."""
+    if not settings.kit.nats_url and not stack_running(settings.kit.data_dir):
+        fail(
+            f"no hetsched stack is running (data dir {settings.kit.data_dir}): start one with `hetsched up` "
+            "(or set HETSCHED_NATS_URL to use a NATS server of yours)",
+            NO_STACK_EXIT,
+        )
     state = read_state(settings) or {}
-    nats_url = settings.kit.nats_url or state.get("nats_url") or DEFAULT_NATS_URL
+    nats_url = settings.kit.nats_url or state.get("nats_url")
+    if not nats_url:  # its lock is held and its state file not written yet
+        fail(
+            f"the hetsched stack in {settings.kit.data_dir} is still starting: try again once `hetsched up` says ready",
+            NO_STACK_EXIT,
+        )
     database_url = settings.kit.database_url or state.get("database_url")
     prefix = (
         state.get("subject_prefix", settings.kit.subject_prefix)

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from hetsched.cli.common import DataDirOption, JsonOption, bad_input, console, settings_of
+from hetsched.cli.common import DataDirOption, JsonOption, bad_input, console, say, settings_of
 from hetsched.stack import read_state, service_permission_map, services, write_identities
 from shared.contracts.permissions import agent_identity, gateway_identity, inbox_prefix, service_identity
 from shared.contracts.subjects import token
@@ -22,6 +22,9 @@ from shared.infra import identity as identities
 from shared.infra.identity import Registry, reload_server, write_auth_conf
 from shared.infra.identity import nats_dir as identity_dir
 from shared.infra.settings import Settings
+
+CREDENTIALS_DIR = "credentials"
+"""Under the data dir: where `credentials issue` writes a credential without --out."""
 
 app = typer.Typer(help="NATS credentials: gateways (tenants) and agents (nodes).", no_args_is_help=True)
 
@@ -82,10 +85,21 @@ def init(
 
 @app.command()
 def issue(
-    out: Annotated[Path, typer.Option(help="Where to write the credential (an NKey seed file, mode 0600).")],
     tenant: Annotated[list[str] | None, typer.Option(help="A tenant this gateway acts for (repeatable).")] = None,
     agent: Annotated[str | None, typer.Option(help="Instead of tenants: an agent credential for this node.")] = None,
-    name: Annotated[str | None, typer.Option(help="Gateway name (default: the --out file's stem).")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where to write the credential (an NKey seed file, mode 0600); default "
+            "<data-dir>/credentials/<name>.nk."
+        ),
+    ] = None,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="Gateway name (default: the --out file's stem, else the tenants joined by '-' and '-gateway')."
+        ),
+    ] = None,
     as_json: JsonOption = False,
     data_dir: DataDirOption = None,
 ) -> None:
@@ -94,9 +108,14 @@ def issue(
         bad_input("give --tenant (a gateway) or --agent (a node), not both and not neither")
     settings = settings_of(data_dir)
     registry = _load(settings)
+    if agent:
+        kind, name_ = "agent", agent
+    else:
+        kind, name_ = "gateway", name or (out.stem if out else "-".join(dict.fromkeys(tenant or ())) + "-gateway")
+    # Outside the working tree by default, beside the other secrets of the data dir (0700 folder, 0600 file).
+    out = out or settings.kit.data_dir / CREDENTIALS_DIR / f"{token(name_)}.nk"
     if out.exists():
         bad_input(f"{out} exists: a credential is never overwritten (revoke it, then issue a new one)")
-    kind, name_ = ("agent", agent) if agent else ("gateway", name or out.stem)
     replaced = registry.identities.get(agent_identity(name_) if agent else gateway_identity(name_))
     identity = identities.issue(registry, kind=kind, name=name_, out=out, tenants=tenant or ())
     what = _apply(settings, registry)
@@ -114,15 +133,13 @@ def issue(
     if as_json:
         print(json.dumps(reply, indent=2))
         return
-    console.print(f"{identity.kind} credential {identity.id} -> {out}")
-    console.print(f"  connect with nkeys_seed={out} and inbox_prefix={reply['inbox_prefix']}")
+    say(f"{identity.kind} credential {identity.id} -> {out}")
+    say(f"  connect with nkeys_seed={out} and inbox_prefix={reply['inbox_prefix']}")
     for t in identity.tenants:
-        console.print(
-            f"  tenant {t}: call {registry.subject_prefix}.placement.place.{token(t)} (and the other public subjects)"
-        )
+        say(f"  tenant {t}: call {registry.subject_prefix}.placement.place.{token(t)} (and the other public subjects)")
     if replaced:
-        console.print(f"  (replaces the previous key of {identity.id}: {replaced.public_key})")
-    console.print(f"  {what}")
+        say(f"  (replaces the previous key of {identity.id}: {replaced.public_key})")
+    say(f"  {what}")
 
 
 @app.command("list")

@@ -6,16 +6,19 @@ import asyncio
 import json
 import signal
 import time
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from hetsched.cli.common import DataDirOption, JsonOption, console, endpoints, err, settings_of
+from hetsched.cli.common import BAD_INPUT_EXIT, DataDirOption, JsonOption, console, endpoints, err, fail, settings_of
+from hetsched.lock import ALREADY_RUNNING_EXIT, StackLock, StackRunning
 from hetsched.stack import ServerDied, Stack, operator_options, read_state, server_liveness, wait_healthy
 from services.registry import SERVICES
 from shared.contracts.subjects import Subjects
+from shared.infra.db import DatabaseMissing
 
 app = typer.Typer()
 
@@ -26,9 +29,14 @@ def up(
     data_dir: Annotated[Path | None, typer.Option(help="Where embedded servers keep their data.")] = None,
     health_timeout_s: Annotated[float, typer.Option(help="How long to wait for six healthy services.")] = 60.0,
 ) -> None:
-    """Start the local stack in the foreground; SIGINT/SIGTERM stops everything cleanly."""
+    """Start the local stack in the foreground; SIGINT/SIGTERM stops everything cleanly. Another `up`
+    running from the same data dir: exit 4 at once, touching nothing."""
     settings = settings_of(data_dir)
-    stack = Stack(settings, echo=console.print, fleet_file=fleet)
+    try:
+        lock = StackLock.acquire(settings.kit.data_dir)  # before anything in the data dir is written
+    except StackRunning as exc:
+        fail(str(exc), ALREADY_RUNNING_EXIT)
+    stack = Stack(settings, echo=partial(console.print, soft_wrap=True), fleet_file=fleet)
     stop_requested = False
 
     def _on_signal(signum: int, _frame: Any) -> None:
@@ -71,12 +79,15 @@ def up(
         while not stop_requested:
             stack.supervise_once()
             time.sleep(0.2)
+    except DatabaseMissing as exc:
+        fail(str(exc), BAD_INPUT_EXIT)
     except ServerDied as exc:
         died = exc
         err.print(f"[bold red]!!! {exc}: stopping the stack[/bold red]")
     finally:
         console.print("stopping...")
         stack.stop()
+        lock.release()
         console.print("stopped")
     if died is not None:
         err.print(f"[bold red]hetsched up exits: embedded {died.server} died[/bold red]")

@@ -10,6 +10,7 @@ import secrets
 import ssl
 from typing import TYPE_CHECKING, Any
 
+import asyncpg
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
@@ -37,6 +38,53 @@ def owner_role_of(schema: str) -> str:
 def application_name(schema: str) -> str:
     """``application_name`` of a service's connections (``pg_stat_activity``, server logs): ``hetsched-ledger``."""
     return f"hetsched-{schema}"
+
+
+MISSING_DATABASE_SQLSTATE = "3D000"  # invalid_catalog_name
+
+
+class DatabaseMissing(RuntimeError):
+    """The URL names a database the server does not have: say how to make it, in one line."""
+
+    def __init__(self, url: str) -> None:
+        parsed = make_url(async_url(url))
+        name = parsed.database or "postgres"
+        where = []
+        if (parsed.host or "127.0.0.1") not in ("127.0.0.1", "localhost") or (parsed.port or 5432) != 5432:
+            where = [f"-h {parsed.host or '127.0.0.1'}", f"-p {parsed.port or 5432}"]
+        if parsed.username:
+            where.append(f"-U {parsed.username}")
+        super().__init__(f"database {name} does not exist: createdb {' '.join([*where, name])}")
+        self.database = name
+
+
+def missing_database(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it: SQLAlchemy and Alembic wrap the driver's error) is the server
+    saying the database does not exist."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if getattr(current, "sqlstate", None) == MISSING_DATABASE_SQLSTATE:
+            return True
+        orig = getattr(current, "orig", None)
+        todo.extend([current.__cause__, current.__context__, orig if isinstance(orig, BaseException) else None])
+    return False
+
+
+async def check_database(url: str, *, tls: ssl.SSLContext | None = None, timeout_s: float = 5.0) -> None:
+    """``DatabaseMissing`` when the server says the URL's database does not exist. Any other failure
+    (server down, restarting, a role not made yet) is left to the caller's own retries."""
+    try:
+        conn = await asyncpg.connect(plain_url(url), timeout=timeout_s, **connect_args(tls=tls))
+    except Exception as exc:
+        if missing_database(exc):
+            raise DatabaseMissing(url) from None
+        return
+    await conn.close()
 
 
 def async_url(url: str) -> str:

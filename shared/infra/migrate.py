@@ -14,7 +14,16 @@ from alembic.config import Config
 from pydantic import SecretStr
 
 import migrations
-from shared.infra.db import SCHEMAS, connect_args, password_sql, plain_url, role_of, scram_matches
+from shared.infra.db import (
+    SCHEMAS,
+    DatabaseMissing,
+    connect_args,
+    missing_database,
+    password_sql,
+    plain_url,
+    role_of,
+    scram_matches,
+)
 
 MIGRATION_APPLICATION_NAME = "hetsched-migrate"
 
@@ -40,8 +49,14 @@ def upgrade(
     """Migrate to ``revision``, then set the per-service roles' passwords: ``role_passwords`` maps a role
     (``hetsched_ledger``) to its own, ``role_password`` is for every role without one. Set after the
     migrations on every call, not only when migration 0005 creates the roles, so a database already at
-    head still gets a changed (rotated, newly generated) password."""
-    command.upgrade(alembic_config(database_url, tls=tls), revision)
+    head still gets a changed (rotated, newly generated) password. ``DatabaseMissing`` (one line: how to
+    make it) when the URL's database does not exist."""
+    try:
+        command.upgrade(alembic_config(database_url, tls=tls), revision)
+    except Exception as exc:
+        if missing_database(exc):
+            raise DatabaseMissing(database_url) from None
+        raise
     wanted: dict[str, str] = {}
     for schema in SCHEMAS:
         password = (role_passwords or {}).get(role_of(schema)) or role_password

@@ -32,7 +32,16 @@ from shared.contracts.subjects import Rpc, Subjects, names_scope
 from shared.infra.bus import ensure_streams
 from shared.infra.clock import Clock, system_clock
 from shared.infra.consumers import subscribe_consumer
-from shared.infra.db import application_name, database_tls, make_engine, make_sessions, service_database_url
+from shared.infra.db import (
+    DEFAULT_DATABASE_URL,
+    DatabaseMissing,
+    application_name,
+    check_database,
+    database_tls,
+    make_engine,
+    make_sessions,
+    service_database_url,
+)
 from shared.infra.definition import (
     DEFAULT_STALE_AFTER_MS,
     Consumer,
@@ -321,7 +330,14 @@ def run_service(bootstrap: Callable[[Settings], tuple[FastStream, Runtime]], *, 
 
     settings = load_settings()
     configure_logging(service=name, level=settings.kit.log_level, fmt=settings.kit.log_format)
-    app, _runtime = bootstrap(settings)
+    app, runtime = bootstrap(settings)
+    if runtime.uses_database:  # a database that does not exist: one line saying how to make it, exit 2
+        try:
+            asyncio.run(check_database(service_database_url(settings, runtime.schema), tls=database_tls(settings)))
+        except DatabaseMissing:  # named as configured (its user may create it; the service's role may not)
+            configured = DatabaseMissing(settings.kit.database_url or DEFAULT_DATABASE_URL)
+            logging.getLogger(f"hetsched.{runtime.name}").error(str(configured))
+            raise SystemExit(2) from None
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:

@@ -101,7 +101,7 @@ def test_the_choices_are_listed_in_help() -> None:
         ([*PLACE, "--gpus", "8"], "No such option: --gpus"),
         ([*PLACE, "--concurrency", "many"], "Invalid value for '--concurrency'"),
         (["placement"], "No such command 'placement'"),
-        (["credentials", "issue", "--tenant", "acme"], "Missing option '--out'"),
+        (["credentials", "issue", "--tenant"], "Option '--tenant' requires an argument"),
     ],
 )
 def test_a_usage_error_is_one_line(monkeypatch: pytest.MonkeyPatch, args: list[str], says: str) -> None:
