@@ -11,7 +11,10 @@ from typing import Annotated, Any, NoReturn, TypeVar, cast
 
 import typer
 from pydantic import BaseModel, ValidationError
+from rich import box
 from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 from typer.core import TyperGroup
 
 from hetsched.lock import stack_running
@@ -32,6 +35,9 @@ DataDirOption = Annotated[
     typer.Option(help="Data dir of `hetsched up` (its state file, NATS and identities); default as `up`."),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+WideOption = Annotated[
+    bool, typer.Option("--wide", help="Every column in full, one line per row (no folding to the terminal's width).")
+]
 TenantOption = Annotated[str, typer.Option(help="Tenant.")]
 RequestIdOption = Annotated[str | None, typer.Option(help="Request id (random by default).")]
 
@@ -262,6 +268,22 @@ def fraction(value: float | None) -> str:
 def say(text: str) -> None:
     """One line as it is: no markup, no highlighting, never folded (ids are copied from it)."""
     console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def table(headers: list[str], rows: list[list[str]], *, wide: bool = False) -> None:
+    """A table that never loses a character. Plain ``columns`` when asked (``--wide``), when stdout is not a
+    terminal (scripts read whole rows) or when the rows fit the terminal; otherwise a table whose long cells
+    fold onto further lines within the terminal's width."""
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=False)]
+    if wide or not console.is_terminal or sum(widths) + 2 * (len(widths) - 1) <= console.width:
+        columns(headers, rows)
+        return
+    folded = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for header in headers:
+        folded.add_column(header, overflow="fold")
+    for row in rows:
+        folded.add_row(*(Text(cell) for cell in row))  # as they are: no markup read into a cell
+    console.print(folded)
 
 
 def columns(headers: list[str], rows: list[list[str]]) -> None:

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from hetsched.cli.common import DataDirOption, JsonOption, bad_input, console, say, settings_of
+from hetsched.cli.common import DataDirOption, JsonOption, WideOption, bad_input, console, say, settings_of, table
 from hetsched.stack import read_state, service_permission_map, services, write_identities
 from shared.contracts.permissions import agent_identity, gateway_identity, inbox_prefix, service_identity
 from shared.contracts.subjects import token
@@ -145,6 +144,7 @@ def issue(
 @app.command("list")
 def list_(
     as_json: JsonOption = False,
+    wide: WideOption = False,
     data_dir: DataDirOption = None,
 ) -> None:
     """Every identity the NATS server admits (public keys only)."""
@@ -156,10 +156,11 @@ def list_(
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    table = Table("id", "kind", "public key", "tenants / node")
-    for i in registry.identities.values():
-        table.add_row(i.id, i.kind, i.public_key, ", ".join(i.tenants) or i.node)
-    console.print(table)
+    table(
+        ["id", "kind", "public key", "tenants / node"],
+        [[i.id, i.kind, i.public_key, ", ".join(i.tenants) or i.node or "-"] for i in registry.identities.values()],
+        wide=wide,
+    )
 
 
 @app.command()

@@ -9,7 +9,6 @@ from typing import Annotated, TypeVar
 
 import typer
 from nats.js import JetStreamContext
-from rich.table import Table
 
 from hetsched.cli import common
 from hetsched.cli.common import DataDirOption, console, settings_of
@@ -30,6 +29,7 @@ def _run(data_dir: Path | None, work: Callable[[JetStreamContext, str], Awaitabl
 def list_(
     limit: Annotated[int, typer.Option(help="Show at most this many, oldest first.")] = 100,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON (bodies included).")] = False,
+    wide: common.WideOption = False,
     data_dir: DataDirOption = None,
 ) -> None:
     """The dead letters still in the stream: where each came from, which consumer gave up, and why."""
@@ -49,17 +49,18 @@ def list_(
         ]
         console.print_json(json.dumps(rows))
         return
-    table = Table("seq", "original subject", "orig seq", "consumer", "deliveries", "error")
-    for letter in letters:
-        table.add_row(
+    lines = [
+        [
             str(letter.sequence),
             letter.original_subject,
-            letter.original_sequence,
+            str(letter.original_sequence),
             letter.consumer,
-            letter.deliveries,
-            letter.error[:120],
-        )
-    console.print(table)
+            str(letter.deliveries),
+            letter.error,
+        ]
+        for letter in letters
+    ]
+    common.table(["seq", "original subject", "orig seq", "consumer", "deliveries", "error"], lines, wide=wide)
 
 
 @app.command()

@@ -11,9 +11,19 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
-from hetsched.cli.common import BAD_INPUT_EXIT, DataDirOption, JsonOption, console, endpoints, err, fail, settings_of
+from hetsched.cli.common import (
+    BAD_INPUT_EXIT,
+    DataDirOption,
+    JsonOption,
+    WideOption,
+    console,
+    endpoints,
+    err,
+    fail,
+    settings_of,
+    table,
+)
 from hetsched.lock import ALREADY_RUNNING_EXIT, StackLock, StackRunning
 from hetsched.stack import ServerDied, Stack, operator_options, read_state, server_liveness, wait_healthy
 from services.registry import SERVICES
@@ -97,6 +107,7 @@ def up(
 @app.command()
 def status(
     as_json: JsonOption = False,
+    wide: WideOption = False,
     data_dir: DataDirOption = None,
 ) -> None:
     """Health of each service and the NATS and Postgres endpoints in use."""
@@ -122,11 +133,27 @@ def status(
         console.print(f"NATS      {nats_url}\nPostgres  {database_url}", soft_wrap=True)  # a URL is not folded
         for server, live in report["servers"].items():
             console.print(f"embedded {server}: pid {live['pid']} {'running' if live['running'] else 'NOT RUNNING'}")
-        table = Table("service", "status", "version", "checks")
-        for name, reply in services.items():
-            table.add_row(
-                name, str(reply.get("status")), str(reply.get("version", "")), json.dumps(reply.get("checks", {}))
-            )
-        console.print(table)
+        rows = [
+            [name, str(reply.get("status")), str(reply.get("version", "")), _checks(reply, wide=wide)]
+            for name, reply in services.items()
+        ]
+        table(["service", "status", "version", "checks" if wide else "checks not ok (--wide: all)"], rows, wide=wide)
     if not all(r.get("status") == "ok" for r in health.values()):
         raise typer.Exit(1)
+
+
+def _checks(reply: dict[str, Any], *, wide: bool) -> str:
+    """A service's checks: all of them as JSON with --wide; else only those not "ok" (a reply without
+    checks says why it has none)."""
+    checks = reply.get("checks")
+    if not isinstance(checks, dict):
+        return str(reply.get("error", "-"))
+    if wide:
+        return json.dumps(checks)
+    failing = {name: value for name, value in checks.items() if value != "ok"}
+    return (
+        "; ".join(
+            f"{name}: {json.dumps(value) if not isinstance(value, str) else value}" for name, value in failing.items()
+        )
+        or "-"
+    )
