@@ -353,7 +353,7 @@ def acting_as(data_dir: Path | None, credential: Path | None) -> Acting | None:
     if found is not None and found.kind == "operator":
         return Acting(seed=credential, inbox_prefix=settings.kit.nats_inbox_prefix, scoped=False)
     if found is not None:
-        bad_input(f"--credential {credential}: a {found.kind} credential ({found.id}), not a gateway's")
+        bad_input(f"--credential {credential}: the {found.kind} credential {found.id}, not a gateway's")
     if settings.kit.nats_inbox_prefix != INBOX:
         return Acting(seed=credential, inbox_prefix=settings.kit.nats_inbox_prefix)
     bad_input(

@@ -351,9 +351,15 @@ class ReplicaView(Contract):
     pp: Int = Field(description="Pipeline stages.", examples=[1])
     sharing: Sharing | None = Field(default=None, description="How its accelerators are held.", examples=["exclusive"])
     placements: list[ReplicaPlacement] = Field(
-        default_factory=list, description="Per node: its accelerators and GPU indices (every stage's, on GPUs)."
+        default_factory=list,
+        description="Per node: its accelerators and GPU indices (every stage's, on GPUs).",
+        examples=[[{"node": "dgx-h100-01", "accelerators": ["dgx-h100-01/gpu0", "dgx-h100-01/gpu1"], "gpus": [0, 1]}]],
     )
-    tpu_slice: TpuSlice | None = Field(default=None, description="Its TPU slice, on TPU.")
+    tpu_slice: TpuSlice | None = Field(
+        default=None,
+        description="Its TPU slice, on TPU.",
+        examples=[{"pod": "v5e-pod-1", "origin": [0, 0], "shape": [2, 2]}],
+    )
     state: ReplicaState = Field(
         description="Lifecycle state: `draining` while the rebalancer moves it off, `ready` while its engine reports "
         "healthy within `HETSCHED_ENGINE_STALE_S`, else `placed`.",
@@ -365,13 +371,33 @@ class ReplicaView(Contract):
         "`placement.renew`; null for a replica placed before placement recorded it.",
         examples=["2026-01-01T12:05:00Z"],
     )
-    placed_at: datetime | None = Field(default=None, description="When placement recorded it (UTC).")
+    placed_at: datetime | None = Field(
+        default=None, description="When placement recorded it (UTC).", examples=["2026-01-01T11:05:00Z"]
+    )
 
 
 class ReplicasReply(Contract):
-    status: Literal["ok"] = Field(default="ok", description="Always `ok` (refusals come as `Rejected`).")
+    status: Literal["ok"] = Field(
+        default="ok", description="Always `ok` (refusals come as `Rejected`).", examples=["ok"]
+    )
     replicas: list[ReplicaView] = Field(
-        default_factory=list, description="This page, by tenant then placement request id."
+        default_factory=list,
+        description="This page, by tenant then placement request id.",
+        examples=[
+            [
+                {
+                    "replica_id": "al-5f0c",
+                    "tenant": "acme",
+                    "request_id": "req-42",
+                    "model": "llama3-8b",
+                    "tp": 1,
+                    "pp": 1,
+                    "placements": [{"node": "dgx-h100-01", "accelerators": ["dgx-h100-01/gpu3"], "gpus": [3]}],
+                    "state": "ready",
+                    "lease_expires_at": "2026-01-01T12:05:00Z",
+                }
+            ]
+        ],
     )
     next_cursor: str | None = Field(
         default=None, description="Pass as `cursor` for the next page; null on the last.", examples=[None]
