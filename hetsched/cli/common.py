@@ -309,13 +309,13 @@ class Acting:
 
     def scope(self, tenant: str | None) -> str | None:
         """The tenant whose subject a call goes on: the request's when this gateway acts for it (or its
-        tenants are unknown), else its own tenant when it has one, so the service, not a timeout, answers
-        a request naming another tenant (``forbidden``)."""
+        tenants are unknown), else one of its own, so the service, not a timeout, answers a request naming
+        another tenant (``forbidden``)."""
         if not self.scoped:
             return None
         if tenant is not None and (not self.tenants or tenant in self.tenants):
             return tenant
-        return self.tenants[0] if len(self.tenants) == 1 else tenant
+        return self.tenants[0] if self.tenants else tenant
 
     def tenant(self, given: str | None) -> str:
         """The tenant a call names: ``given``, else this gateway's only tenant; exit 2 when neither."""

@@ -221,6 +221,8 @@ def test_a_gateway_of_several_tenants_names_one(monkeypatch: pytest.MonkeyPatch,
     assert client.calls == []
     result, client = run_cli(monkeypatch, ReplicasReply(total=0), "replicas", "--tenant", "globex", *args)
     assert result.exit_code == 0 and client.calls[0][2] == {"scope": "globex"}
+    result, client = run_cli(monkeypatch, ReplicasReply(total=0), "replicas", "--tenant", "initech", *args)
+    assert client.calls[0][2] == {"scope": "acme"}  # one of its own: the service answers `forbidden`
 
 
 def test_the_credential_may_come_from_the_environment(monkeypatch: pytest.MonkeyPatch, stack: Path) -> None:
