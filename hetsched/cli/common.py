@@ -208,7 +208,7 @@ def ask(
     async def work(client: RpcClient) -> Any:
         return await client.ask(rpc, request, reply_type, **options)  # by default a refusal comes as Rejected
 
-    reply = with_rpc(data_dir, rpc.value, work, acting=acting)
+    reply = with_rpc(data_dir, rpc.value, work, **acting_option(acting))
     refused_input(reply)
     return reply
 
@@ -325,6 +325,12 @@ class Acting:
             return self.tenants[0]
         acts_for = ", ".join(self.tenants) if self.tenants else "tenants this stack does not list"
         bad_input(f"--tenant is required: the credential acts for {acts_for}")
+
+
+def acting_option(acting: Acting | None) -> dict[str, Any]:
+    """``with_rpc``'s keyword for acting as a credential: none for the operator (so a stand-in ``with_rpc``
+    that knows nothing of credentials still serves the operator's calls)."""
+    return {"acting": acting} if acting is not None else {}
 
 
 def call_options(acting: Acting | None, rpc: Rpc, request: BaseModel) -> dict[str, Any]:

@@ -235,7 +235,7 @@ def _listed(
                 return page.model_copy(update={"replicas": replicas})
             ask_next = ask_next.model_copy(update={"cursor": page.next_cursor})
 
-    answer = common.with_rpc(data_dir, Rpc.PLACEMENT_REPLICAS.value, work, acting=acting)
+    answer = common.with_rpc(data_dir, Rpc.PLACEMENT_REPLICAS.value, work, **common.acting_option(acting))
     refused_input(answer)
     return answer
 
