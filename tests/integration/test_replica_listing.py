@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -311,14 +314,23 @@ def cli_dir(bus: SecureBus, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 async def hetsched(bus: SecureBus, data: Path, *args: str, credential: str | None = None) -> Result:
     """`hetsched ARGS` in-process (a thread: it runs its own event loop), on the stack's NATS, as the operator
     or as the gateway named (``acme-gw``)."""
-    env = {
-        "HETSCHED_NATS_URL": bus.url,
-        "HETSCHED_SUBJECT_PREFIX": bus.subjects.prefix,
-        "HETSCHED_DATA_DIR": str(data),
-        "HETSCHED_REQUEST_TIMEOUT_MS": "10000",
+    env: dict[str, str | None] = {
+        **cli_env(bus, data, base={}),
         "HETSCHED_CLI_CREDENTIAL": str(bus.seeds[gateway_identity(credential)]) if credential else None,
     }
     return await asyncio.to_thread(CliRunner().invoke, app, list(args), env=env)
+
+
+def cli_env(bus: SecureBus, data: Path, *, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The CLI's environment for the stack: its NATS, its subject prefix, the data dir with the registry."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETSCHED_")} if base is None else dict(base)
+    env.update(
+        HETSCHED_NATS_URL=bus.url,
+        HETSCHED_SUBJECT_PREFIX=bus.subjects.prefix,
+        HETSCHED_DATA_DIR=str(data),
+        HETSCHED_REQUEST_TIMEOUT_MS="10000",
+    )
+    return env
 
 
 def ok_json(result: Result) -> Any:
@@ -351,9 +363,28 @@ async def test_each_tenant_lists_its_own_replicas_and_renews_its_own(bus: Secure
     acme_ids = {p["allocation_id"] for p in acme}
     globex_ids = {p["allocation_id"] for p in globex}
 
-    # Each gateway lists its own tenant's replicas only (its credential's tenant, on its subject) ...
+    # Each gateway lists its own tenant's replicas only (its credential's tenant, on its subject), also
+    # as a user runs the command (its own process) ...
     mine = await listed(bus, cli_dir, credential="acme-gw")
     assert set(mine) == acme_ids
+    shell = await asyncio.to_thread(
+        subprocess.run,
+        [
+            sys.executable,
+            "-m",
+            "hetsched",
+            "replicas",
+            "--json",
+            "--credential",
+            str(bus.seeds[gateway_identity("acme-gw")]),
+        ],
+        env=cli_env(bus, cli_dir),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shell.returncode == 0, shell.stderr
+    assert {r["replica_id"] for r in json.loads(shell.stdout)["replicas"]} == acme_ids
     assert set(await listed(bus, cli_dir, credential="globex-gw")) == globex_ids
     # ... with where each runs and until when, as placement placed it.
     first = mine[acme[0]["allocation_id"]]
