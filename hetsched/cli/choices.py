@@ -11,6 +11,7 @@ from enum import StrEnum
 
 from shared.domain.admission.select import Hint as EngineHint  # ``AdmitRequest.hint``
 from shared.domain.dtypes import Dtype  # ``PlaceRequest.dtype`` and ``kv_dtype``
+from shared.domain.placement.listing import ReplicaState  # ``ReplicasRequest.state``
 
 __all__ = [
     "Backend",
@@ -18,6 +19,7 @@ __all__ = [
     "Dtype",
     "EngineHint",
     "RegionState",
+    "ReplicaState",
     "ReservationPolicy",
     "SimPolicy",
     "SimSharing",

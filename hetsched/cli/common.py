@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar, cast
 
+import nkeys
 import typer
 from pydantic import BaseModel, ValidationError
 from rich import box
@@ -19,7 +21,9 @@ from typer.core import TyperGroup
 
 from hetsched.lock import stack_running
 from hetsched.stack import operator_options, read_state
-from shared.contracts.subjects import Rpc, Subjects
+from shared.contracts.permissions import INBOX, inbox_prefix
+from shared.contracts.subjects import TENANT_SCOPED, Rpc, Subjects
+from shared.infra.identity import Registry, connect_options, nats_dir, public_key, read_seed
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings, load_settings
 
@@ -40,6 +44,15 @@ WideOption = Annotated[
 ]
 TenantOption = Annotated[str, typer.Option(help="Tenant.")]
 RequestIdOption = Annotated[str | None, typer.Option(help="Request id (random by default).")]
+CredentialOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--credential",
+        envvar="HETSCHED_CLI_CREDENTIAL",
+        help="Act as a tenant's gateway: the NKey seed file `hetsched credentials issue --tenant T` wrote. Calls go "
+        "on the tenant's subjects, as that gateway's; default: the operator's credential.",
+    ),
+]
 
 ReplyT = TypeVar("ReplyT")
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -165,10 +178,16 @@ def endpoints(settings: Settings) -> tuple[str, str | None, str]:
     return nats_url, database_url, prefix
 
 
-def with_rpc(data_dir: Path | None, what: str, work: Callable[[RpcClient], Awaitable[ReplyT]]) -> ReplyT:
-    """Run ``work`` with a client on the stack's NATS (timeout: ``HETSCHED_REQUEST_TIMEOUT_MS``); no
-    answer exits 2 and says where it asked. Tests replace it (tests/unit/cli_fake.py): commands call it
-    through this module, never a copy of the name."""
+def with_rpc(
+    data_dir: Path | None,
+    what: str,
+    work: Callable[[RpcClient], Awaitable[ReplyT]],
+    *,
+    acting: Acting | None = None,
+) -> ReplyT:
+    """Run ``work`` with a client on the stack's NATS (timeout: ``HETSCHED_REQUEST_TIMEOUT_MS``), as the
+    operator or, with ``acting``, as that credential; no answer exits 2 and says where it asked. Tests
+    replace it (tests/unit/cli_fake.py): commands call it through this module, never a copy of the name."""
     settings = settings_of(data_dir)
     nats_url, _db, prefix = endpoints(settings)
 
@@ -178,7 +197,8 @@ def with_rpc(data_dir: Path | None, what: str, work: Callable[[RpcClient], Await
             Subjects(prefix),
             timeout_s=settings.kit.request_timeout_ms / 1000,
             name="hetsched-cli",
-            **operator_options(settings),
+            scope_by_tenant=acting is not None and acting.scoped,
+            **(acting.options(settings) if acting is not None else operator_options(settings)),
         )
         try:
             return await work(rpc)
@@ -193,19 +213,27 @@ def with_rpc(data_dir: Path | None, what: str, work: Callable[[RpcClient], Await
 
 
 def ask(
-    data_dir: Path | None, rpc: Rpc, request: BaseModel, reply_type: type[ModelT], *, rejection_as_reply: bool = False
+    data_dir: Path | None,
+    rpc: Rpc,
+    request: BaseModel,
+    reply_type: type[ModelT],
+    *,
+    rejection_as_reply: bool = False,
+    credential: Path | None = None,
 ) -> Any:
     """One call: the reply, or the ``Rejected`` a service refuses with. ``rejection_as_reply``: only for
     the routes whose reply model still carries its refusal (``placement.place``/``explain``: the
     ``PlaceReply`` with its explanation); the service refusing the body as ``invalid_request`` is bad
-    input (exit 2)."""
+    input (exit 2). ``credential``: act as that gateway (``CredentialOption``), on its tenant's subject."""
+    acting = acting_as(data_dir, credential)
+    options = call_options(acting, rpc, request)
+    if rejection_as_reply:
+        options["rejection_as_reply"] = True
 
     async def work(client: RpcClient) -> Any:
-        if rejection_as_reply:
-            return await client.ask(rpc, request, reply_type, rejection_as_reply=True)
-        return await client.ask(rpc, request, reply_type)  # the client's default: a refusal comes as Rejected
+        return await client.ask(rpc, request, reply_type, **options)  # by default a refusal comes as Rejected
 
-    reply = with_rpc(data_dir, rpc.value, work)
+    reply = with_rpc(data_dir, rpc.value, work, **acting_option(acting))
     refused_input(reply)
     return reply
 
@@ -248,11 +276,17 @@ def refusal(reply: BaseModel, as_json: bool) -> None:
 
 
 def shown(
-    data_dir: Path | None, rpc: Rpc, request: BaseModel, reply_type: type[ModelT], as_json: bool
+    data_dir: Path | None,
+    rpc: Rpc,
+    request: BaseModel,
+    reply_type: type[ModelT],
+    as_json: bool,
+    *,
+    credential: Path | None = None,
 ) -> ModelT | None:
     """Ask; a refusal exits 1 (``refusal``); with --json the reply is printed and None comes back (nothing
     more to show); otherwise the reply, for the command to show in words."""
-    answer = ask(data_dir, rpc, request, reply_type)
+    answer = ask(data_dir, rpc, request, reply_type, credential=credential)
     refusal(answer, as_json)
     if as_json:
         print(answer.model_dump_json(indent=2))
@@ -292,3 +326,84 @@ def columns(headers: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=False)]
     for line in [headers, *rows]:
         say("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+
+
+# -- acting as a gateway (--credential) -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Acting:
+    """A credential the CLI connects with instead of the operator's: its seed, its inbox prefix (where its
+    replies may arrive), and, for a gateway (``scoped``), the tenants it acts for (empty when the stack's
+    registry does not know it)."""
+
+    seed: Path
+    inbox_prefix: str
+    scoped: bool = True
+    tenants: tuple[str, ...] = ()
+
+    def options(self, settings: Settings) -> dict[str, Any]:
+        """``nats.connect`` options: this seed and inbox, and TLS as configured."""
+        return connect_options(
+            settings.updated(kit={"nats_nkey_seed_file": self.seed, "nats_inbox_prefix": self.inbox_prefix})
+        )
+
+    def scope(self, tenant: str | None) -> str | None:
+        """The tenant whose subject a call goes on: the request's when this gateway acts for it (or its
+        tenants are unknown), else one of its own, so the service, not a timeout, answers a request naming
+        another tenant (``forbidden``)."""
+        if not self.scoped:
+            return None
+        if tenant is not None and (not self.tenants or tenant in self.tenants):
+            return tenant
+        return self.tenants[0] if self.tenants else tenant
+
+    def tenant(self, given: str | None) -> str:
+        """The tenant a call names: ``given``, else this gateway's only tenant; exit 2 when neither."""
+        if given is not None:
+            return given
+        if len(self.tenants) == 1:
+            return self.tenants[0]
+        acts_for = ", ".join(self.tenants) if self.tenants else "tenants this stack does not list"
+        bad_input(f"--tenant is required: the credential acts for {acts_for}")
+
+
+def acting_option(acting: Acting | None) -> dict[str, Any]:
+    """``with_rpc``'s keyword for acting as a credential: none for the operator (so a stand-in ``with_rpc``
+    that knows nothing of credentials still serves the operator's calls)."""
+    return {"acting": acting} if acting is not None else {}
+
+
+def call_options(acting: Acting | None, rpc: Rpc, request: BaseModel) -> dict[str, Any]:
+    """``RpcClient.ask`` options of one call: acting as a gateway, the tenant subject it goes on."""
+    if acting is None or rpc not in TENANT_SCOPED:
+        return {}
+    scope = acting.scope(getattr(request, "tenant", None))
+    return {"scope": scope} if scope is not None else {}
+
+
+def acting_as(data_dir: Path | None, credential: Path | None) -> Acting | None:
+    """Who ``credential`` is, from the registry of the stack that issued it (``<data-dir>/nats/identities.json``,
+    by its public key): its inbox prefix and tenants. A credential the registry does not list takes its inbox
+    prefix from ``HETSCHED_NATS_INBOX_PREFIX`` (``credentials issue`` prints it). None: the operator's."""
+    if credential is None:
+        return None
+    try:
+        key = public_key(read_seed(credential))
+    except (OSError, ValueError, nkeys.NkeysError) as exc:
+        bad_input(f"--credential {credential}: not a readable NKey seed file ({type(exc).__name__})")
+    settings = settings_of(data_dir)
+    registry = Registry.load(nats_dir(settings.kit.data_dir))
+    found = next((i for i in registry.identities.values() if i.public_key == key), None)
+    if found is not None and found.kind == "gateway":
+        return Acting(seed=credential, inbox_prefix=inbox_prefix(found.id), tenants=tuple(found.tenants))
+    if found is not None and found.kind == "operator":
+        return Acting(seed=credential, inbox_prefix=settings.kit.nats_inbox_prefix, scoped=False)
+    if found is not None:
+        bad_input(f"--credential {credential}: the {found.kind} credential {found.id}, not a gateway's")
+    if settings.kit.nats_inbox_prefix != INBOX:
+        return Acting(seed=credential, inbox_prefix=settings.kit.nats_inbox_prefix)
+    bad_input(
+        f"--credential {credential}: not issued by the stack under {settings.kit.data_dir}; pass its --data-dir, "
+        "or set HETSCHED_NATS_INBOX_PREFIX to the inbox prefix `hetsched credentials issue` printed for it"
+    )

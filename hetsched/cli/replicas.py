@@ -1,19 +1,50 @@
-"""`hetsched place` and `hetsched release`: a replica placed (or explained, or printed as the engine's
-launch line) and released."""
+"""`hetsched place`, `hetsched release`, `hetsched renew` and `hetsched replicas`: a replica placed (or
+explained, or printed as the engine's launch line), released, its lease renewed, and the replicas placed.
+Each acts as the operator, or with `--credential` as a tenant's gateway (on its tenant's subjects)."""
 
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from hetsched.cli.choices import Backend, Dtype
-from hetsched.cli.common import DataDirOption, JsonOption, ask, build, err, print_reply
+from hetsched.cli import common
+from hetsched.cli.choices import Backend, Dtype, ReplicaState
+from hetsched.cli.common import (
+    CredentialOption,
+    DataDirOption,
+    JsonOption,
+    ask,
+    bad_input,
+    build,
+    columns,
+    err,
+    print_reply,
+    refusal,
+    refused_input,
+    say,
+    settings_of,
+    shown,
+)
 from hetsched.emit import EmitKind, NothingToEmit, emit_note, emit_text
 from shared.contracts.base import Rejected
-from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseReply, ReleaseRequest
+from shared.contracts.placement import (
+    PlaceReply,
+    PlaceRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    RenewReply,
+    RenewRequest,
+    ReplicasReply,
+    ReplicasRequest,
+    ReplicaView,
+)
 from shared.contracts.subjects import Rpc
+from shared.domain.placement.listing import index_ranges
+from shared.infra.rpc import RpcClient
 
 app = typer.Typer()
 
@@ -38,6 +69,7 @@ def place(
     explain: Annotated[bool, typer.Option(help="Dry run (placement.explain).")] = False,
     as_json: JsonOption = False,
     data_dir: DataDirOption = None,
+    credential: CredentialOption = None,
     emit: Annotated[
         EmitKind | None,
         typer.Option(
@@ -68,7 +100,7 @@ def place(
     request = build(lambda: PlaceRequest.model_validate({k: v for k, v in fields.items() if v is not None}))
     rpc = Rpc.PLACEMENT_EXPLAIN if explain else Rpc.PLACEMENT_PLACE
     # A refused placement keeps its PlaceReply (the explanation says what was tried and why not).
-    reply = ask(data_dir, rpc, request, PlaceReply, rejection_as_reply=True)
+    reply = ask(data_dir, rpc, request, PlaceReply, rejection_as_reply=True, credential=credential)
     if emit is not None:
         _emit(reply, emit)
         return
@@ -96,7 +128,150 @@ def release(
     tenant: Annotated[str, typer.Option(help="Owner.")],
     as_json: JsonOption = False,
     data_dir: DataDirOption = None,
+    credential: CredentialOption = None,
 ) -> None:
     """One `placement.release` call."""
     request = build(lambda: ReleaseRequest(allocation_id=allocation_id, tenant=tenant))
-    print_reply(ask(data_dir, Rpc.PLACEMENT_RELEASE, request, ReleaseReply), as_json)
+    print_reply(ask(data_dir, Rpc.PLACEMENT_RELEASE, request, ReleaseReply, credential=credential), as_json)
+
+
+OwnerOption = Annotated[
+    str | None, typer.Option(help="Owner (default with --credential: the credential's tenant, when it has one).")
+]
+
+
+@app.command()
+def renew(
+    allocation_id: Annotated[str, typer.Argument(help="The replica (its allocation id) whose lease to renew.")],
+    tenant: OwnerOption = None,
+    lease_s: Annotated[
+        int | None,
+        typer.Option(help="New lease length from now, in seconds (default: HETSCHED_PLACEMENT_DEFAULT_LEASE_S)."),
+    ] = None,
+    as_json: JsonOption = False,
+    data_dir: DataDirOption = None,
+    credential: CredentialOption = None,
+) -> None:
+    """One `placement.renew` call: the replica's lease ends `--lease-s` seconds from now; prints the new end."""
+    owner = _tenant(data_dir, credential, tenant)
+    if owner is None:
+        bad_input("--tenant is required (the replica's owner)")
+    lease = lease_s if lease_s is not None else settings_of(data_dir).placement.default_lease_s
+    request = build(lambda: RenewRequest(allocation_id=allocation_id, tenant=owner, lease_s=lease))
+    reply = shown(data_dir, Rpc.PLACEMENT_RENEW, request, RenewReply, as_json, credential=credential)
+    if reply is None:
+        return
+    ends = _when(reply.lease_expires_at)
+    say(f"renewed {allocation_id} for {owner}: the lease ends {ends} (in {lease} s) unless renewed again")
+
+
+@app.command("replicas")
+def replicas_(
+    tenant: Annotated[
+        str | None,
+        typer.Option(help="Only this tenant's (a gateway's credential: its tenant's, by default its only one)."),
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="Only replicas of this catalog model.")] = None,
+    node: Annotated[str | None, typer.Option(help="Only replicas with accelerators on this node or TPU pod.")] = None,
+    state: Annotated[ReplicaState | None, typer.Option(help="Only replicas in this lifecycle state.")] = None,
+    limit: Annotated[
+        int | None, typer.Option(help="One page of at most this many (1-500) instead of every page.")
+    ] = None,
+    cursor: Annotated[str | None, typer.Option(help="One page, from this `next_cursor` of an earlier page.")] = None,
+    wide: Annotated[bool, typer.Option("--wide", help="More columns: request id, region, SKU, placed at.")] = False,
+    as_json: JsonOption = False,
+    data_dir: DataDirOption = None,
+    credential: CredentialOption = None,
+) -> None:
+    """The replicas placed (`placement.replicas`): the operator's are every tenant's, a gateway's
+    (`--credential`) its tenant's only. Every page, or one with `--limit` / `--cursor`."""
+    fields: dict[str, Any] = {
+        "tenant": _tenant(data_dir, credential, tenant),
+        "model": model,
+        "node": node,
+        "state": state.value if state else None,
+        "limit": limit,
+        "cursor": cursor,
+    }
+    request = build(lambda: ReplicasRequest.model_validate({k: v for k, v in fields.items() if v is not None}))
+    answer = _listed(data_dir, request, credential, every_page=limit is None and cursor is None)
+    refusal(answer, as_json)
+    assert isinstance(answer, ReplicasReply)
+    if as_json:
+        print(answer.model_dump_json(indent=2))
+        return
+    _table(answer.replicas, wide=wide)
+    shown_now = len(answer.replicas)
+    whose = f" of {fields['tenant']}" if fields["tenant"] else ""
+    say(f"{shown_now} of {answer.total} replica(s){whose}")
+    if answer.next_cursor:
+        say(f"more: --cursor {answer.next_cursor}")
+
+
+def _tenant(data_dir: Path | None, credential: Path | None, given: str | None) -> str | None:
+    """The tenant a call names: ``given``, or acting as a gateway, the gateway's (exit 2 when it has several)."""
+    acting = common.acting_as(data_dir, credential)
+    if acting is None or not acting.scoped:
+        return given
+    return acting.tenant(given)
+
+
+def _listed(
+    data_dir: Path | None, request: ReplicasRequest, credential: Path | None, *, every_page: bool
+) -> ReplicasReply | Rejected:
+    """One page, or every page merged (asked over one connection, each from the last page's cursor)."""
+    acting = common.acting_as(data_dir, credential)
+    options = common.call_options(acting, Rpc.PLACEMENT_REPLICAS, request)
+
+    async def work(client: RpcClient) -> ReplicasReply | Rejected:
+        replicas: list[ReplicaView] = []
+        ask_next = request
+        while True:
+            page = await client.ask(Rpc.PLACEMENT_REPLICAS, ask_next, ReplicasReply, **options)
+            if isinstance(page, Rejected):
+                return page
+            replicas.extend(page.replicas)
+            if not every_page or page.next_cursor is None:
+                return page.model_copy(update={"replicas": replicas})
+            ask_next = ask_next.model_copy(update={"cursor": page.next_cursor})
+
+    answer = common.with_rpc(data_dir, Rpc.PLACEMENT_REPLICAS.value, work, **common.acting_option(acting))
+    refused_input(answer)
+    return answer
+
+
+def _when(at: datetime | None) -> str:
+    """A UTC time to the second (``2026-01-01T12:05:00Z``); ``-`` when unknown."""
+    if at is None:
+        return "-"
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _where(replica: ReplicaView) -> tuple[str, str]:
+    """Its nodes and, per node in the same order, its GPU indices (``0-3``); a TPU replica: its pod, and its
+    slice (``4x4@0,0``: shape at origin)."""
+    if replica.tpu_slice is not None:
+        tpu = replica.tpu_slice
+        shape = "x".join(str(n) for n in tpu.shape)
+        return tpu.pod, f"{shape}@{','.join(str(n) for n in tpu.origin)}"
+    nodes = ",".join(p.node for p in replica.placements) or "-"
+    gpus = ";".join(index_ranges(p.gpus) or "-" for p in replica.placements) or "-"
+    return nodes, gpus
+
+
+def _table(replicas: list[ReplicaView], *, wide: bool) -> None:
+    if not replicas:
+        say("no replicas")
+        return
+    headers = ["id", "tenant", "model", "nodes", "gpus", "tp/pp", "lease end", "state"]
+    if wide:
+        headers += ["request id", "region", "sku", "placed at"]
+    rows = []
+    for r in replicas:
+        nodes, gpus = _where(r)
+        row = [r.replica_id, r.tenant, r.model or "-", nodes, gpus, f"{r.tp}/{r.pp}", _when(r.lease_expires_at)]
+        row.append(r.state.value)
+        if wide:
+            row += [r.request_id, r.region or "-", r.sku or "-", _when(r.placed_at)]
+        rows.append(row)
+    columns(headers, rows)

@@ -10,6 +10,7 @@ import typer
 
 from hetsched.cli.choices import ReservationPolicy
 from hetsched.cli.common import (
+    CredentialOption,
     DataDirOption,
     JsonOption,
     TenantOption,
@@ -55,6 +56,7 @@ def reserve(
     request_id: Annotated[str | None, typer.Option(help="Idempotency key (random by default).")] = None,
     as_json: JsonOption = False,
     data_dir: DataDirOption = None,
+    credential: CredentialOption = None,
 ) -> None:
     """One `reservation.create` call: reserve accelerators for a tenant; prints its id and accelerators."""
     by_count = {"--count": count, "--sku": sku, "--region": region}
@@ -79,7 +81,7 @@ def reserve(
         "spot_eviction_s": spot_eviction_s,
     }
     request = build(lambda: ReservationCreateRequest.model_validate({k: v for k, v in fields.items() if v is not None}))
-    reply = shown(data_dir, Rpc.RESERVATION_CREATE, request, ReservationCreateReply, as_json)
+    reply = shown(data_dir, Rpc.RESERVATION_CREATE, request, ReservationCreateReply, as_json, credential=credential)
     if reply is None:
         return
     again = " (this request id had created it before)" if reply.duplicate else ""
@@ -99,6 +101,7 @@ def reservations(
     ] = None,
     as_json: JsonOption = False,
     data_dir: DataDirOption = None,
+    credential: CredentialOption = None,
 ) -> None:
     """A tenant's reservations (`reservation.status`): fill rate, lent and idle accelerators, idle cost.
     `--report`: `reservation.report`; `--cancel RES_ID --tenant T`: `reservation.cancel`."""
@@ -110,10 +113,10 @@ def reservations(
     if tenant is None:
         bad_input("--tenant is required (or --report, for operators)")
     if cancel is not None:
-        _reservation_cancel(data_dir, cancel, tenant, as_json)
+        _reservation_cancel(data_dir, cancel, tenant, as_json, credential)
         return
     request = build(lambda: ReservationStatusRequest(tenant=tenant))
-    answer = shown(data_dir, Rpc.RESERVATION_STATUS, request, ReservationStatusReply, as_json)
+    answer = shown(data_dir, Rpc.RESERVATION_STATUS, request, ReservationStatusReply, as_json, credential=credential)
     if answer is None:
         return
     rows = [
@@ -144,10 +147,12 @@ def reservations(
     )
 
 
-def _reservation_cancel(data_dir: Path | None, reservation_id: str, tenant: str, as_json: bool) -> None:
+def _reservation_cancel(
+    data_dir: Path | None, reservation_id: str, tenant: str, as_json: bool, credential: Path | None
+) -> None:
     """`hetsched reservations --cancel RES_ID --tenant T`: one `reservation.cancel` call."""
     request = build(lambda: ReservationCancelRequest(reservation_id=reservation_id, tenant=tenant))
-    reply = shown(data_dir, Rpc.RESERVATION_CANCEL, request, ReservationCancelReply, as_json)
+    reply = shown(data_dir, Rpc.RESERVATION_CANCEL, request, ReservationCancelReply, as_json, credential=credential)
     if reply is None:
         return
     before = " (it had been cancelled before)" if reply.already else ""

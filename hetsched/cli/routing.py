@@ -9,6 +9,7 @@ import typer
 
 from hetsched.cli.choices import EngineHint, RegionState
 from hetsched.cli.common import (
+    CredentialOption,
     DataDirOption,
     JsonOption,
     RequestIdOption,
@@ -43,6 +44,7 @@ def admit(
     request_id: RequestIdOption = None,
     as_json: JsonOption = False,
     data_dir: DataDirOption = None,
+    credential: CredentialOption = None,
 ) -> None:
     """One `placement.admit` call: a request onto a running replica."""
     request = build(
@@ -57,7 +59,7 @@ def admit(
             hint=hint.value,
         )
     )
-    print_reply(ask(data_dir, Rpc.PLACEMENT_ADMIT, request, AdmitReply), as_json)
+    print_reply(ask(data_dir, Rpc.PLACEMENT_ADMIT, request, AdmitReply, credential=credential), as_json)
 
 
 @app.command()
@@ -74,6 +76,7 @@ def route(
     request_id: RequestIdOption = None,
     as_json: JsonOption = False,
     data_dir: DataDirOption = None,
+    credential: CredentialOption = None,
 ) -> None:
     """One `route.select` call: which region serves this request (and, by default, its admission there)."""
     request = build(
@@ -90,7 +93,7 @@ def route(
             slo=Slo(ttft_ms=ttft_ms) if ttft_ms else None,
         )
     )
-    print_reply(ask(data_dir, Rpc.ROUTE_SELECT, request, RouteSelectReply), as_json)
+    print_reply(ask(data_dir, Rpc.ROUTE_SELECT, request, RouteSelectReply, credential=credential), as_json)
 
 
 @app.command("route-region")

@@ -356,6 +356,18 @@ class AdmissionHandlers:
                 except Exception:  # keep serving; the next pass retries
                     self._log.exception("admission queue pass failed")
 
+    def serving(self) -> set[str]:
+        """The replicas whose engine reported healthy within ``HETSCHED_ENGINE_STALE_S`` (and that no caller
+        said failed since): those admission may send requests to, draining ones included."""
+        now_ms = self._timer()
+        stale_ms = self._policy.stale_ms
+        serving: set[str] = set()
+        for replica in self._book.replicas.values():
+            status = self._book.status(replica)
+            if status.healthy and status.reported_at_ms is not None and now_ms - status.reported_at_ms <= stale_ms:
+                serving.add(replica.replica_id)
+        return serving
+
     # -- what frees capacity or changes rotation -------------------------------------------------------
 
     def on_placed(self, owner: str, reply: PlaceReply) -> None:

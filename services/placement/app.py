@@ -12,13 +12,21 @@ from services.placement.admission import AdmissionHandlers, Fairness
 from services.placement.attempts import Ownership, Queueing
 from services.placement.follows import FOLLOWS
 from services.placement.handlers import PlacementHandlers
+from services.placement.listing import ReplicaListing
 from services.placement.metrics import PlacementMetrics, ViewMetrics
 from services.placement.readmodel import ReadModel
 from services.placement.replicas import ReplicaBook
 from services.placement.store import DecisionStore
 from services.placement.tables import SCHEMA
 from shared.contracts.ledger import LedgerEventName
-from shared.contracts.placement import AdmitRequest, PlaceReply, PlaceRequest, ReleaseRequest, RenewRequest
+from shared.contracts.placement import (
+    AdmitRequest,
+    PlaceReply,
+    PlaceRequest,
+    ReleaseRequest,
+    RenewRequest,
+    ReplicasRequest,
+)
 from shared.contracts.subjects import Context, Rpc
 from shared.domain.admission import AdmitPolicy
 from shared.infra.catalog import load_model_groups, load_models, load_skus
@@ -34,6 +42,7 @@ class Ctx:
     readmodel: ReadModel
     admission: AdmissionHandlers
     metrics: ViewMetrics
+    listing: ReplicaListing
 
 
 def wire(runtime: Runtime) -> Ctx:
@@ -110,7 +119,15 @@ def wire(runtime: Runtime) -> Ctx:
     metrics = ViewMetrics(
         runtime.metrics, snapshot=lambda: readmodel.snapshot, queue_depths=admission.queue_depths, log=runtime.log
     )
-    return Ctx(handlers=handlers, readmodel=readmodel, admission=admission, metrics=metrics)
+    listing = ReplicaListing(
+        store=store,
+        uow=runtime.uow,
+        models=models,
+        knows_node=readmodel.knows_node,
+        draining=lambda: readmodel.draining,
+        serving=admission.serving,
+    )
+    return Ctx(handlers=handlers, readmodel=readmodel, admission=admission, metrics=metrics, listing=listing)
 
 
 SERVICE = ServiceDefinition(
@@ -124,6 +141,7 @@ SERVICE = ServiceDefinition(
         Route(Rpc.PLACEMENT_RELEASE, ReleaseRequest, lambda ctx: ctx.handlers.lifecycle.release),
         Route(Rpc.PLACEMENT_RENEW, RenewRequest, lambda ctx: ctx.handlers.lifecycle.renew),
         Route(Rpc.PLACEMENT_ADMIT, AdmitRequest, lambda ctx: ctx.admission.admit),
+        Route(Rpc.PLACEMENT_REPLICAS, ReplicasRequest, lambda ctx: ctx.listing.replicas),
     ),
     on_start=(lambda ctx: ctx.admission.start(), lambda ctx: ctx.handlers.tally.start()),
     # The fleet view, admission's engines and holds, the reservations and the rebalancer's word: follows.py.

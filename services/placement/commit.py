@@ -154,7 +154,13 @@ class Committer:
                 update={"allocation_id": allocation_id, "explanation": [*pending.explanation, note]}
             )
             recorded = await self._intents.record(
-                request, claim, reply, PlacementEventName.PLACEMENT_DECIDED, decision_ms, attempt
+                request,
+                claim,
+                reply,
+                PlacementEventName.PLACEMENT_DECIDED,
+                decision_ms,
+                attempt,
+                lease_expires_at=committed.lease_expires_at,
             )
             self._finished((self._timer() - started_ms) / 1000)
             return recorded
@@ -180,7 +186,10 @@ class Committer:
             return ORDINARY
         note = "recovered: the ledger held this request id's commit (an earlier attempt was interrupted)"
         reply = pending.model_copy(update={"allocation_id": allocation_id, "explanation": [*pending.explanation, note]})
-        return await self._intents.record(request, claim, reply, PlacementEventName.PLACEMENT_DECIDED, 0.0, 1)
+        lease = committed.lease_expires_at if isinstance(committed, CommitReply) else None
+        return await self._intents.record(
+            request, claim, reply, PlacementEventName.PLACEMENT_DECIDED, 0.0, 1, lease_expires_at=lease
+        )
 
     async def _reserve(self, commit: CommitRequest, token: int) -> CommitReply | Rejected | RpcError:
         """Reserve (commit to the ledger) with the decision assumed in the view meanwhile (``token``);

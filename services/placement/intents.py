@@ -227,10 +227,17 @@ class Intents:
         *,
         reply: PlaceReply | None = None,
         allocation_id: str | None = None,
+        lease_expires_at: datetime | None = None,
     ) -> bool:
         """Record this attempt's outcome for the request's intent; False when another attempt took it."""
         return await self._store.finish(
-            session=uow.session, turn=claim.turn, status=status, reply=reply, allocation_id=allocation_id, now=uow.now
+            session=uow.session,
+            turn=claim.turn,
+            status=status,
+            reply=reply,
+            allocation_id=allocation_id,
+            now=uow.now,
+            lease_expires_at=lease_expires_at,
         )
 
     async def unclaim(self, claim: Claimed) -> None:
@@ -257,9 +264,11 @@ class Intents:
         event: PlacementEventName,
         decision_ms: float,
         attempts: int,
+        lease_expires_at: datetime | None = None,
     ) -> BaseModel | Lost:
-        """Record the outcome with the intent (placed: the reply, for the same request id) and announce
-        it, in one transaction; LOST when another attempt took the intent over meanwhile."""
+        """Record the outcome with the intent (placed: the reply, for the same request id, and when the
+        ledger said its lease ends) and announce it, in one transaction; LOST when another attempt took the
+        intent over meanwhile."""
         placed = reply.status == "placed"
         if placed:
             reply = reply.model_copy(update={"model": request.model})
@@ -274,6 +283,7 @@ class Intents:
                 status,
                 reply=reply if placed else None,
                 allocation_id=reply.allocation_id if placed else None,
+                lease_expires_at=lease_expires_at if placed else None,
             ):
                 return False
             emit(uow, request, reply, event, decision_ms, attempts)

@@ -105,7 +105,16 @@ class Lifecycle:
             return renewed
         if renewed.status != "renewed":
             return _refused(renewed.error)
-        return RenewReply(status="renewed", lease_expires_at=renewed.lease_expires_at)
+        lease = renewed.lease_expires_at
+        if lease is not None:  # the replica's lease end as `placement.replicas` lists it (a hold has none)
+
+            async def work(uow: UnitOfWork) -> None:
+                await self._store.lease_renewed(
+                    session=uow.session, allocation_id=request.allocation_id, lease_expires_at=lease
+                )
+
+            await self._uow.run_grouped(work)
+        return RenewReply(status="renewed", lease_expires_at=lease)
 
     # -- LEDGER events (a durable consumer: what the ledger did to placement's allocations) -------------
 

@@ -111,6 +111,11 @@ class ReadModel:
     def forget(self, token: int) -> None:
         self.view.forget(token)
 
+    def knows_node(self, name: str) -> bool:
+        """Whether ``name`` is a node or TPU pod of the fleet view (True until the view first synced: it
+        cannot tell yet)."""
+        return self.synced_at is None or name in self.view.profiles or name in self.view.pods
+
     def holds(self, allocation_id: str) -> bool:
         """The view still counts this allocation's bytes."""
         return self.view.ledger.holds(allocation_id)

@@ -78,3 +78,32 @@ class PlacedAllocation:
     allocation_id: str
     tenant: str
     accelerators: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaFilter:
+    """Which placed replicas a listing keeps: by tenant, model, node (or TPU pod), and by id (``only``: these
+    and no others, None for no such limit; ``excluding``: not these), as the state filter says."""
+
+    tenant: str | None = None
+    model: str | None = None
+    node: str | None = None
+    only: frozenset[str] | None = None
+    excluding: frozenset[str] = frozenset()
+
+    @property
+    def empty(self) -> bool:
+        """Nothing can match (a state no replica is in)."""
+        return self.only is not None and not self.only
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedReplica:
+    """A placed decision as the listing reads it: its reply (as stored), lease end and when it was placed."""
+
+    tenant: str
+    request_id: str
+    allocation_id: str
+    reply: Mapping[str, Any]
+    lease_expires_at: datetime | None
+    placed_at: datetime

@@ -7,14 +7,23 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, delete, func, select, text, update
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import Text, and_, any_, cast, delete, func, not_, or_, select, text, tuple_, update
+from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.placement.records import PlacedAllocation, QueuedRequest, SeenAllocation, StoredIntent, Turn
+from services.placement.records import (
+    PlacedAllocation,
+    PlacedReplica,
+    QueuedRequest,
+    ReplicaFilter,
+    SeenAllocation,
+    StoredIntent,
+    Turn,
+)
 from services.placement.tables import DecisionRow, LedgerAllocationRow, QueueRow
 from shared.contracts.ledger import CommitRequest
 from shared.contracts.placement import PlaceReply, PlaceRequest
+from shared.domain.placement.listing import Position
 from shared.domain.placement.ownership import Intent, IntentState
 
 DECISIONS = DecisionRow.__table__  # type: ignore[attr-defined]
@@ -44,7 +53,7 @@ _INSERT_DECIDED = text(
 )
 _FINISH = text(
     f"UPDATE {DECISIONS.fullname} SET status = :status, reply = CAST(:reply AS jsonb), allocation_id = :allocation_id, "
-    "claimed_until = NULL, updated_at = :now "
+    "lease_expires_at = :lease_expires_at, claimed_until = NULL, updated_at = :now "
     "WHERE tenant = :tenant AND request_id = :request_id AND attempt = :attempt "
     f"AND status = '{IntentState.COMMITTING.value}' RETURNING attempt"
 )
@@ -60,6 +69,30 @@ _LOCK_TENANT_QUEUE = text("SELECT pg_advisory_xact_lock(hashtextextended('placem
 
 def _key(tenant: str, request_id: str) -> Any:
     return and_(DECISIONS.c.tenant == tenant, DECISIONS.c.request_id == request_id)
+
+
+def _replica_clauses(where: ReplicaFilter) -> list[Any]:
+    """The placed decisions (with their allocation and reply) that ``where`` keeps."""
+    reply = DECISIONS.c.reply
+    clauses: list[Any] = [
+        DECISIONS.c.status == IntentState.PLACED.value,
+        DECISIONS.c.allocation_id.is_not(None),
+        reply.is_not(None),
+    ]
+    if where.tenant is not None:
+        clauses.append(DECISIONS.c.tenant == where.tenant)
+    if where.model is not None:
+        clauses.append(reply["model"].astext == where.model)
+    if where.node is not None:
+        # A GPU replica's nodes (every stage's) are its `placements`; a TPU replica's pod is its slice's.
+        clauses.append(
+            or_(reply["placements"].contains([{"node": where.node}]), reply["tpu_slice"]["pod"].astext == where.node)
+        )
+    if where.only is not None:
+        clauses.append(DECISIONS.c.allocation_id == any_(cast(sorted(where.only), ARRAY(Text))))
+    if where.excluding:
+        clauses.append(not_(DECISIONS.c.allocation_id == any_(cast(sorted(where.excluding), ARRAY(Text)))))
+    return clauses
 
 
 class DecisionStore:
@@ -193,8 +226,10 @@ class DecisionStore:
         reply: PlaceReply | None,
         allocation_id: str | None,
         now: datetime,
+        lease_expires_at: datetime | None = None,
     ) -> bool:
-        """Record an attempt's outcome (``placed`` or ``rejected``); False if the attempt lost the intent."""
+        """Record an attempt's outcome (``placed`` or ``rejected``, a placed one with when its lease ends);
+        False if the attempt lost the intent."""
         finished = await session.execute(
             _FINISH,
             {
@@ -204,6 +239,7 @@ class DecisionStore:
                 "status": status.value,
                 "reply": reply.model_dump_json() if reply is not None else None,
                 "allocation_id": allocation_id,
+                "lease_expires_at": lease_expires_at,
                 "now": now,
             },
         )
@@ -271,6 +307,60 @@ class DecisionStore:
             .values(state=status.value, ended_at=now)
         )
         return str(tenant) if tenant is not None else None
+
+    async def lease_renewed(self, *, session: AsyncSession, allocation_id: str, lease_expires_at: datetime) -> None:
+        """A placed replica's lease, as the ledger answered its renewal (nothing for an id no placed decision
+        holds: an admission's KV hold)."""
+        await session.execute(
+            update(DECISIONS)
+            .where(DECISIONS.c.allocation_id == allocation_id, DECISIONS.c.status == IntentState.PLACED.value)
+            .values(lease_expires_at=lease_expires_at)
+        )
+
+    # -- the placed replicas, listed (`placement.replicas`) ---------------------------------------------------
+
+    async def replicas(
+        self, *, session: AsyncSession, where: ReplicaFilter, after: Position | None, limit: int
+    ) -> list[PlacedReplica]:
+        """Up to ``limit`` placed replicas matching ``where``, in (tenant, request id) order, those after
+        ``after`` (keyset paging: the next page starts after the last row of this one)."""
+        if where.empty:
+            return []
+        stmt = (
+            select(
+                DECISIONS.c.tenant,
+                DECISIONS.c.request_id,
+                DECISIONS.c.allocation_id,
+                DECISIONS.c.reply,
+                DECISIONS.c.lease_expires_at,
+                DECISIONS.c.updated_at,
+            )
+            .where(*_replica_clauses(where))
+            .order_by(DECISIONS.c.tenant, DECISIONS.c.request_id)
+            .limit(limit)
+        )
+        if after is not None:
+            position = tuple_(DECISIONS.c.tenant, DECISIONS.c.request_id)
+            stmt = stmt.where(position > tuple_(after.tenant, after.request_id))
+        rows = await session.execute(stmt)
+        return [
+            PlacedReplica(
+                tenant=r.tenant,
+                request_id=r.request_id,
+                allocation_id=r.allocation_id,
+                reply=r.reply,
+                lease_expires_at=r.lease_expires_at,
+                placed_at=r.updated_at,
+            )
+            for r in rows
+        ]
+
+    async def count_replicas(self, *, session: AsyncSession, where: ReplicaFilter) -> int:
+        """How many placed replicas match ``where``."""
+        if where.empty:
+            return 0
+        counted = await session.execute(select(func.count()).where(*_replica_clauses(where)))
+        return int(counted.scalar_one())
 
     # -- placement's allocations in the ledger (the reconciler's input) -----------------------------------
 

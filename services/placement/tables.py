@@ -12,6 +12,7 @@ from sqlalchemy import (
     Column,
     DateTime,
     Identity,
+    Index,
     Integer,
     PrimaryKeyConstraint,
     Text,
@@ -26,7 +27,12 @@ SCHEMA = "placement"
 
 class DecisionRow(SQLModel, table=True):
     __tablename__ = "decisions"
-    __table_args__ = (PrimaryKeyConstraint("tenant", "request_id", name="decisions_pkey"), {"schema": SCHEMA})
+    __table_args__ = (
+        PrimaryKeyConstraint("tenant", "request_id", name="decisions_pkey"),
+        # `placement.replicas` pages through the placed ones in (tenant, request id) order.
+        Index("ix_placement_decisions_placed", "tenant", "request_id", postgresql_where=text("status = 'placed'")),
+        {"schema": SCHEMA},
+    )
 
     tenant: str = Field(sa_column=Column(Text, nullable=False))
     request_id: str = Field(sa_column=Column(Text, nullable=False))
@@ -48,6 +54,8 @@ class DecisionRow(SQLModel, table=True):
     updated_at: datetime = Field(
         sa_column=Column(DateTime(timezone=True), nullable=False, server_default=text("now()"))
     )
+    # placed: when its lease ends unless renewed (the ledger's answer to the commit, then to each renewal)
+    lease_expires_at: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=True), nullable=True))
 
 
 class LedgerAllocationRow(SQLModel, table=True):

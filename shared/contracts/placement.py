@@ -24,6 +24,8 @@ from shared.contracts.base import (
 
 # the domain's definitions, one each (`X as X` re-exports them as this module's names)
 from shared.domain.ledger.sharing import Sharing as Sharing
+from shared.domain.placement.listing import ReplicaState as ReplicaState
+from shared.domain.placement.listing import decode_cursor
 from shared.domain.placement.types import Backend as Backend
 
 Dtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4", "fp4"]
@@ -257,6 +259,150 @@ class RenewReply(Contract):
     status: Literal["renewed", "rejected"] = Field(description="Outcome.", examples=["renewed"])
     lease_expires_at: datetime | None = Field(default=None, description="New expiry (UTC).")
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
+
+
+MAX_REPLICAS_PAGE = 500  # a page of TP=8 replicas stays well under NATS's 1 MB max_payload
+DEFAULT_REPLICAS_PAGE = 100
+
+
+class ReplicasRequest(Request):
+    """`placement.replicas`: the caller's placed replicas, a page at a time. On a tenant's subject
+    (`placement.replicas.<tenant>`, a gateway's) the body must name that tenant; the operator may leave
+    `tenant` out to list every tenant's."""
+
+    tenant: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=NAME_MAX,
+        description="Whose replicas. Required on a tenant's subject (and must be its tenant, else `forbidden`); "
+        "absent on the unscoped subject (operators): every tenant's.",
+        examples=["acme"],
+    )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=NAME_MAX,
+        description="Only replicas of this catalog model (a model the catalog does not have: `unknown_model`).",
+        examples=["llama3-70b"],
+    )
+    node: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=NAME_MAX,
+        description="Only replicas with accelerators on this node or TPU pod (one that is not in placement's view of "
+        "the fleet: `not_found`).",
+        examples=["dgx-h100-01"],
+    )
+    state: ReplicaState | None = Field(
+        default=None,
+        description="Only replicas in this lifecycle state (`placed`, `starting`, `loading`, `ready`, `draining`, "
+        "`stopped`, `failed`).",
+        examples=["ready"],
+    )
+    limit: Int = Field(
+        default=DEFAULT_REPLICAS_PAGE,
+        gt=0,
+        le=MAX_REPLICAS_PAGE,
+        description=f"Most replicas in one page (1-{MAX_REPLICAS_PAGE}).",
+        examples=[DEFAULT_REPLICAS_PAGE],
+    )
+    cursor: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4 * NAME_MAX,
+        description="`next_cursor` of the previous page, as it came (absent: the first page).",
+        examples=[None],
+    )
+
+    @field_validator("cursor")
+    @classmethod
+    def _cursor(cls, cursor: str | None) -> str | None:
+        if cursor is not None:
+            decode_cursor(cursor)  # ValueError: invalid_request, naming the field
+        return cursor
+
+
+class ReplicaPlacement(NodePlacement):
+    """The accelerators of a replica on one node, with their GPU indices."""
+
+    gpus: list[Int] = Field(
+        default_factory=list,
+        description="GPU indices on the node (CUDA ordinals), in the order of `accelerators`; empty on TPU.",
+        examples=[[0, 1, 2, 3]],
+    )
+
+
+class ReplicaView(Contract):
+    """One placed replica, as placement records it."""
+
+    replica_id: str = Field(
+        description="The replica: the allocation id `placement.place` returned for it (what `placement.renew` and "
+        "`placement.release` take).",
+        examples=["al-5f0c..."],
+    )
+    tenant: str = Field(description="Owner.", examples=["acme"])
+    request_id: str = Field(description="The `placement.place` request id that placed it.", examples=["req-42"])
+    model: str | None = Field(default=None, description="Catalog model.", examples=["llama3-70b"])
+    backend: Literal["gpu", "tpu"] | None = Field(default=None, description="Backend.", examples=["gpu"])
+    sku: str | None = Field(default=None, description="SKU of its accelerators.", examples=["H100-SXM-80GB"])
+    region: str | None = Field(default=None, description="Region.", examples=["us-west-1"])
+    cluster: str | None = Field(default=None, description="Cluster.", examples=["c1"])
+    tp: Int = Field(description="Tensor-parallel degree.", examples=[4])
+    pp: Int = Field(description="Pipeline stages.", examples=[1])
+    sharing: Sharing | None = Field(default=None, description="How its accelerators are held.", examples=["exclusive"])
+    placements: list[ReplicaPlacement] = Field(
+        default_factory=list,
+        description="Per node: its accelerators and GPU indices (every stage's, on GPUs).",
+        examples=[[{"node": "dgx-h100-01", "accelerators": ["dgx-h100-01/gpu0", "dgx-h100-01/gpu1"], "gpus": [0, 1]}]],
+    )
+    tpu_slice: TpuSlice | None = Field(
+        default=None,
+        description="Its TPU slice, on TPU.",
+        examples=[{"pod": "v5e-pod-1", "origin": [0, 0], "shape": [2, 2]}],
+    )
+    state: ReplicaState = Field(
+        description="Lifecycle state: `draining` while the rebalancer moves it off, `ready` while its engine reports "
+        "healthy within `HETSCHED_ENGINE_STALE_S`, else `placed`.",
+        examples=["ready"],
+    )
+    lease_expires_at: datetime | None = Field(
+        default=None,
+        description="When its lease ends unless renewed (UTC): the ledger's answer to its commit, then to each "
+        "`placement.renew`; null for a replica placed before placement recorded it.",
+        examples=["2026-01-01T12:05:00Z"],
+    )
+    placed_at: datetime | None = Field(
+        default=None, description="When placement recorded it (UTC).", examples=["2026-01-01T11:05:00Z"]
+    )
+
+
+class ReplicasReply(Contract):
+    status: Literal["ok"] = Field(
+        default="ok", description="Always `ok` (refusals come as `Rejected`).", examples=["ok"]
+    )
+    replicas: list[ReplicaView] = Field(
+        default_factory=list,
+        description="This page, by tenant then placement request id.",
+        examples=[
+            [
+                {
+                    "replica_id": "al-5f0c",
+                    "tenant": "acme",
+                    "request_id": "req-42",
+                    "model": "llama3-8b",
+                    "tp": 1,
+                    "pp": 1,
+                    "placements": [{"node": "dgx-h100-01", "accelerators": ["dgx-h100-01/gpu3"], "gpus": [3]}],
+                    "state": "ready",
+                    "lease_expires_at": "2026-01-01T12:05:00Z",
+                }
+            ]
+        ],
+    )
+    next_cursor: str | None = Field(
+        default=None, description="Pass as `cursor` for the next page; null on the last.", examples=[None]
+    )
+    total: Int = Field(description="Replicas matching the filters, on every page.", examples=[12])
 
 
 EngineHint = Literal["auto", "transformer", "ssm", "moe"]

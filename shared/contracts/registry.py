@@ -23,6 +23,7 @@ RPCS: dict[Rpc, tuple[type[BaseModel], type[BaseModel]]] = {
     Rpc.PLACEMENT_RELEASE: (placement.ReleaseRequest, placement.ReleaseReply),
     Rpc.PLACEMENT_RENEW: (placement.RenewRequest, placement.RenewReply),
     Rpc.PLACEMENT_ADMIT: (placement.AdmitRequest, placement.AdmitReply),
+    Rpc.PLACEMENT_REPLICAS: (placement.ReplicasRequest, placement.ReplicasReply),
     Rpc.RESERVATION_CREATE: (reservation.ReservationCreateRequest, reservation.ReservationCreateReply),
     Rpc.RESERVATION_CANCEL: (reservation.ReservationCancelRequest, reservation.ReservationCancelReply),
     Rpc.RESERVATION_STATUS: (reservation.ReservationStatusRequest, reservation.ReservationStatusReply),

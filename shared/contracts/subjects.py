@@ -39,6 +39,7 @@ class Rpc(StrEnum):
     PLACEMENT_RELEASE = "placement.release"
     PLACEMENT_RENEW = "placement.renew"
     PLACEMENT_ADMIT = "placement.admit"
+    PLACEMENT_REPLICAS = "placement.replicas"
     RESERVATION_CREATE = "reservation.create"
     RESERVATION_CANCEL = "reservation.cancel"
     RESERVATION_STATUS = "reservation.status"
@@ -56,6 +57,7 @@ TENANT_SCOPED: frozenset[Rpc] = frozenset(
         Rpc.PLACEMENT_RELEASE,
         Rpc.PLACEMENT_RENEW,
         Rpc.PLACEMENT_ADMIT,
+        Rpc.PLACEMENT_REPLICAS,
         Rpc.RESERVATION_CREATE,
         Rpc.RESERVATION_CANCEL,
         Rpc.RESERVATION_STATUS,

@@ -627,4 +627,20 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="            self._observed(acc, observed, streak=streak, reported=drift is not None)\n",
         tests=(LEDGER_UNIT,),
     ),
+    Mutant(
+        name="replicas_listing_ignores_tenant",
+        what="placement.replicas lists every tenant's replicas whatever tenant the request (and its subject) names",
+        file="services/placement/store.py",
+        find="        clauses.append(DECISIONS.c.tenant == where.tenant)\n",
+        replace="        pass\n",
+        tests=("tests/integration/test_replica_listing.py",),
+    ),
+    Mutant(
+        name="renew_keeps_the_listed_lease",
+        what="placement.renew renews in the ledger but the replica's recorded lease end stays the old one",
+        file="services/placement/lifecycle.py",
+        find="        if lease is not None:  # the replica's lease end as `placement.replicas` lists it",
+        replace="        if False:  # the replica's lease end as `placement.replicas` lists it",
+        tests=(PLACEMENT_UNIT, "tests/integration/test_replica_listing.py"),
+    ),
 )

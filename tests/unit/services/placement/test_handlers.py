@@ -164,12 +164,25 @@ class FakeStore(DecisionStore):
         reply: PlaceReply | None,
         allocation_id: str | None,
         now: datetime,
+        lease_expires_at: datetime | None = None,
     ) -> bool:
         row = self._mine(turn)
         if row is None:
             return False
-        row.update(status=status.value, reply=reply, allocation_id=allocation_id, claimed_until=None, updated_at=now)
+        row.update(
+            status=status.value,
+            reply=reply,
+            allocation_id=allocation_id,
+            lease_expires_at=lease_expires_at,
+            claimed_until=None,
+            updated_at=now,
+        )
         return True
+
+    async def lease_renewed(self, *, session: Any, allocation_id: str, lease_expires_at: datetime) -> None:
+        for row in self.rows.values():
+            if row["allocation_id"] == allocation_id and row["status"] == "placed":
+                row["lease_expires_at"] = lease_expires_at
 
     async def settle(
         self,
@@ -380,10 +393,12 @@ def place(rid: str = "r-1", **extra: Any) -> PlaceRequest:
     return PlaceRequest.model_validate(body)
 
 
-def committed(allocation_id: str = "al-1") -> Callable[[BaseModel], BaseModel]:
+def committed(allocation_id: str = "al-1", lease: datetime | None = None) -> Callable[[BaseModel], BaseModel]:
     def answer(request: BaseModel) -> CommitReply:
         assert isinstance(request, CommitRequest)
-        return CommitReply(status="committed", request_id=request.request_id, allocation_id=allocation_id)
+        return CommitReply(
+            status="committed", request_id=request.request_id, allocation_id=allocation_id, lease_expires_at=lease
+        )
 
     return answer
 
@@ -581,6 +596,22 @@ async def test_renew_passes_exactly_the_requested_lease() -> None:
     reply = await rig.handlers.lifecycle.renew(RenewRequest(allocation_id="al-1", tenant="acme", lease_s=1234))
     assert rig.rpc.requests(Rpc.LEDGER_RENEW) == [LedgerRenewRequest(allocation_id="al-1", tenant="acme", lease_s=1234)]
     assert reply.model_dump() == {"status": "renewed", "lease_expires_at": until, "error": None}
+
+
+async def test_a_replica_keeps_the_lease_end_the_ledger_answered_and_each_renewal_moves_it() -> None:
+    """What `placement.replicas` lists as `lease_expires_at`: the commit's answer, then each renewal's."""
+    placed_until = datetime(2026, 12, 1, 13, 0, tzinfo=UTC)
+    renewed_until = datetime(2026, 12, 1, 15, 0, tzinfo=UTC)
+    rig = Rig(
+        FakeRpc(
+            ledger_commit=[committed("al-1", lease=placed_until)],
+            ledger_renew=[LedgerRenewReply(status="renewed", lease_expires_at=renewed_until)],
+        )
+    )
+    await rig.handlers.placing.place(place())
+    assert rig.store.rows[("acme", "r-1")]["lease_expires_at"] == placed_until
+    await rig.handlers.lifecycle.renew(RenewRequest(allocation_id="al-1", tenant="acme", lease_s=7200))
+    assert rig.store.rows[("acme", "r-1")]["lease_expires_at"] == renewed_until
 
 
 async def test_renew_without_an_answer_is_a_typed_refusal() -> None:
