@@ -20,7 +20,6 @@ from hetsched.cli.common import (
     ask,
     bad_input,
     build,
-    columns,
     err,
     print_reply,
     refusal,
@@ -28,6 +27,7 @@ from hetsched.cli.common import (
     say,
     settings_of,
     shown,
+    table,
 )
 from hetsched.emit import EmitKind, NothingToEmit, emit_note, emit_text
 from shared.contracts.base import Rejected
@@ -178,7 +178,7 @@ def replicas_(
         int | None, typer.Option(help="One page of at most this many (1-500) instead of every page.")
     ] = None,
     cursor: Annotated[str | None, typer.Option(help="One page, from this `next_cursor` of an earlier page.")] = None,
-    wide: Annotated[bool, typer.Option("--wide", help="More columns: request id, region, SKU, placed at.")] = False,
+    wide: Annotated[bool, typer.Option("--wide", help="Add request id, region, SKU, placed at; no folding.")] = False,
     as_json: JsonOption = False,
     data_dir: DataDirOption = None,
     credential: CredentialOption = None,
@@ -274,4 +274,4 @@ def _table(replicas: list[ReplicaView], *, wide: bool) -> None:
         if wide:
             row += [r.request_id, r.region or "-", r.sku or "-", _when(r.placed_at)]
         rows.append(row)
-    columns(headers, rows)
+    table(headers, rows, wide=wide)
