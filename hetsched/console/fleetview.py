@@ -112,7 +112,8 @@ def _entry(node: NodeView) -> NodeEntry:
         kind=node.kind,
         state=node.state,
         gpus=tuple(
-            GpuEntry(a.id, a.index, a.hbm_total_bytes, a.domain) for a in sorted(node.accelerators, key=lambda a: a.index)
+            GpuEntry(a.id, a.index, a.hbm_total_bytes, a.domain)
+            for a in sorted(node.accelerators, key=lambda a: a.index)
         ),
     )
 
@@ -155,7 +156,9 @@ class Holdings:
         return holdings
 
 
-def gpu_state(node_state: str, held: AcceleratorLedgerView | None, reserved: Reserved | None, borrowed: set[str]) -> str:
+def gpu_state(
+    node_state: str, held: AcceleratorLedgerView | None, reserved: Reserved | None, borrowed: set[str]
+) -> str:
     """One GPU's state: unavailable (node lost), lent or placed (a replica on it), reserved (hard, or soft:
     lendable) with nothing on it yet, or free."""
     if node_state != "up" or (held is not None and not held.available):
@@ -281,9 +284,7 @@ class FleetView:
                 grouping: [{"key": key, **tally.row()} for key, tally in keys.items()]
                 for grouping, keys in self.groups.items()
             },
-            "alerts": [
-                {"node": name, "what": what} for name, alerts in alerting[:ALERTS_SHOWN] for what in alerts
-            ],
+            "alerts": [{"node": name, "what": what} for name, alerts in alerting[:ALERTS_SHOWN] for what in alerts],
             "alerts_total": self.total.alerts,
         }
 

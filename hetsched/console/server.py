@@ -258,9 +258,7 @@ async def run_console(
     fleet = FleetSource(rpc, now=lambda: datetime.now(UTC), feed=feed, extra={"nats_url": nats_url})
     # Any topology event (a node profiled, changed, lost, recovered) means the fleet is asked again.
     topology = await nc.subscribe(subjects.events_of(Context.TOPOLOGY), cb=_marks_changed(fleet))
-    server = ConsoleServer(
-        StateSource(produce), token=token, allowed_hosts=allowed_hosts, limits=limits, fleet=fleet
-    )
+    server = ConsoleServer(StateSource(produce), token=token, allowed_hosts=allowed_hosts, limits=limits, fleet=fleet)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

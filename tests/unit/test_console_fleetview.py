@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,7 +39,9 @@ GIB = 1024**3
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
 
 
-def node(name: str, *, region: str = "r1", cluster: str = "c1", sku: str = "H100", gpus: int = 4, state: str = "up"):
+def node(
+    name: str, *, region: str = "r1", cluster: str = "c1", sku: str = "H100", gpus: int = 4, state: str = "up"
+) -> NodeView:
     return NodeView(
         name=name,
         region=region,
@@ -65,7 +68,9 @@ def held(acc: str, *allocations: str, used: int = 0, available: bool = True) -> 
     )
 
 
-def reservation(rid: str, policy: str, accelerators: list[str], borrowers: list[BorrowView] = ()) -> Any:
+def reservation(
+    rid: str, policy: str, accelerators: list[str], borrowers: Sequence[BorrowView] = ()
+) -> ReservationStatusView:
     return ReservationStatusView(
         reservation_id=rid,
         tenant=f"owner-{rid}",
@@ -220,7 +225,9 @@ def test_a_group_a_page_at_a_time(view: FleetView) -> None:
         ("cluster", "c1", 0, 10, 404),  # a cluster is named with its region
     ],
 )
-def test_bad_questions_are_refused(view: FleetView, grouping: str, key: str, offset: int, limit: int, status: int):
+def test_bad_questions_are_refused(
+    view: FleetView, grouping: str, key: str, offset: int, limit: int, status: int
+) -> None:
     with pytest.raises(ViewError) as refused:
         view.group_nodes(grouping, key, offset=offset, limit=limit)
     assert refused.value.status == status
@@ -321,5 +328,7 @@ def fleet_reply(inventory: dict[str, Any]) -> FleetGetReply:
 def test_the_benchmark_fleet_is_the_benchmark_s() -> None:
     fleet, gpus = bench_fleet(16)
     assert fleet == bench_fleet(16)[0]  # seeded: the same fleet every time
-    assert gpus == sum(n["gpus"] for r in fleet["regions"] for c in r["clusters"] for k in c["racks"] for n in k["nodes"])
+    assert gpus == sum(
+        n["gpus"] for r in fleet["regions"] for c in r["clusters"] for k in c["racks"] for n in k["nodes"]
+    )
     assert fleet["tpu_pods"] == []
