@@ -161,7 +161,11 @@ async def test_the_page_draws_the_fleet_and_follows_placements(
     reservation, reserved_gpus = reserved
 
     # The first state drawn: the fleet summary (every node counted, once per grouping), the legend, the pods.
-    await wait_for(lambda: browser.js("window.hetschedConsole.refreshes >= 1"), 30, what="the first refresh")
+    await wait_for(
+        lambda: browser.js("!!window.hetschedConsole && window.hetschedConsole.refreshes >= 1"),
+        30,
+        what="the first refresh",
+    )
     assert await browser.js("window.hetschedConsole.lastError") is None
     legend = await browser.js("[...document.querySelectorAll('#legend [data-legend]')].map(e => e.dataset.legend)")
     assert legend == ["placed", "lent", "reserved_hard", "reserved_soft", "free", "unavailable"]

@@ -46,8 +46,10 @@ async def stack(
     placed and two reservations made. Yields the harness and what was done (placements, reservations)."""
     fleet, gpus = bench_fleet(NODES)
     workdir = tmp_path_factory.mktemp("fleet")
-    services = ("placement", "reservation_filler", "rebalancer")
-    async with LedgerHarness(servers, workdir, fleet=fleet, services=services, want_accelerators=gpus) as h:
+    # Topology and the ledger first (the ledger learns the fleet from topology's events), then the others.
+    async with LedgerHarness(servers, workdir, fleet=fleet, want_accelerators=gpus, ready_s=300) as h:
+        for package in ("placement", "reservation_filler", "rebalancer"):
+            h.start(package)
         await placement_ready(h, deadline_s=300)
         placed = []
         for i in range(REPLICAS):
@@ -76,7 +78,7 @@ async def _reserved(h: LedgerHarness, spec: dict[str, Any]) -> dict[str, Any]:
         return reply if reply.get("status") == "created" else None
 
     reply = await wait_for(made, 120, interval_s=0.5, what="the filler knows the fleet")
-    assert reply is not None
+    assert isinstance(reply, dict)
     return reply
 
 
@@ -150,7 +152,9 @@ async def test_the_summary_renders_and_a_node_drill_down_shows_its_gpus_on_1024_
     # The page: from the login URL to the first summary drawn.
     await browser.open(console.login_url)
     first = await wait_for(
-        lambda: browser.js("window.hetschedConsole.firstRenderMs"), 60, what="the first render of the summary"
+        lambda: browser.js("window.hetschedConsole && window.hetschedConsole.firstRenderMs"),
+        60,
+        what="the first render of the summary",
     )
     assert await browser.js("window.hetschedConsole.lastError") is None
     rows = await browser.js(
