@@ -265,7 +265,9 @@ async def run_console(
         loop.add_signal_handler(signum, stop.set)
     try:
         announce(await server.start(host, port))
+        warm = asyncio.create_task(fleet.current())  # the fleet's index ready before the first page asks
         await stop.wait()
+        warm.cancel()
     finally:
         await server.close()
         with contextlib.suppress(Exception):

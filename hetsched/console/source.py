@@ -99,6 +99,7 @@ class FleetSource:
 
     async def _collect(self) -> Collected:
         started = self._clock()
+        version = self._version
         errors: dict[str, str] = {}
         index, ledger, (report, statuses), rebalancer = await asyncio.gather(
             self._fleet(errors),
@@ -123,7 +124,11 @@ class FleetSource:
             cross_domain_used=ledger.cross_domain_used if ledger is not None else {},
         )
         # What this collection cost: asking the services, then folding and serialising.
-        document["timing"] = {"ask_ms": round((asked - started) * 1000, 1), "fold_ms": 0.0}
+        document["timing"] = {
+            "ask_ms": round((asked - started) * 1000, 1),
+            "fold_ms": 0.0,
+            "fleet_asked": self._version != version,  # False: the fleet's index was reused
+        }
         document.update(self._extra)
         document["timing"]["fold_ms"] = round((self._clock() - asked) * 1000, 1)
         collected = Collected(view, json.dumps(document).encode(), self._clock(), errors)
