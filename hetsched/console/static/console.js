@@ -18,6 +18,7 @@ window.hetschedConsole = {
   lastError: null,
   firstRenderMs: null,
   summaryBytes: null,
+  firstTiming: null, // what the server spent on that first summary (asking the services, folding)
   timings: { nodes: [], node: [] },
 };
 
@@ -594,6 +595,7 @@ async function poll() {
     if (window.hetschedConsole.firstRenderMs === null) {
       window.hetschedConsole.firstRenderMs = Math.round(performance.now());
       window.hetschedConsole.summaryBytes = bytes;
+      window.hetschedConsole.firstTiming = state.timing || null;
     }
     await refreshGroup();
     await refreshNode();
