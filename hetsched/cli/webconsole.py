@@ -21,9 +21,11 @@ def console_page(
     ] = "127.0.0.1",
     data_dir: DataDirOption = None,
 ) -> None:
-    """Operators: a live web page of the fleet (per-GPU HBM, NVLink domains, TPU pods with their slices),
-    reservations and fill rate, recent placements with their explanations, and the rebalancer; it polls
-    every second. Read-only; connects to NATS as the other commands do. Ctrl-C stops it.
+    """Operators: a live web page of the fleet (a summary per region, cluster and SKU of GPUs placed, lent,
+    reserved and free, with HBM, fill and alerts; a group's nodes and a node's GPUs and NVLink domains on
+    click; TPU pods with their slices), reservations and fill rate, recent placements with their
+    explanations, and the rebalancer; it polls every second. Read-only; connects to NATS as the other
+    commands do. Ctrl-C stops it.
 
     It answers only with its token (printed at start in a URL that logs the browser in, or
     HETSCHED_CONSOLE_TOKEN) and only to the Host names of HETSCHED_CONSOLE_ALLOWED_HOSTS (loopback)."""

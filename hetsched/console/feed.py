@@ -91,6 +91,10 @@ class PlacementFeed:
         """Allocation id -> who placed it and what (tenant, model, TP, SKU), for the allocations seen."""
         return {k: dict(v) for k, v in self._known.items()}
 
+    def labels(self, allocation_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Who placed these allocations and what, for those seen (no copy of the rest)."""
+        return {a: dict(self._known[a]) for a in allocation_ids if a in self._known}
+
     # -- what the stream feeds -------------------------------------------------------------------
 
     def apply(self, sequence: int, subject: str, data: bytes) -> None:

@@ -1,7 +1,10 @@
 """`hetsched console`: a read-only web page for operators, served by ``shared.infra.httpserver`` (asyncio
 streams, a read timeout and a cap on connections). ``GET /`` and the static files come from this package;
-``GET /api/state`` asks the services (``state.collect``) and adds the recent placements the PLACEMENT feed
-keeps. Every route but the login page needs the console's token and an allowed Host (``access``)."""
+the page reads ``GET /api/summary`` (the fleet per region, cluster and SKU, reservations, recent placements,
+the rebalancer) and, on demand, ``GET /api/nodes`` (a page of one group's nodes) and ``GET /api/node`` (one
+node's GPUs), all from ``source.FleetSource``. ``GET /api/state`` is the older whole-fleet document (every node,
+GPU and NVLink domain at once; ``state.collect``), kept for scripts. Every route but the login page needs the
+console's token and an allowed Host (``access``)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from urllib.parse import parse_qs
 
 from hetsched.console import access
 from hetsched.console.feed import PlacementFeed
+from hetsched.console.fleetview import ViewError
+from hetsched.console.source import DETAIL_MAX_AGE_S, FleetSource
 from hetsched.console.state import collect
 from shared.infra.httpserver import HttpServer, Limits, Request, Response
 
@@ -30,6 +35,7 @@ STATIC = {
     "/console.js": ("console.js", "text/javascript; charset=utf-8"),
     "/console.css": ("console.css", "text/css; charset=utf-8"),
 }
+FLEET_ROUTES = {"/api/summary", "/api/nodes", "/api/node"}  # the page's data (``source.FleetSource``)
 PAGES = {"/", "/index.html"}  # a browser asking for these without a session gets the login page
 LOGIN = "/login"
 HTML = "text/html; charset=utf-8"
@@ -65,9 +71,62 @@ class StateSource:
         return await asyncio.shield(self._running)
 
 
-async def _route(request: Request, state: StateSource) -> Response:
+def _json(status: int, document: Any) -> Response:
+    return Response(status, json.dumps(document).encode(), "application/json")
+
+
+def _one(request: Request, name: str, default: str | None = None) -> str:
+    values = request.query.get(name)
+    if not values:
+        if default is None:
+            raise ViewError(400, f"{name}: required")
+        return default
+    return values[0]
+
+
+def _number(request: Request, name: str, default: int) -> int:
+    text = _one(request, name, str(default))
+    if not text.isdigit() or len(text) > 9:
+        raise ViewError(400, f"{name}: a whole number")
+    return int(text)
+
+
+async def _fleet_route(request: Request, fleet: FleetSource) -> Response:
+    """``/api/summary`` (the fleet in rows per region, cluster and SKU, and the rest of the page),
+    ``/api/nodes?by=cluster&key=us-west-1/c1&offset=0&limit=100`` (a page of a group's nodes) and
+    ``/api/node?name=n00001`` (one node's GPUs). Bad input gets 400 (or 404) with ``{"error": ...}``."""
+    try:
+        if request.path == "/api/summary":
+            return Response(200, (await fleet.current()).summary, "application/json")
+        collected = await fleet.current(max_age_s=DETAIL_MAX_AGE_S)
+        if collected.view is None:
+            return _json(503, {"error": f"no fleet yet: {collected.errors.get('fleet', 'not asked yet')}"})
+        view = collected.view
+        if request.path == "/api/nodes":
+            grouping, key = _one(request, "by"), _one(request, "key")
+            page = view.group_nodes(
+                grouping, key, offset=_number(request, "offset", 0), limit=_number(request, "limit", 100)
+            )
+            return _json(200, page)
+        name = _one(request, "name")
+        if name not in view.nodes:
+            raise ViewError(404, f"no node {name!r} in the fleet")
+        profile = await fleet.profile(name, view.index.version)
+        node = view.node(name, profile=profile)
+        node["labels"] = fleet.labels(node["allocations"])  # who placed them (tenant, model), when seen
+        return _json(200, node)
+    except ViewError as refused:
+        return _json(refused.status, {"error": str(refused)})
+    except Exception as exc:  # a service did not answer: the page shows it and polls again
+        log.warning("console: %s failed", request.path, exc_info=True)
+        return _json(500, {"error": f"{type(exc).__name__}: {exc}"})
+
+
+async def _route(request: Request, state: StateSource, fleet: FleetSource | None = None) -> Response:
     if request.method not in ("GET", "HEAD"):
         return Response(405, b"GET only\n")
+    if request.path in FLEET_ROUTES and fleet is not None:
+        return await _fleet_route(request, fleet)
     if request.path == "/api/state":
         try:
             document = await state.get()
@@ -86,8 +145,17 @@ class ConsoleServer:
     token (``hetsched.console.access``); a request failing either check gets no data. The static login page
     (``/login``) is the one route served without the token: it sets the session cookie."""
 
-    def __init__(self, state: StateSource, *, token: str, allowed_hosts: str, limits: Limits) -> None:
+    def __init__(
+        self,
+        state: StateSource,
+        *,
+        token: str,
+        allowed_hosts: str,
+        limits: Limits,
+        fleet: FleetSource | None = None,
+    ) -> None:
         self.state = state
+        self.fleet = fleet
         self._token = token
         self._names = allowed_hosts
         self._limits = replace(limits, max_body_bytes=LOGIN_BODY_MAX_BYTES)
@@ -119,7 +187,7 @@ class ConsoleServer:
             if request.path in PAGES:
                 return Response(401, static_file("login.html"), HTML, challenge)
             return Response(401, b'{"error": "unauthorized: log in at /login"}', "application/json", challenge)
-        return await _route(request, self.state)
+        return await _route(request, self.state, self.fleet)
 
     def _login(self, request: Request) -> Response:
         if request.method == "POST":
@@ -135,6 +203,13 @@ class ConsoleServer:
             return Response(401, static_file("login.html"), HTML, (("WWW-Authenticate", "Bearer"),))
         session = f"{self._cookie}={access.session_value(self._token)}; HttpOnly; SameSite=Strict; Path=/"
         return Response(303, b"", headers=(("Location", "/"), ("Set-Cookie", session)))
+
+
+def _marks_changed(fleet: FleetSource) -> Callable[[Any], Coroutine[Any, Any, None]]:
+    async def on_event(_msg: Any) -> None:
+        fleet.fleet_changed()
+
+    return on_event
 
 
 async def run_console(
@@ -154,7 +229,7 @@ async def run_console(
     """Connect to NATS as the operator, follow the PLACEMENT stream, serve until SIGINT or SIGTERM."""
     import nats
 
-    from shared.contracts.subjects import Subjects
+    from shared.contracts.subjects import Context, Subjects
     from shared.infra.rpc import RpcClient
     from shared.infra.settings import nats_servers
 
@@ -180,16 +255,23 @@ async def run_console(
         document["nats_url"] = nats_url
         return document
 
-    server = ConsoleServer(StateSource(produce), token=token, allowed_hosts=allowed_hosts, limits=limits)
+    fleet = FleetSource(rpc, now=lambda: datetime.now(UTC), feed=feed, extra={"nats_url": nats_url})
+    # Any topology event (a node profiled, changed, lost, recovered) means the fleet is asked again.
+    topology = await nc.subscribe(subjects.events_of(Context.TOPOLOGY), cb=_marks_changed(fleet))
+    server = ConsoleServer(StateSource(produce), token=token, allowed_hosts=allowed_hosts, limits=limits, fleet=fleet)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
         announce(await server.start(host, port))
+        warm = asyncio.create_task(fleet.current())  # the fleet's index ready before the first page asks
         await stop.wait()
+        warm.cancel()
     finally:
         await server.close()
+        with contextlib.suppress(Exception):
+            await topology.unsubscribe()
         await feed.stop()
         with contextlib.suppress(Exception):
             await nc.drain()

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from shared.contracts.base import Rejected
-from shared.contracts.fleet import DomainView, FleetGetReply
+from shared.contracts.fleet import DomainView, FleetGetReply, TpuPodView
 from shared.contracts.ledger import AcceleratorLedgerView, SnapshotReply
 from shared.contracts.rebalance import RebalanceStatusReply, RebalanceStatusRequest
 from shared.contracts.reservation import (
@@ -76,8 +76,10 @@ def _gpu(acc_id: str, index: int, hbm_total: int, domain: str | None, held: Acce
     }
 
 
-def _pods(fleet: FleetGetReply, ledger: dict[str, AcceleratorLedgerView]) -> list[dict[str, Any]]:
-    chips: dict[str, list[dict[str, Any]]] = {pod.name: [] for pod in fleet.tpu_pods}
+def pods_of(pods: Iterable[TpuPodView], ledger: dict[str, AcceleratorLedgerView]) -> list[dict[str, Any]]:
+    """The TPU pods, each with the chips that hold something (an idle pod is drawn from its shape alone)."""
+    pods = list(pods)
+    chips: dict[str, list[dict[str, Any]]] = {pod.name: [] for pod in pods}
     for acc in ledger.values():
         parsed = _id(acc.id)
         if parsed is None or parsed.chip is None or parsed.host not in chips:
@@ -104,7 +106,7 @@ def _pods(fleet: FleetGetReply, ledger: dict[str, AcceleratorLedgerView]) -> lis
             # Only the chips holding something: an idle 8x8x8 pod is drawn from its shape alone.
             "held": sorted((c for c in chips[pod.name] if c["allocations"]), key=lambda c: c["coord"]),
         }
-        for pod in fleet.tpu_pods
+        for pod in pods
     ]
 
 
@@ -117,6 +119,21 @@ def _reservations(
         **report.model_dump(mode="json"),
         "reservations": [view.model_dump(mode="json") for reply in statuses for view in reply.reservations],
     }
+
+
+def reservations_summary(
+    report: ReservationReportReply | None, statuses: Iterable[ReservationStatusReply]
+) -> dict[str, Any] | None:
+    """The report and each reservation as a row: how many accelerators, not which (the node drill-down
+    says which GPU is reserved by whom)."""
+    if report is None:
+        return None
+    rows = []
+    for reply in statuses:
+        for view in reply.reservations:
+            row = view.model_dump(mode="json", exclude={"accelerators", "borrowers", "preemptions"})
+            rows.append({**row, "accelerators_count": len(view.accelerators), "borrowers_count": len(view.borrowers)})
+    return {**report.model_dump(mode="json"), "reservations": rows}
 
 
 def build_state(
@@ -171,7 +188,7 @@ def build_state(
         "errors": errors or {},
         "nodes": nodes,
         "domains": domains,
-        "tpu_pods": _pods(fleet, held) if fleet is not None else [],
+        "tpu_pods": pods_of(fleet.tpu_pods, held) if fleet is not None else [],
         "cross_domain_used": ledger.cross_domain_used if ledger else {},
         "reservations": _reservations(report, statuses),
         "placements": placements or [],
@@ -180,7 +197,7 @@ def build_state(
     }
 
 
-async def _answer(
+async def answer_of(
     errors: dict[str, str], part: str, ask: Callable[[], Awaitable[BaseModel]], reply: type[BaseModel]
 ) -> Any:
     """The reply, or None with the reason in ``errors[part]`` (a refusal, no answer, a timeout)."""
@@ -198,6 +215,40 @@ async def _answer(
     return answer
 
 
+async def reservations_of(
+    rpc: RpcClient, errors: dict[str, str]
+) -> tuple[ReservationReportReply | None, list[ReservationStatusReply]]:
+    """``reservation.report``, then ``reservation.status`` for each of its first ``TENANTS_MAX`` tenants."""
+    report = await answer_of(
+        errors,
+        "reservations",
+        lambda: rpc.ask(Rpc.RESERVATION_REPORT, ReservationReportRequest(), ReservationReportReply),
+        ReservationReportReply,
+    )
+    if report is None:
+        return None, []
+    tenants = sorted(report.by_tenant)[:TENANTS_MAX]
+
+    def status_of(tenant: str) -> Callable[[], Awaitable[BaseModel]]:
+        request = ReservationStatusRequest(tenant=tenant)
+        return lambda: rpc.ask(Rpc.RESERVATION_STATUS, request, ReservationStatusReply)
+
+    answers = await asyncio.gather(
+        *(answer_of(errors, "reservations", status_of(t), ReservationStatusReply) for t in tenants)
+    )
+    return report, [a for a in answers if a is not None]
+
+
+async def rebalancer_of(rpc: RpcClient, errors: dict[str, str]) -> RebalanceStatusReply | None:
+    answer: RebalanceStatusReply | None = await answer_of(
+        errors,
+        "rebalancer",
+        lambda: rpc.ask(Rpc.REBALANCE_STATUS, RebalanceStatusRequest(), RebalanceStatusReply),
+        RebalanceStatusReply,
+    )
+    return answer
+
+
 async def collect(
     rpc: RpcClient,
     *,
@@ -208,34 +259,12 @@ async def collect(
     """Ask every service at once (``fleet.get`` with profiles, ``ledger.snapshot``, ``reservation.report``
     then ``reservation.status`` per tenant, ``rebalance.status``) and build the page's document."""
     errors: dict[str, str] = {}
-    fleet, ledger, report, rebalancer = await asyncio.gather(
-        _answer(errors, "fleet", lambda: rpc.fleet(profiles=True), FleetGetReply),
-        _answer(errors, "ledger", rpc.ledger_snapshot, SnapshotReply),
-        _answer(
-            errors,
-            "reservations",
-            lambda: rpc.ask(Rpc.RESERVATION_REPORT, ReservationReportRequest(), ReservationReportReply),
-            ReservationReportReply,
-        ),
-        _answer(
-            errors,
-            "rebalancer",
-            lambda: rpc.ask(Rpc.REBALANCE_STATUS, RebalanceStatusRequest(), RebalanceStatusReply),
-            RebalanceStatusReply,
-        ),
+    fleet, ledger, (report, statuses), rebalancer = await asyncio.gather(
+        answer_of(errors, "fleet", lambda: rpc.fleet(profiles=True), FleetGetReply),
+        answer_of(errors, "ledger", rpc.ledger_snapshot, SnapshotReply),
+        reservations_of(rpc, errors),
+        rebalancer_of(rpc, errors),
     )
-    statuses: list[ReservationStatusReply] = []
-    if report is not None:
-        tenants = sorted(report.by_tenant)[:TENANTS_MAX]
-
-        def status_of(tenant: str) -> Callable[[], Awaitable[BaseModel]]:
-            request = ReservationStatusRequest(tenant=tenant)
-            return lambda: rpc.ask(Rpc.RESERVATION_STATUS, request, ReservationStatusReply)
-
-        answers = await asyncio.gather(
-            *(_answer(errors, "reservations", status_of(t), ReservationStatusReply) for t in tenants)
-        )
-        statuses = [a for a in answers if a is not None]
     return build_state(
         now=now(),
         fleet=fleet,

@@ -67,7 +67,9 @@ class LedgerHarness:
         fleet: dict[str, Any] | None = None,
         services: tuple[str, ...] = (),
         want_accelerators: int | None = None,
+        ready_s: float = 60,
     ) -> None:
+        self.ready_s = ready_s  # how long the ledger may take to learn the fleet
         self.fleet = fleet
         self.extra_services = services
         self.want = want_accelerators
@@ -148,7 +150,7 @@ class LedgerHarness:
             self.start(package)
         self.nc = await nats.connect(self.servers.nats_url)
         want = self.want or self.nodes * 8
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + self.ready_s
         while True:
             try:
                 ids = await self.snapshot_ids()

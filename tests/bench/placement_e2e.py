@@ -61,16 +61,17 @@ async def placement_ready(h: LedgerHarness, deadline_s: float = 120) -> None:
     raise RuntimeError("placement never became ready")
 
 
+def bench_fleet(nodes: int = 1024) -> tuple[dict[str, Any], int]:
+    """The benchmark's fleet (seeded synthetic inventory, GPUs only) and how many GPUs it has."""
+    fleet = synthetic_inventory(nodes=nodes, rng=random.Random(7), tpu_pods=0)
+    gpus = sum(x["gpus"] for r in fleet["regions"] for c in r["clusters"] for n in c["racks"] for x in n["nodes"])
+    return fleet, gpus
+
+
 async def _main(args: argparse.Namespace) -> None:
     from tests.servers import find_servers
 
-    fleet = synthetic_inventory(nodes=args.nodes, rng=random.Random(7), tpu_pods=0)
-    gpus = sum(
-        len(n["nodes"]) * 0 + sum(x["gpus"] for x in n["nodes"])
-        for r in fleet["regions"]
-        for c in r["clusters"]
-        for n in c["racks"]
-    )
+    fleet, gpus = bench_fleet(args.nodes)
     with tempfile.TemporaryDirectory() as tmp:
         servers = await find_servers(Path(tmp))
         try:

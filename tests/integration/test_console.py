@@ -1,12 +1,13 @@
 """`hetsched console` in a real headless Chromium, on a real stack (topology with the demo fleet, the ledger,
 placement, the reservation filler and the rebalancer as processes). The console runs as an operator runs it
 (`python -m hetsched console --port 0`) and Chromium opens the login URL it prints (its token sets the session
-cookie); Chromium is driven with the Chrome DevTools Protocol over its
-debugging pipe (`--remote-debugging-pipe`: JSON messages ended by NUL on fds 3 and 4; no websocket client,
-no new dependency). The page must draw the demo fleet (every node, the NVLink graphs, the TPU pod grids);
-a replica placed with `hetsched place` must show within two page refreshes (the page polls every second) in
-the HBM bars and the NVLink graph in its TP group's colour, and then in the recent placements with its
-explanation; a TPU slice must colour its chips; releasing it marks the placement released.
+cookie); Chromium is driven over the DevTools pipe (tests/browser.py). The page must draw the demo fleet's
+summary (nodes per cluster and SKU, the legend of GPU states), the TPU pod grids, and on drill-down a node's
+GPUs and NVLink graph; GPUs a reservation holds count and show as reserved, not free; a replica placed with
+`hetsched place` must be counted within two page refreshes (the page polls every second), show in its node's
+GPU bars and NVLink graph in its TP group's colour, and then in the recent placements with its explanation;
+a TPU slice must colour its chips; releasing it marks the placement released. The same page on the 1,024-node
+fleet of the placement benchmark: tests/integration/test_console_fleet.py.
 
 Screenshots go to the test's tmp dir; with HETSCHED_UPDATE_DOCS_IMAGES=1 they are also copied to
 docs/img/console*.png (the README's pictures)."""
@@ -14,9 +15,6 @@ docs/img/console*.png (the README's pictures)."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -24,7 +22,6 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -45,6 +42,7 @@ from shared.contracts.subjects import Rpc, Subjects
 from shared.infra.catalog import demo_fleet_path
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings
+from tests.browser import Browser, Console, console_process
 from tests.conftest import REPO, ServiceProcesses, service_env
 from tests.system_tools import ensure_tool
 from tests.waiting import wait_for
@@ -54,118 +52,6 @@ NAMES = {
     package: f"cs_{package}"
     for package in ("topology_discovery", "capacity_ledger", "placement", "reservation_filler", "rebalancer")
 }
-VIEWPORT = {"width": 1400, "height": 1000}
-CDP_TIMEOUT_S = 30.0
-
-
-# -- Chromium over the DevTools pipe -------------------------------------------------------------------
-
-
-class Browser:
-    """One headless Chromium and one page, driven over ``--remote-debugging-pipe``."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], reader: asyncio.StreamReader, write_fd: int) -> None:
-        self.proc = proc
-        self._reader = reader
-        self._write_fd = write_fd
-        self._next_id = 0
-        self.session: str | None = None
-        self.console_errors: list[str] = []
-
-    @classmethod
-    async def launch(cls, chromium: Path, profile_dir: Path, log: Path) -> Browser:
-        to_chrome_r, to_chrome_w = os.pipe()
-        from_chrome_r, from_chrome_w = os.pipe()
-
-        def on_fds_3_and_4() -> None:  # in the child, before exec: Chromium reads fd 3 and writes fd 4
-            high_r = fcntl.fcntl(to_chrome_r, fcntl.F_DUPFD_CLOEXEC, 10)
-            high_w = fcntl.fcntl(from_chrome_w, fcntl.F_DUPFD_CLOEXEC, 10)
-            os.dup2(high_r, 3)
-            os.dup2(high_w, 4)
-
-        args = [
-            str(chromium),
-            "--headless",
-            "--no-sandbox",  # tests run as root in a container
-            "--disable-gpu",
-            "--disable-dev-shm-usage",
-            "--no-first-run",
-            "--no-default-browser-check",
-            "--hide-scrollbars",
-            "--remote-debugging-pipe",
-            f"--user-data-dir={profile_dir}",
-            f"--window-size={VIEWPORT['width']},{VIEWPORT['height']}",
-            "about:blank",
-        ]
-        with log.open("ab") as out:
-            proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, preexec_fn=on_fds_3_and_4, close_fds=False
-            )
-        os.close(to_chrome_r)
-        os.close(from_chrome_w)
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=64 * 1024 * 1024)  # a screenshot comes as one message
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(from_chrome_r, "rb"))
-        return cls(proc, reader, to_chrome_w)
-
-    async def send(self, method: str, params: dict[str, Any] | None = None, *, page: bool = True) -> dict[str, Any]:
-        """One command (to the page's session unless ``page`` is False); its result, or AssertionError."""
-        self._next_id += 1
-        message: dict[str, Any] = {"id": self._next_id, "method": method, "params": params or {}}
-        if page and self.session:
-            message["sessionId"] = self.session
-        os.write(self._write_fd, json.dumps(message).encode() + b"\0")
-        while True:
-            raw = await asyncio.wait_for(self._reader.readuntil(b"\0"), CDP_TIMEOUT_S)
-            reply = json.loads(raw[:-1])
-            if reply.get("method") == "Runtime.exceptionThrown":
-                details = reply["params"]["exceptionDetails"]
-                self.console_errors.append(str(details.get("exception", {}).get("description") or details))
-            if reply.get("id") == self._next_id:
-                assert "error" not in reply, f"{method}: {reply['error']}"
-                result: dict[str, Any] = reply.get("result", {})
-                return result
-
-    async def open(self, url: str) -> None:
-        target = await self.send("Target.createTarget", {"url": "about:blank"}, page=False)
-        attached = await self.send(
-            "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True}, page=False
-        )
-        self.session = attached["sessionId"]
-        await self.send("Runtime.enable")
-        await self.send("Page.enable")
-        await self.send("Emulation.setDeviceMetricsOverride", {**VIEWPORT, "deviceScaleFactor": 1, "mobile": False})
-        await self.send("Page.navigate", {"url": url})
-
-    async def js(self, expression: str) -> Any:
-        """The value of a JavaScript expression in the page (JSON-serialisable)."""
-        reply = await self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True})
-        assert "exceptionDetails" not in reply, reply["exceptionDetails"]
-        return reply["result"].get("value")
-
-    async def screenshot(self, path: Path, selector: str, *, from_top: bool = False) -> Path:
-        """A PNG of one element (or of the page from its top down to that element's bottom)."""
-        box = await self.js(
-            f"(() => {{ const r = document.querySelector({json.dumps(selector)}).getBoundingClientRect();"
-            f" return {json.dumps(from_top)}"
-            " ? {x: 0, y: 0, width: document.documentElement.clientWidth, height: r.bottom + scrollY}"
-            " : {x: r.left + scrollX, y: r.top + scrollY, width: r.width, height: r.height}; })()"
-        )
-        params = {"format": "png", "clip": {**box, "scale": 1}, "captureBeyondViewport": True}
-        shot = await self.send("Page.captureScreenshot", params)
-        path.write_bytes(base64.b64decode(shot["data"]))
-        return path
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.send("Browser.close", page=False), 5)
-        with contextlib.suppress(OSError):
-            os.close(self._write_fd)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
 
 
 # -- the stack and the console -------------------------------------------------------------------------
@@ -205,42 +91,11 @@ async def rpc(service_processes: ServiceProcesses, settings: Settings) -> AsyncI
         service_processes.stop(name)
 
 
-@dataclass(frozen=True)
-class Console:
-    url: str  # what it prints first
-    login_url: str  # what it prints next: the URL that logs a browser in (sets the session cookie)
-
-    @property
-    def token(self) -> str:
-        return self.login_url.split("token=", 1)[1]
-
-    def request(self, path: str, **kw: Any) -> urllib.request.Request:
-        """A request to the console with its token (every route but the login page needs it)."""
-        return urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {self.token}"}, **kw)
-
-
 @pytest.fixture(scope="module")
 def console(rpc: RpcClient, settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
     """`python -m hetsched console --port 0`, as an operator starts it; the URLs it prints."""
-    log = tmp_path_factory.mktemp("console") / "console.log"
-    with log.open("wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hetsched", "console", "--port", "0"],
-            env=service_env(settings),
-            stdout=subprocess.PIPE,
-            stderr=err,
-            cwd=REPO,
-        )
-    assert proc.stdout is not None
-    line = proc.stdout.readline().decode()  # the first line, once it listens (or EOF if it died)
-    assert line.startswith("hetsched console at http://"), (line, log.read_text())
-    login = proc.stdout.readline().decode().split()
-    assert login[0] == "open" and "/login?token=" in login[1], login
-    try:
-        yield Console(line.split(" at ", 1)[1].strip(), login[1])
-    finally:
-        proc.terminate()
-        assert proc.wait(timeout=30) == 0, log.read_text()  # SIGTERM is a clean stop
+    with console_process(service_env(settings), tmp_path_factory.mktemp("console") / "console.log", REPO) as started:
+        yield started
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -301,21 +156,25 @@ async def test_the_page_draws_the_fleet_and_follows_placements(
 ) -> None:
     fleet = await rpc.fleet()
     assert isinstance(fleet, FleetGetReply)
-    reservation = await wait_for(
-        lambda: _reserve(rpc), 60, interval_s=0.5, what="the reservation filler knows the fleet"
-    )
+    reserved = await wait_for(lambda: _reserve(rpc), 60, interval_s=0.5, what="the reservation filler knows the fleet")
+    assert reserved is not None
+    reservation, reserved_gpus = reserved
 
-    # The first state drawn: every node of the demo fleet, the NVLink graphs, the TPU pod grids.
-    await wait_for(lambda: browser.js("window.hetschedConsole.refreshes >= 1"), 30, what="the first refresh")
-    assert await browser.js("window.hetschedConsole.lastError") is None
-    drawn = await browser.js("[...document.querySelectorAll('#nodes [data-node]')].map(e => e.dataset.node)")
-    assert sorted(drawn) == sorted(n.name for n in fleet.nodes)
-    edges = await browser.js(
-        "Object.fromEntries([...document.querySelectorAll('[data-domain]')]"
-        ".map(d => [d.dataset.domain, d.querySelectorAll('svg line.edge').length]))"
+    # The first state drawn: the fleet summary (every node counted, once per grouping), the legend, the pods.
+    await wait_for(
+        lambda: browser.js("!!window.hetschedConsole && window.hetschedConsole.refreshes >= 1"),
+        30,
+        what="the first refresh",
     )
-    assert edges["dgx-h100-01/nv0"] == 8 * 7 // 2  # NVSwitch: every pair of the 8 GPUs, 28 edges
-    assert edges["hgx-h100-4x4-01/nv0"] == edges["hgx-h100-4x4-01/nv4"] == 4 * 3 // 2  # 4+4: two K4s, 6 each
+    assert await browser.js("window.hetschedConsole.lastError") is None
+    legend = await browser.js("[...document.querySelectorAll('#legend [data-legend]')].map(e => e.dataset.legend)")
+    assert legend == ["placed", "lent", "reserved_hard", "reserved_soft", "free", "unavailable"]
+    clusters = await browser.js(_ROWS)
+    assert clusters == {"us-west-1/c1": 7, "us-east-1/c1": 6}  # nodes per `<region>/<cluster>`
+    assert sum(clusters.values()) == len(fleet.nodes)
+    await browser.click('[data-by="sku"]')
+    assert (await browser.js(_ROWS))["H100-SXM-80GB"] == 3
+    await browser.click('[data-by="cluster"]')
     chips = await browser.js(
         "Object.fromEntries([...document.querySelectorAll('[data-pod]')]"
         ".map(p => [p.dataset.pod, p.querySelectorAll('svg rect.chip').length]))"
@@ -326,8 +185,36 @@ async def test_the_page_draws_the_fleet_and_follows_placements(
         10,
         what="the reservation listed",
     )
+    # Reserved GPUs are not free: the summary counts them apart, the node's drill-down colours them apart.
+    east = '#summary tr[data-group="us-east-1/c1"]'
+    await wait_for(
+        lambda: browser.js(f"document.querySelector('{east} [data-count=reserved]').textContent === '2'"),
+        10,
+        what="two GPUs reserved in us-east-1/c1",
+    )
+    await browser.click(east)
+    host = reserved_gpus[0].split("/")[0]
+    await wait_for(
+        lambda: browser.js(f"!!document.querySelector('#group-nodes tr[data-node=\"{host}\"]')"), 10, what="its nodes"
+    )
+    await browser.click(f'#group-nodes tr[data-node="{host}"]')
+    states = await wait_for(lambda: _states(browser, host), 10, what="the reserved node's GPUs")
+    assert states is not None
+    assert {states[g] for g in reserved_gpus if g.startswith(host)} == {"reserved_soft"}
+    assert len(states) == 8
 
-    # A TP-2 replica placed with the CLI: in the HBM bars and the NVLink graph within two refreshes.
+    # The NVLink graph of a node, in its drill-down: NVSwitch (every pair of 8) and 4+4 (two K4s).
+    for name, domains in (
+        ("dgx-h100-01", {"dgx-h100-01/nv0": 28}),
+        ("hgx-h100-4x4-01", {"hgx-h100-4x4-01/nv0": 6, "hgx-h100-4x4-01/nv4": 6}),
+    ):
+        await _open_node(browser, name)
+        assert await _edges_drawn(browser, domains) == domains
+
+    # A TP-2 replica placed with the CLI: counted placed in the summary within two refreshes; in its node's
+    # drill-down, its two GPUs placed, in the HBM bars and the NVLink graph in its TP group's colour.
+    west = '#summary tr[data-group="us-west-1/c1"] [data-count=placed]'
+    placed_before = int(await browser.js(f"document.querySelector('{west}').textContent"))
     placed = hetsched_cli(
         settings,
         "place",
@@ -344,20 +231,26 @@ async def test_the_page_draws_the_fleet_and_follows_placements(
     # Every state is fresh: asked for now, it holds what the ledger committed before `place` returned.
     chosen = {a for p in placed["placements"] for a in p["accelerators"]}
     assert len(chosen) == 2 and set(await asyncio.to_thread(_holding, console, gpu_allocation)) == chosen
-    bars = f'#nodes [data-allocations~="{gpu_allocation}"]'
     shown_at = await wait_for(
-        lambda: browser.js(f"document.querySelector('{bars}') && window.hetschedConsole.refreshes"),
+        lambda: browser.js(
+            f"Number(document.querySelector('{west}').textContent) === {placed_before + 2}"
+            " && window.hetschedConsole.refreshes"
+        ),
         10,
-        what="the GPU bars",
+        what="the summary counting the replica",
     )
     # A fetch in flight when `place` returned may predate the commit; the next one started after it.
     assert shown_at <= after + 2, (after, shown_at)
-    assert await browser.js(f"document.querySelectorAll('{bars}').length") == 2
-    dots = f'[data-domain] g[data-allocations~="{gpu_allocation}"] circle'
+    node = placed["placements"][0]["node"]
+    await _open_node(browser, node)
+    bars = f'#node-detail .gpu[data-allocations~="{gpu_allocation}"]'
+    await wait_for(lambda: browser.js(f"document.querySelectorAll('{bars}').length === 2"), 10, what="the GPU bars")
+    assert await browser.js(f"[...document.querySelectorAll('{bars}')].map(g => g.dataset.state)") == ["placed"] * 2
+    dots = f'#node-detail [data-domain] g[data-allocations~="{gpu_allocation}"] circle'
     colours = await browser.js(f"[...document.querySelectorAll('{dots}')].map(c => c.getAttribute('fill'))")
-    bar_colours = await browser.js(f"[...document.querySelectorAll('{bars} .bar > div')].map(d => d.style.background)")
+    swatches = await browser.js(f"[...document.querySelectorAll('{bars} .swatch.holder')].map(d => d.style.background)")
     assert len(colours) == 2 and len(set(colours)) == 1, colours  # one TP group, one colour
-    assert len(bar_colours) == 2 and len(set(bar_colours)) == 1, bar_colours
+    assert len(swatches) == 2 and len(set(swatches)) == 1, swatches
 
     # Then in the recent placements (the PLACEMENT stream), with its explanation.
     row = f'#placements li[data-allocation="{gpu_allocation}"]'
@@ -387,14 +280,14 @@ async def test_the_page_draws_the_fleet_and_follows_placements(
     shots = tmp_path / "screenshots"
     shots.mkdir()
     for name, selector, from_top in (
-        ("console.png", "#domains-section", True),
+        ("console.png", "#node-section", True),
         ("console-placements.png", ".columns", False),
         ("console-tpu.png", "#pods-section", False),
     ):
         keep(await browser.screenshot(shots / name, selector, from_top=from_top), name)
     assert all(p.stat().st_size > 10_000 for p in shots.iterdir())  # a picture, not an empty page
 
-    # Released: the bars empty and the placement says so.
+    # Released: its GPUs hold nothing and the placement says so.
     for allocation in (gpu_allocation, tpu_allocation):
         assert hetsched_cli(settings, "release", allocation, "--tenant", TENANT)["status"] == "released"
     await wait_for(lambda: browser.js(f"document.querySelectorAll('{bars}').length === 0"), 10, what="the bars emptied")
@@ -413,6 +306,51 @@ async def test_the_page_draws_the_fleet_and_follows_placements(
     assert await browser.js("window.hetschedConsole.lastError") is None
 
 
+# The summary's rows: group -> nodes.
+_ROWS = (
+    "Object.fromEntries([...document.querySelectorAll('#summary tr[data-group]')]"
+    ".map(r => [r.dataset.group, Number(r.children[1].textContent)]))"
+)
+
+
+async def _open_node(browser: Browser, name: str) -> None:
+    """Open a node's drill-down as an operator does by name (the form above the summary)."""
+    await browser.js(
+        f"(() => {{ const f = document.getElementById('find-node'); f.elements.node.value = {json.dumps(name)};"
+        " f.requestSubmit(); })()"
+    )
+    await wait_for(
+        lambda: browser.js(f"!!document.querySelector('[data-node-detail={json.dumps(name)}]')"),
+        10,
+        what=f"the drill-down of {name}",
+    )
+
+
+async def _states(browser: Browser, node: str) -> dict[str, str] | None:
+    """The node's GPUs in its drill-down: accelerator -> state (None until it is drawn)."""
+    states: dict[str, str] | None = await browser.js(
+        f"(() => {{ const card = document.querySelector('[data-node-detail={json.dumps(node)}]');"
+        " return card && Object.fromEntries([...card.querySelectorAll('.gpu')]"
+        ".map(g => [g.dataset.accelerator, g.dataset.state])); })()"
+    )
+    return states
+
+
+async def _edges_drawn(browser: Browser, domains: dict[str, int]) -> dict[str, int]:
+    """NVLink edges per domain of the node drawn, once the drill-down shows these ``domains``."""
+
+    async def seen() -> dict[str, int] | None:
+        edges: dict[str, int] = await browser.js(
+            "Object.fromEntries([...document.querySelectorAll('#node-detail [data-domain]')]"
+            ".map(d => [d.dataset.domain, d.querySelectorAll('svg line.edge').length]))"
+        )
+        return edges if set(edges) == set(domains) else None
+
+    drawn = await wait_for(seen, 10, what=f"the NVLink graphs {sorted(domains)}")
+    assert drawn is not None
+    return drawn
+
+
 def _holding(console: Console, allocation_id: str) -> list[str]:
     """The GPUs `/api/state` shows holding the allocation."""
     with urllib.request.urlopen(console.request("api/state"), timeout=30) as response:
@@ -420,8 +358,9 @@ def _holding(console: Console, allocation_id: str) -> list[str]:
     return [g["id"] for n in state["nodes"] for g in n["gpus"] if allocation_id in g["allocations"]]
 
 
-async def _reserve(rpc: RpcClient) -> str | None:
-    """A soft reservation of two H200s (its fill rate shows on the page); None until the filler knows them."""
+async def _reserve(rpc: RpcClient) -> tuple[str, list[str]] | None:
+    """A soft reservation of two H200s (its fill rate shows on the page): its id and GPUs; None until the
+    filler knows them."""
     reply = await rpc.ask(
         Rpc.RESERVATION_CREATE,
         ReservationCreateRequest(
@@ -429,7 +368,9 @@ async def _reserve(rpc: RpcClient) -> str | None:
         ),
         ReservationCreateReply,
     )
-    return reply.reservation_id if isinstance(reply, ReservationCreateReply) else None
+    if not isinstance(reply, ReservationCreateReply) or reply.reservation_id is None:
+        return None
+    return reply.reservation_id, reply.accelerators
 
 
 def test_the_console_says_why_it_cannot_start(settings: Settings, console: Console) -> None:

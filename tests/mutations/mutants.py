@@ -304,6 +304,14 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=(HTTP_EXPOSURE_IT,),
     ),
     Mutant(
+        name="console_reserved_shown_free",
+        what="the console counts and draws a reserved GPU with no replica on it as free",
+        file="hetsched/console/fleetview.py",
+        find="    if reserved is not None:\n        return RESERVED_HARD",
+        replace="    if False:\n        return RESERVED_HARD",
+        tests=("tests/unit/test_console_fleetview.py",),
+    ),
+    Mutant(
         name="http_no_read_timeout",
         what="the metrics and console servers wait for a request forever",
         file="shared/infra/httpserver.py",

@@ -1,13 +1,41 @@
-// hetsched console: polls GET /api/state every second and redraws. No framework, no build step; every
-// string from the server goes in as text (textContent / SVG attributes), never as HTML.
+// hetsched console: polls GET /api/summary every second and redraws the fleet summary (per region, cluster or
+// SKU), the TPU pods, reservations, placements and the rebalancer; a group's nodes (GET /api/nodes, a page at a
+// time) and a node's GPUs (GET /api/node) are asked only once opened, then refreshed with the summary. No
+// framework, no build step; every string from the server goes in as text (textContent / SVG attributes), never
+// as HTML.
 "use strict";
 
 const POLL_MS = 1000;
 const GIB = 1024 ** 3;
 const SVG_NS = "http://www.w3.org/2000/svg";
 
-// What tests and operators can read: how many states were drawn, and the last problem.
-window.hetschedConsole = { refreshes: 0, lastError: null };
+const PAGE = 100; // nodes per page of a group
+
+// What tests and operators can read: how many states were drawn, the last problem, and how long the page
+// took: to its first summary (ms since the navigation started) and to each drill-down after its click.
+window.hetschedConsole = {
+  refreshes: 0,
+  lastError: null,
+  firstRenderMs: null,
+  summaryBytes: null,
+  firstTiming: null, // what the server spent on that first summary (asking the services, folding)
+  timings: { nodes: [], node: [] },
+};
+
+// The GPU states the server tells apart, in the order of the legend and of the stacked bars.
+const STATES = [
+  ["placed", "placed", "holds a replica (its owner's, if reserved)"],
+  ["lent", "lent", "reserved by one tenant, holding a borrower's replica"],
+  ["reserved_hard", "reserved (hard)", "reserved, no replica yet; never lent"],
+  ["reserved_soft", "reserved (soft)", "reserved, no replica yet; may be lent"],
+  ["free", "free", "neither placed nor reserved"],
+  ["unavailable", "unavailable", "its node is lost"],
+];
+const LETTER = { p: "placed", l: "lent", h: "reserved_hard", s: "reserved_soft", f: "free", x: "unavailable" };
+const STATE_LABEL = Object.fromEntries(STATES.map(([state, text]) => [state, text]));
+
+// Where the operator is: the grouping shown, the group opened (its page) and the node opened.
+const view = { by: "cluster", group: null, offset: 0, node: null };
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -66,7 +94,7 @@ function bar(part, whole, fill) {
 }
 
 function label(state, allocationId) {
-  const known = state.allocations[allocationId];
+  const known = (state.allocations || state.labels || {})[allocationId];
   return known ? `${allocationId} (${known.tenant}, ${known.model}, TP ${known.tp ?? "-"})` : allocationId;
 }
 
@@ -75,98 +103,236 @@ function replace(id, ...children) {
   target.replaceChildren(...children.filter(Boolean));
 }
 
-// -- nodes: per-GPU HBM bars --------------------------------------------------------------------
+// -- the fleet summary: GPUs by state per region, cluster or SKU ----------------------------------------
 
-function renderNodes(state) {
-  const cards = state.nodes.map((node) => {
-    const rows = node.gpus.map((gpu) => {
-      const holders = gpu.allocations.map((a) => label(state, a)).join("\n");
-      return el(
-        "div",
-        {
-          class: "gpu",
-          "data-accelerator": gpu.id,
-          "data-allocations": gpu.allocations.join(" ") || null,
-          title: holders || "idle",
-        },
-        el("span", { text: `gpu${gpu.index}` }),
-        bar(gpu.hbm_reserved_bytes, gpu.hbm_usable_bytes, holderColour(gpu.allocations)),
-        el("span", { class: "figure", text: `${gib(gpu.hbm_reserved_bytes)}/${gib(gpu.hbm_usable_bytes)} GiB` }),
-      );
-    });
-    const meta = `${node.region}/${node.cluster}/${node.rack} · ${node.sku} · ${node.kind || "-"}`;
-    const state_ = node.state === "up" ? null : el("span", { class: `badge ${node.state}`, text: node.state });
-    return el(
-      "div",
-      { class: `card node ${node.state}`, "data-node": node.name },
-      el("h3", { text: node.name }, " ", state_),
-      el("div", { class: "meta", text: meta, title: meta }),
-      ...rows,
-    );
-  });
-  replace("nodes", ...cards);
+function count(n) {
+  return n.toLocaleString("en-US");
 }
 
-// -- NVLink domains: GPUs as graph nodes, NVLink edges from the node profiles -------------------
+function tib(bytes) {
+  return bytes >= 1024 * GIB ? `${(bytes / (1024 * GIB)).toFixed(1)} TiB` : `${gib(bytes)} GiB`;
+}
 
-function renderDomains(state) {
-  const gpus = new Map();
-  for (const node of state.nodes) for (const gpu of node.gpus) gpus.set(gpu.id, gpu);
-  const cards = state.domains.map((domain) => {
-    const size = Math.min(150, 64 + 12 * domain.members.length); // a pair needs less room than eight
-    const centre = size / 2;
-    const radius = size / 2 - 14;
-    const where = new Map();
-    domain.members.forEach((member, i) => {
-      const angle = (2 * Math.PI * i) / domain.members.length - Math.PI / 2;
-      where.set(member, [centre + radius * Math.cos(angle), centre + radius * Math.sin(angle)]);
-    });
-    const multiNode = new Set(domain.members.map((m) => m.split("/")[0])).size > 1;
-    const edges = domain.edges.map(([a, b, code]) => {
-      const [x1, y1] = where.get(a);
-      const [x2, y2] = where.get(b);
-      const links = /^NV(\d+)$/.exec(code);
-      const width = links ? Math.min(3, 0.6 + Number(links[1]) / 9) : 1;
-      return svg(
-        "line",
-        { class: code === "fabric" ? "edge fabric" : "edge", x1, y1, x2, y2, "stroke-width": width.toFixed(2) },
-        svg("title", { text: `${a} - ${b}: ${code}` }),
-      );
-    });
-    const dots = domain.members.map((member) => {
-      const [x, y] = where.get(member);
-      const gpu = gpus.get(member);
-      const allocations = gpu ? gpu.allocations : [];
-      const [host, local] = member.split("/");
-      const tip = `${member}\n${allocations.map((a) => label(state, a)).join("\n") || "idle"}`;
-      return svg(
-        "g",
-        { "data-accelerator": member, "data-allocations": allocations.join(" ") || null },
-        svg("circle", { class: "gpu-dot", cx: x, cy: y, r: 9, fill: holderColour(allocations) || "#e4e8ef" }),
-        svg("text", {
-          x,
-          y: y + 3,
-          "text-anchor": "middle",
-          text: multiNode ? host.replace(/^.*-/, "") : local.replace("gpu", ""),
-        }),
-        svg("title", { text: tip }),
-      );
-    });
-    const picture = svg(
-      "svg",
-      { width: size, height: size, viewBox: `0 0 ${size} ${size}`, role: "img", "aria-label": domain.id },
-      ...edges,
-      ...dots,
-    );
-    return el(
-      "div",
-      { class: "card domain", "data-domain": domain.id },
-      el("h3", { text: domain.id }),
-      el("div", { class: "meta muted", text: `${domain.kind}, ${domain.members.length} GPUs` }),
-      picture,
+// One bar, one segment per state (widths proportional to the GPUs in it).
+function stacked(row) {
+  const segments = STATES.filter(([state]) => row[state] > 0).map(([state, text]) => {
+    const part = el("div", { class: `st-${state}`, title: `${text}: ${count(row[state])}` });
+    part.style.width = `${(100 * row[state]) / Math.max(1, row.gpus)}%`;
+    return part;
+  });
+  return el("div", { class: "stack" }, ...segments);
+}
+
+function renderLegend() {
+  const items = STATES.map(([state, text, help]) =>
+    el("span", { class: "item", "data-legend": state, title: help }, el("span", { class: `swatch st-${state}` }), text),
+  );
+  replace("legend", ...items);
+}
+
+function renderTotals(fleet) {
+  const t = fleet.total;
+  replace(
+    "totals",
+    el("b", { text: `${count(t.nodes)} nodes, ${count(t.gpus)} GPUs: ` }),
+    `${count(t.placed)} placed, ${count(t.lent)} lent, ${count(t.reserved)} reserved ` +
+      `(${count(t.reserved_hard)} hard, ${count(t.reserved_soft)} soft), ${count(t.free)} free, ` +
+      `${count(t.unavailable)} unavailable · HBM ${tib(t.hbm_used_bytes)} of ${tib(t.hbm_total_bytes)} held · ` +
+      `fill ${fraction(t.fill)} · `,
+    el("span", { class: t.alerts ? "badge firing" : "badge ok", text: `${count(t.alerts)} alert(s)` }),
+  );
+}
+
+function summaryRow(row) {
+  const selected = view.group === row.key;
+  return el(
+    "tr",
+    { class: selected ? "group selected" : "group", "data-group": row.key, tabindex: 0 },
+    el("td", null, el("b", { text: row.key })),
+    el("td", { class: "num", text: count(row.nodes) }),
+    el("td", { class: "num", text: count(row.gpus) }),
+    el("td", { class: "states" }, stacked(row)),
+    el("td", { class: "num", "data-count": "placed", text: count(row.placed) }),
+    el("td", { class: "num", "data-count": "lent", text: count(row.lent) }),
+    el("td", {
+      class: "num",
+      "data-count": "reserved",
+      text: `${count(row.reserved)}`,
+      title: `${row.reserved_hard} hard, ${row.reserved_soft} soft`,
+    }),
+    el("td", { class: "num", "data-count": "free", text: count(row.free) }),
+    el("td", { class: "num", text: `${tib(row.hbm_used_bytes)} / ${tib(row.hbm_total_bytes)}` }),
+    el("td", { class: "fill", title: fraction(row.fill) }, bar(row.fill || 0, 1)),
+    el("td", null, row.alerts ? el("span", { class: "badge firing", text: String(row.alerts) }) : "-"),
+  );
+}
+
+function renderSummary(state) {
+  const fleet = state.fleet;
+  if (!fleet) {
+    replace("summary", el("p", { class: "muted", text: "no answer from topology yet" }));
+    return;
+  }
+  renderTotals(fleet);
+  for (const button of document.querySelectorAll("[data-by]")) button.classList.toggle("on", button.dataset.by === view.by);
+  const rows = fleet.groups[view.by].map(summaryRow);
+  const heads = [view.by, "nodes", "GPUs", "GPU states", "placed", "lent", "reserved", "free", "HBM held", "fill", "alerts"];
+  replace("summary", table(heads, rows));
+  const alerts = fleet.alerts.map((a) =>
+    el("li", null, el("a", { href: "#", "data-open-node": a.node, text: a.node }), `: ${a.what}`),
+  );
+  replace(
+    "alerts",
+    alerts.length
+      ? el("div", null, el("h3", { text: `Alerts (${fleet.alerts_total})` }), el("ul", { class: "alerts" }, ...alerts))
+      : null,
+  );
+}
+
+// -- a group's nodes, a page at a time ------------------------------------------------------------------
+
+function strip(letters) {
+  return el(
+    "span",
+    { class: "strip", title: [...letters].map((l, i) => `gpu${i}: ${STATE_LABEL[LETTER[l]]}`).join("\n") },
+    ...[...letters].map((l) => el("span", { class: `cell st-${LETTER[l]}` })),
+  );
+}
+
+function renderGroup(page) {
+  const section = document.getElementById("group-section");
+  section.hidden = false;
+  document.getElementById("group-title").textContent = `${view.by} ${page.key}: ${count(page.total)} nodes`;
+  const last = Math.min(page.total, page.offset + page.nodes.length);
+  replace(
+    "group-pager",
+    el("button", { type: "button", "data-page": "prev", disabled: page.offset === 0 }, "previous"),
+    el("span", { class: "muted", text: `${count(page.offset + 1)}-${count(last)} of ${count(page.total)}` }),
+    el("button", { type: "button", "data-page": "next", disabled: last >= page.total }, "next"),
+    el("button", { type: "button", "data-close": "group" }, "close"),
+  );
+  const rows = page.nodes.map((node) =>
+    el(
+      "tr",
+      { class: view.node === node.name ? "node-row selected" : "node-row", "data-node": node.name, tabindex: 0 },
+      el("td", null, el("b", { text: node.name })),
+      el("td", { text: node.rack }),
+      el("td", { text: node.sku }),
+      el("td", null, node.state === "up" ? "up" : el("span", { class: `badge ${node.state}`, text: node.state })),
+      el("td", null, strip(node.gpu_states)),
+      el("td", { class: "num", text: `${gib(node.hbm_used_bytes)} / ${gib(node.hbm_total_bytes)} GiB` }),
+      el("td", { class: "muted", text: node.alerts.join("; ") || "-" }),
+    ),
+  );
+  replace("group-nodes", table(["node", "rack", "SKU", "state", "GPUs", "HBM held", "alerts"], rows));
+}
+
+// -- one node: its GPUs by state, its replicas, its NVLink graph -----------------------------------------
+
+function stateColour(state) {
+  return getComputedStyle(document.documentElement).getPropertyValue(`--${state.replace("_", "-")}`).trim();
+}
+
+function renderDomain(domain, gpus, node) {
+  const size = Math.min(150, 64 + 12 * domain.members.length); // a pair needs less room than eight
+  const centre = size / 2;
+  const radius = size / 2 - 14;
+  const where = new Map();
+  domain.members.forEach((member, i) => {
+    const angle = (2 * Math.PI * i) / domain.members.length - Math.PI / 2;
+    where.set(member, [centre + radius * Math.cos(angle), centre + radius * Math.sin(angle)]);
+  });
+  const multiNode = new Set(domain.members.map((m) => m.split("/")[0])).size > 1;
+  const edges = domain.edges.map(([a, b, code]) => {
+    const [x1, y1] = where.get(a);
+    const [x2, y2] = where.get(b);
+    const links = /^NV(\d+)$/.exec(code);
+    const width = links ? Math.min(3, 0.6 + Number(links[1]) / 9) : 1;
+    return svg(
+      "line",
+      { class: code === "fabric" ? "edge fabric" : "edge", x1, y1, x2, y2, "stroke-width": width.toFixed(2) },
+      svg("title", { text: `${a} - ${b}: ${code}` }),
     );
   });
-  replace("domains", ...cards);
+  const dots = domain.members.map((member) => {
+    const [x, y] = where.get(member);
+    const gpu = gpus.get(member);
+    const allocations = gpu ? gpu.allocations : [];
+    const [host, local] = member.split("/");
+    const tip = `${member}\n${allocations.map((a) => label(node, a)).join("\n") || (gpu ? STATE_LABEL[gpu.state] : "another node")}`;
+    // A GPU holding a replica in its TP group's colour; otherwise in its state's.
+    const fill = holderColour(allocations) || (gpu ? stateColour(gpu.state) : "#ffffff");
+    return svg(
+      "g",
+      { "data-accelerator": member, "data-allocations": allocations.join(" ") || null },
+      svg("circle", { class: "gpu-dot", cx: x, cy: y, r: 9, fill }),
+      svg("text", { x, y: y + 3, "text-anchor": "middle", text: multiNode ? host.replace(/^.*-/, "") : local.replace("gpu", "") }),
+      svg("title", { text: tip }),
+    );
+  });
+  return el(
+    "div",
+    { class: "card domain", "data-domain": domain.id },
+    el("h3", { text: domain.id }),
+    el("div", { class: "meta muted", text: `${domain.kind}, ${domain.members.length} GPUs` }),
+    svg("svg", { width: size, height: size, viewBox: `0 0 ${size} ${size}`, role: "img", "aria-label": domain.id }, ...edges, ...dots),
+  );
+}
+
+function renderNode(node) {
+  document.getElementById("node-section").hidden = false;
+  const title = document.getElementById("node-title");
+  title.replaceChildren(
+    `node ${node.name} `,
+    el("span", { class: "muted", text: `${node.cluster}/${node.rack} · ${node.sku} · ${node.kind || "-"} · ${node.state}` }),
+    " ",
+    el("button", { type: "button", "data-close": "node" }, "close"),
+  );
+  const rows = node.gpus.map((gpu) => {
+    const holders = gpu.allocations.map((a) => label(node, a));
+    const reservation = gpu.reservation ? `reservation ${gpu.reservation.id} (${gpu.reservation.tenant}, ${gpu.reservation.policy})` : "";
+    const lent = gpu.borrowers.length ? `lent to ${gpu.borrowers.join(", ")}` : "";
+    const what = [STATE_LABEL[gpu.state], reservation, lent, ...holders].filter(Boolean).join("\n");
+    const swatch = el("span", { class: "swatch holder" });
+    const holder = holderColour(gpu.allocations);
+    if (holder) swatch.style.background = holder;
+    return el(
+      "div",
+      {
+        class: "gpu",
+        "data-accelerator": gpu.id,
+        "data-state": gpu.state,
+        "data-allocations": gpu.allocations.join(" ") || null,
+        title: what,
+      },
+      el("span", { text: `gpu${gpu.index}` }),
+      el("span", { class: `swatch st-${gpu.state}` }),
+      bar(gpu.hbm_used_bytes, gpu.hbm_usable_bytes, stateColour(gpu.state)),
+      el("span", { class: "figure", text: `${gib(gpu.hbm_used_bytes)}/${gib(gpu.hbm_usable_bytes)} GiB` }),
+      el("span", { class: "what" }, holder ? swatch : null, STATE_LABEL[gpu.state], gpu.reservation ? ` · ${gpu.reservation.tenant}` : ""),
+    );
+  });
+  const alerts = node.alerts.length ? el("div", { class: "errors", text: node.alerts.join("\n") }) : null;
+  const legend = el(
+    "div",
+    { class: "legend" },
+    ...STATES.map(([state, text]) => el("span", { class: "item" }, el("span", { class: `swatch st-${state}` }), text)),
+  );
+  const replicas = node.allocations.map((a) => {
+    const swatch = el("span", { class: "swatch" });
+    swatch.style.background = colour(a);
+    return el("li", { "data-allocation": a }, swatch, label(node, a));
+  });
+  const card = el(
+    "div",
+    { class: "card node-card", "data-node-detail": node.name },
+    legend,
+    alerts,
+    ...rows,
+    replicas.length ? el("ul", { class: "replicas" }, ...replicas) : el("p", { class: "muted", text: "no replica" }),
+  );
+  const gpus = new Map(node.gpus.map((gpu) => [gpu.id, gpu]));
+  replace("node-detail", card, ...node.domains.map((d) => renderDomain(d, gpus, node)));
 }
 
 // -- TPU pods: a grid of chips (a 3-D pod as one grid per first-axis layer), slices coloured -------
@@ -255,7 +421,7 @@ function renderReservations(state) {
       el("td", { text: r.reservation_id }),
       el("td", { text: r.tenant }),
       el("td", { text: r.policy }),
-      el("td", { text: `${r.accelerators.length} ${r.sku || ""}` }),
+      el("td", { text: `${r.accelerators_count} ${r.sku || ""}` }),
       el("td", { text: `${r.owner_used}/${r.lent}/${r.idle}` }),
       el("td", { class: "fill", title: fraction(r.fill_rate) }, bar(r.fill_rate, 1)),
     ),
@@ -376,8 +542,7 @@ function renderErrors(errors) {
 
 function render(state) {
   renderErrors(state.errors);
-  renderNodes(state);
-  renderDomains(state);
+  renderSummary(state);
   renderPods(state);
   renderReservations(state);
   renderPlacements(state);
@@ -386,21 +551,57 @@ function render(state) {
   document.getElementById("nats").textContent = state.nats_url || "";
 }
 
+class Unauthorised extends Error {}
+
+async function ask(path) {
+  const response = await fetch(path, { cache: "no-store" });
+  if (response.status === 401) throw new Unauthorised();
+  const text = await response.text();
+  const body = JSON.parse(text);
+  if (!response.ok) throw new Error(body.error || `HTTP ${response.status}`);
+  return [body, text.length];
+}
+
+let lastSummary = null;
+
+async function refreshGroup() {
+  if (view.group === null) return;
+  const query = new URLSearchParams({ by: view.by, key: view.group, offset: view.offset, limit: PAGE });
+  const [page] = await ask(`/api/nodes?${query}`);
+  renderGroup(page);
+}
+
+async function refreshNode() {
+  if (view.node === null) return;
+  const [node] = await ask(`/api/node?${new URLSearchParams({ name: view.node })}`);
+  renderNode(node);
+}
+
+function failed(error) {
+  if (error instanceof Unauthorised) {
+    window.location.assign("/login"); // no session (the console restarted with a new token): log in again
+    return;
+  }
+  window.hetschedConsole.lastError = String(error);
+  renderErrors({ console: String(error) });
+}
+
 async function poll() {
   const started = Date.now();
   try {
-    const response = await fetch("/api/state", { cache: "no-store" });
-    if (response.status === 401) {  // no session (the console restarted with a new token): log in again
-      window.location.assign("/login");
-      return;
-    }
-    const state = await response.json();
-    if (!response.ok) throw new Error(state.error || `HTTP ${response.status}`);
+    const [state, bytes] = await ask("/api/summary");
+    lastSummary = state;
     render(state);
+    if (window.hetschedConsole.firstRenderMs === null) {
+      window.hetschedConsole.firstRenderMs = Math.round(performance.now());
+      window.hetschedConsole.summaryBytes = bytes;
+      window.hetschedConsole.firstTiming = state.timing || null;
+    }
+    await refreshGroup();
+    await refreshNode();
     window.hetschedConsole.lastError = null;
   } catch (error) {
-    window.hetschedConsole.lastError = String(error);
-    renderErrors({ console: String(error) });
+    failed(error);
   } finally {
     window.hetschedConsole.refreshes += 1;
     document.body.dataset.refreshes = String(window.hetschedConsole.refreshes);
@@ -408,4 +609,90 @@ async function poll() {
   }
 }
 
+// A drill-down asked now (not at the next poll); its time from the click to the drawing is kept.
+async function drill(what, refresh, undo) {
+  const started = performance.now();
+  try {
+    await refresh();
+    window.hetschedConsole.timings[what].push(Math.round(performance.now() - started));
+    return true;
+  } catch (error) {
+    if (undo) undo(); // a name not in the fleet: say so once, do not ask again at every poll
+    failed(error);
+    return false;
+  }
+}
+
+function openGroup(key) {
+  view.group = key;
+  view.offset = 0;
+  if (lastSummary) renderSummary(lastSummary);
+  drill("nodes", refreshGroup, () => (view.group = null)).then((ok) => {
+    if (ok) document.getElementById("group-section").scrollIntoView({ block: "nearest" });
+  });
+}
+
+function openNode(name) {
+  view.node = name;
+  drill("node", refreshNode, () => (view.node = null)).then((ok) => {
+    if (ok) document.getElementById("node-section").scrollIntoView({ block: "nearest" });
+  });
+}
+
+function activate(event, handler) {
+  if (event.type === "keydown" && event.key !== "Enter") return;
+  handler();
+}
+
+function wire() {
+  renderLegend();
+  for (const button of document.querySelectorAll("[data-by]")) {
+    button.addEventListener("click", () => {
+      view.by = button.dataset.by;
+      view.group = null;
+      document.getElementById("group-section").hidden = true;
+      if (lastSummary) renderSummary(lastSummary);
+    });
+  }
+  for (const type of ["click", "keydown"]) {
+    document.getElementById("summary").addEventListener(type, (event) => {
+      const row = event.target.closest("tr[data-group]");
+      if (row) activate(event, () => openGroup(row.dataset.group));
+    });
+    document.getElementById("group-nodes").addEventListener(type, (event) => {
+      const row = event.target.closest("tr[data-node]");
+      if (row) activate(event, () => openNode(row.dataset.node));
+    });
+  }
+  document.getElementById("alerts").addEventListener("click", (event) => {
+    const link = event.target.closest("[data-open-node]");
+    if (!link) return;
+    event.preventDefault();
+    openNode(link.dataset.openNode);
+  });
+  document.getElementById("group-pager").addEventListener("click", (event) => {
+    const button = event.target.closest("button");
+    if (!button) return;
+    if (button.dataset.close) {
+      view.group = null;
+      document.getElementById("group-section").hidden = true;
+      if (lastSummary) renderSummary(lastSummary);
+      return;
+    }
+    view.offset = Math.max(0, view.offset + (button.dataset.page === "next" ? PAGE : -PAGE));
+    drill("nodes", refreshGroup);
+  });
+  document.getElementById("node-title").addEventListener("click", (event) => {
+    if (!event.target.closest("[data-close]")) return;
+    view.node = null;
+    document.getElementById("node-section").hidden = true;
+  });
+  document.getElementById("find-node").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const name = new FormData(event.target).get("node").trim();
+    if (name) openNode(name);
+  });
+}
+
+wire();
 poll();
