@@ -16,6 +16,7 @@ from typer.core import TyperGroup
 
 from hetsched.stack import operator_options, read_state
 from shared.contracts.subjects import Rpc, Subjects
+from shared.infra.refusal import NatsRefused
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings, load_settings
 
@@ -153,6 +154,7 @@ def with_rpc(data_dir: Path | None, what: str, work: Callable[[RpcClient], Await
             Subjects(prefix),
             timeout_s=settings.kit.request_timeout_ms / 1000,
             name="hetsched-cli",
+            operator=True,
             **operator_options(settings),
         )
         try:
@@ -162,6 +164,8 @@ def with_rpc(data_dir: Path | None, what: str, work: Callable[[RpcClient], Await
 
     try:
         return asyncio.run(session())
+    except NatsRefused as refused:  # its credential: one line naming the setting to fix
+        bad_input(refused.line)
     except Exception as exc:
         err.print(f"[red]no answer from {what} at {nats_url}: {type(exc).__name__} {exc}[/red]")
         raise typer.Exit(2) from exc

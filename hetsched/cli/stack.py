@@ -12,10 +12,11 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from hetsched.cli.common import DataDirOption, JsonOption, console, endpoints, err, settings_of
+from hetsched.cli.common import DataDirOption, JsonOption, bad_input, console, endpoints, err, settings_of
 from hetsched.stack import ServerDied, Stack, operator_options, read_state, server_liveness, wait_healthy
 from services.registry import SERVICES
 from shared.contracts.subjects import Subjects
+from shared.infra.refusal import NatsRefused
 
 app = typer.Typer()
 
@@ -93,8 +94,12 @@ def status(
     nats_url, database_url, prefix = endpoints(settings)
     try:
         health = asyncio.run(
-            wait_healthy(nats_url=nats_url, subjects=Subjects(prefix), deadline_s=0, **operator_options(settings))
+            wait_healthy(
+                nats_url=nats_url, subjects=Subjects(prefix), deadline_s=0, operator=True, **operator_options(settings)
+            )
         )
+    except NatsRefused as refused:  # not the stack's health: this command's credential
+        bad_input(refused.line)
     except Exception as exc:
         health = {p: {"status": "down", "error": f"NATS unreachable: {type(exc).__name__}"} for p in SERVICES}
     services = {SERVICES[p].name: r for p, r in health.items()}
