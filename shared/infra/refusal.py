@@ -137,7 +137,8 @@ class ConnectionGuard:
     async def error_cb(self, exc: Exception) -> None:
         refused = self.refusal(exc)
         if refused is None:
-            await _default_error_callback(exc)  # what nats-py does with every other error
+            if self.refused is None:  # after a refusal the process stops: what its connections say is noise
+                await _default_error_callback(exc)  # what nats-py does with every other error
             return
         self._refuse(refused)
         if self._client is None:
@@ -157,6 +158,11 @@ class ConnectionGuard:
         self.refused = refused
         if self._client is not None and self.on_refused is not None:
             self.on_refused(refused)
+
+    def silence(self, refused: NatsRefused) -> None:
+        """Another connection of this process was refused: it stops, so this one says nothing more."""
+        if self.refused is None:
+            self.refused = refused
 
 
 async def connect(url: str, guard: ConnectionGuard, **options: Any) -> NatsClient:

@@ -134,6 +134,8 @@ def build_app(
         if holder[0].refused is None:
             holder[0].refused = refusal
             log.error(refusal.line)
+            for each in (guard, broker_guard):
+                each.silence(refusal)
             app_holder[0].exit()
 
     # A refusal ends the process with one line naming the setting to fix, not a reconnect loop.
