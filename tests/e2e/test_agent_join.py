@@ -71,7 +71,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETSCHED_")}  # no URLs: embedded servers
     env["HETSCHED_DATA_DIR"] = str(data_dir)  # as a user's default data dir: no --data-dir anywhere
     up = subprocess.Popen(
-        [sys.executable, "-m", "hetsched.cli", "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "hetsched.cli", "up"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     state_file = data_dir / "stack.json"
     try:
@@ -140,9 +144,7 @@ def run_refused(command: list[str], env: dict[str, str]) -> tuple[int, list[str]
     """Run a process NATS should refuse: its exit status, its output lines, how long it took."""
     started = time.monotonic()
     try:
-        done = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=REFUSED_WITHIN_S, cwd=REPO
-        )
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=REFUSED_WITHIN_S, cwd=REPO)
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         raise AssertionError(f"still running after {REFUSED_WITHIN_S}s (a reconnect loop?):\n{out[-3000:]}") from exc
@@ -212,7 +214,12 @@ def test_a_service_with_a_wrong_credential_exits_with_one_line(stack: Stack, tmp
     each exits 78 within seconds with one line naming the seed file and the setting."""
     wrong = tmp_path / "wrong.nk"
     write_secret(wrong, new_seed())
-    base = {**stack.env, "HETSCHED_NATS_URL": stack.nats_url, "HETSCHED_LOG_FORMAT": "text", "HETSCHED_METRICS_PORT": "-1"}
+    base = {
+        **stack.env,
+        "HETSCHED_NATS_URL": stack.nats_url,
+        "HETSCHED_LOG_FORMAT": "text",
+        "HETSCHED_METRICS_PORT": "-1",
+    }
     for seed, words in ((wrong, "refused the NKey in"), (tmp_path / "missing.nk", "No such file or directory")):
         env = {**base, "HETSCHED_NATS_NKEY_SEED_FILE": str(seed)}
         code, lines, took = run_refused([sys.executable, "-m", "services.placement"], env)

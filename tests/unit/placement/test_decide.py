@@ -349,7 +349,7 @@ def test_an_unknown_name_is_refused_with_the_known_ones_closest_first() -> None:
     region = decide(snap, request(region="us-west-2"))
     assert region.error_code == "invalid_request"
     assert region.message == (
-        "unknown region 'us-west-2' (did you mean 'us-west-1'?); known: us-west-1, us-east-1, eu-west-1"
+        "unknown region 'us-west-2' (did you mean 'us-west-1'?); known: us-west-1, eu-west-1, us-east-1"
     )
     far = decide(snap, request(region="mars-1"))
     assert far.message == "unknown region 'mars-1'; known: eu-west-1, us-east-1, us-west-1"
