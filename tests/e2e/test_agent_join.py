@@ -283,11 +283,11 @@ def test_a_running_agent_whose_credential_is_revoked_exits_with_one_line(stack: 
 
 
 def test_the_cli_refused_exits_2_with_one_line(stack: Stack, tmp_path: Path) -> None:
-    """`hetsched fleet` and `hetsched status` with a seed the server does not admit, and with none at all
+    """`hetsched fleet`, `status` and `console` with a seed the server does not admit, and with none at all
     (a data dir with no operator seed): exit 2, one line on stderr naming the setting."""
     wrong = tmp_path / "wrong-cli.nk"
     write_secret(wrong, new_seed())
-    for args in (("fleet", "--json"), ("status", "--json")):
+    for args in (("fleet", "--json"), ("status", "--json"), ("console", "--port", "0")):
         shown = stack.cli(*args, HETSCHED_NATS_NKEY_SEED_FILE=str(wrong))
         assert shown.returncode == 2 and shown.stdout == "", shown.stdout + shown.stderr
         assert shown.stderr.startswith("error: ") and len(shown.stderr.splitlines()) == 1, shown.stderr
