@@ -49,10 +49,12 @@ class DemandConfig:
 
 
 def fleet_regions(snapshot: FleetSnapshot) -> frozenset[str]:
-    """The regions of the fleet's nodes and TPU pods: the regions a placement can name."""
-    return frozenset(node.region for node in snapshot.nodes.values()) | {
-        pod.pod.region for pod in snapshot.tpu_pods.values()
-    }
+    """The regions of the fleet's nodes and TPU pods, lost ones included: the regions a placement can name."""
+    return (
+        snapshot.known_regions
+        | {node.region for node in snapshot.nodes.values()}
+        | {pod.pod.region for pod in snapshot.tpu_pods.values()}
+    )
 
 
 def _invalid(message: str) -> Status:
@@ -192,7 +194,7 @@ class DemandPreFilter:
                 return Status(
                     Code.UNKNOWN_SKU, plugin=NAME, message=unknown_name("SKU", unknown[0], snapshot.skus, prefix=head)
                 )
-        if request.region is not None:
+        if request.region is not None and request.region not in snapshot.known_regions:
             regions = fleet_regions(snapshot)
             if regions and request.region not in regions:  # an empty fleet (not synced yet) knows no region
                 return _invalid(unknown_name("region", request.region, regions))
