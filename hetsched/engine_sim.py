@@ -6,12 +6,16 @@ with the queue (each waiting request adds one prefill: ``latency_p50 = base + pe
 a multiple of p50. Defaults are orders of magnitude of a vLLM server of an 8B model on one H100 at
 moderate load (TTFT p50 ~ 100 ms, a queue of a few requests). ``--unhealthy`` reports a failed health
 check; stopping the process makes the replica stale (it leaves rotation after ``HETSCHED_ENGINE_STALE_S``).
+
+Admission takes a replica's reports only from the node it was placed on, so the command reports for the
+node the ledger holds the replica on and refuses another (a report there would change nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
@@ -84,14 +88,35 @@ async def run_engine(
     interval_s: float,
     count: int = 0,
     seed: int = 0,
+    on_report: Callable[[int, EngineStatusEvent], None] | None = None,
 ) -> int:
-    """Report every ``interval_s``; ``count`` reports then stop (0: until cancelled). How many were sent."""
+    """Report every ``interval_s``; ``count`` reports then stop (0: until cancelled). How many were sent;
+    ``on_report`` hears each report once it is published (its number, from 1, and the report)."""
     rng = random.Random(seed)
     sent = 0
     while count == 0 or sent < count:
-        await publish_engine_status(jetstream, subjects, load.status(replica_id=replica_id, node=node, rng=rng))
+        status = load.status(replica_id=replica_id, node=node, rng=rng)
+        await publish_engine_status(jetstream, subjects, status)
         sent += 1
+        if on_report is not None:
+            on_report(sent, status)
         if count and sent >= count:
             break
         await asyncio.sleep(interval_s)
     return sent
+
+
+def describe(number: int, status: EngineStatusEvent) -> str:
+    """One report in one line: ``report 3: queue 2, KV 41% of 40.0 GB, TTFT p50 104 ms / p99 260 ms, healthy``."""
+    used = status.kv_used_bytes / status.kv_total_bytes if status.kv_total_bytes else 0.0
+    return (
+        f"report {number}: queue {status.queue_depth}, KV {used:.0%} of {status.kv_total_bytes / 1e9:.1f} GB, "
+        f"TTFT p50 {status.latency_p50_ms:.0f} ms / p99 {status.latency_p99_ms:.0f} ms, "
+        f"{'healthy' if status.healthy else 'UNHEALTHY'}"
+    )
+
+
+def replica_nodes(accelerators: Iterable[tuple[str, Iterable[str]]], replica_id: str) -> list[str]:
+    """The nodes (or TPU pods) whose accelerators hold ``replica_id``, from the ledger's view (each
+    accelerator's node and allocation ids), sorted."""
+    return sorted({node for node, allocations in accelerators if replica_id in allocations})

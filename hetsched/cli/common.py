@@ -24,6 +24,7 @@ from hetsched.stack import operator_options, read_state
 from shared.contracts.permissions import INBOX, inbox_prefix
 from shared.contracts.subjects import TENANT_SCOPED, Rpc, Subjects
 from shared.infra.identity import Registry, connect_options, nats_dir, public_key, read_seed
+from shared.infra.refusal import NatsRefused
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings, load_settings
 
@@ -197,6 +198,7 @@ def with_rpc(
             Subjects(prefix),
             timeout_s=settings.kit.request_timeout_ms / 1000,
             name="hetsched-cli",
+            operator=acting is None,
             scope_by_tenant=acting is not None and acting.scoped,
             **(acting.options(settings) if acting is not None else operator_options(settings)),
         )
@@ -207,6 +209,8 @@ def with_rpc(
 
     try:
         return asyncio.run(session())
+    except NatsRefused as refused:  # its credential: one line naming the setting to fix
+        bad_input(refused.line)
     except Exception as exc:
         err.print(f"[red]no answer from {what} at {nats_url}: {type(exc).__name__} {exc}[/red]")
         raise typer.Exit(2) from exc

@@ -17,6 +17,7 @@ from hetsched.cli.common import (
     DataDirOption,
     JsonOption,
     WideOption,
+    bad_input,
     console,
     endpoints,
     err,
@@ -29,6 +30,7 @@ from hetsched.stack import ServerDied, Stack, operator_options, read_state, serv
 from services.registry import SERVICES
 from shared.contracts.subjects import Subjects
 from shared.infra.db import DatabaseMissing
+from shared.infra.refusal import NatsRefused
 
 app = typer.Typer()
 
@@ -115,8 +117,12 @@ def status(
     nats_url, database_url, prefix = endpoints(settings)
     try:
         health = asyncio.run(
-            wait_healthy(nats_url=nats_url, subjects=Subjects(prefix), deadline_s=0, **operator_options(settings))
+            wait_healthy(
+                nats_url=nats_url, subjects=Subjects(prefix), deadline_s=0, operator=True, **operator_options(settings)
+            )
         )
+    except NatsRefused as refused:  # not the stack's health: this command's credential
+        bad_input(refused.line)
     except Exception as exc:
         health = {p: {"status": "down", "error": f"NATS unreachable: {type(exc).__name__}"} for p in SERVICES}
     services = {SERVICES[p].name: r for p, r in health.items()}

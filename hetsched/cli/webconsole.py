@@ -9,6 +9,7 @@ import typer
 
 from hetsched.cli.common import DataDirOption, bad_input, endpoints, err, settings_of
 from hetsched.stack import operator_options
+from shared.infra.refusal import NatsRefused
 
 app = typer.Typer()
 
@@ -68,6 +69,8 @@ def console_page(
                 announce=announce,
             )
         )
+    except NatsRefused as refused:  # its credential: one line naming the setting to fix
+        bad_input(refused.line)
     except OSError as exc:
         err.print(f"[red]console: {type(exc).__name__} {exc} (NATS at {nats_url}, http on {host}:{port})[/red]")
         raise typer.Exit(2) from exc

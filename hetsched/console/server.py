@@ -227,16 +227,25 @@ async def run_console(
     announce: Callable[[str], None],
 ) -> None:
     """Connect to NATS as the operator, follow the PLACEMENT stream, serve until SIGINT or SIGTERM."""
-    import nats
-
     from shared.contracts.subjects import Context, Subjects
+    from shared.infra.refusal import ConnectionGuard, NatsRefused
+    from shared.infra.refusal import connect as guarded_connect
     from shared.infra.rpc import RpcClient
-    from shared.infra.settings import nats_servers
 
     subjects = Subjects(subject_prefix)
-    # A console stays up for days: keep reconnecting (the CLI's one-shot clients give up after two tries).
-    nc = await nats.connect(
-        nats_servers(nats_url),
+    stop = asyncio.Event()
+    refused: list[NatsRefused] = []
+
+    def on_refused(refusal: NatsRefused) -> None:  # its credential revoked while it runs: stop, say why
+        refused.append(refusal)
+        stop.set()
+
+    # A console stays up for days: keep reconnecting (the CLI's one-shot clients give up after two tries),
+    # except when NATS refuses its credential (raised as NatsRefused, at the start or later).
+    guard = ConnectionGuard.of(nats_url, connect_options, operator=True, on_refused=on_refused)
+    nc = await guarded_connect(
+        nats_url,
+        guard,
         name="hetsched-console",
         connect_timeout=max(1, int(timeout_s)),
         max_reconnect_attempts=-1,
@@ -259,7 +268,6 @@ async def run_console(
     # Any topology event (a node profiled, changed, lost, recovered) means the fleet is asked again.
     topology = await nc.subscribe(subjects.events_of(Context.TOPOLOGY), cb=_marks_changed(fleet))
     server = ConsoleServer(StateSource(produce), token=token, allowed_hosts=allowed_hosts, limits=limits, fleet=fleet)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
@@ -275,3 +283,5 @@ async def run_console(
         await feed.stop()
         with contextlib.suppress(Exception):
             await nc.drain()
+    if refused:
+        raise refused[0]

@@ -42,8 +42,9 @@ from shared.contracts.routing import (
     RoutingEventName,
 )
 from shared.contracts.subjects import Context, Rpc
-from shared.domain.admission import members
+from shared.domain.admission import members, unknown_model
 from shared.domain.models import ModelSpec
+from shared.domain.names import unknown_name
 from shared.domain.routing import (
     KEPT_BY_SESSION,
     CostTerms,
@@ -162,10 +163,12 @@ class RoutingHandlers:
         if not self._loaded:
             await self._load()
         if request.origin_region not in self._regions:
-            return rejected(ErrorCode.INVALID_REQUEST, f"unknown origin_region {request.origin_region[:80]!r}")
+            return rejected(
+                ErrorCode.INVALID_REQUEST, unknown_name("origin_region", request.origin_region, self._regions)
+            )
         names = members(request.model, self._groups, self._models)
         if names is None:
-            return rejected(ErrorCode.UNKNOWN_MODEL, f"no model or model group {request.model[:80]!r}")
+            return rejected(ErrorCode.UNKNOWN_MODEL, unknown_model(request.model, self._groups, self._models))
         async with self._tenants_busy.hold(request.tenant):
             return await self._route(request, names)
 

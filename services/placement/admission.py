@@ -57,6 +57,7 @@ from shared.domain.admission import (
     Selection,
     members,
     select,
+    unknown_model,
 )
 from shared.domain.models import ModelSpec
 from shared.infra.clock import MonotonicMs
@@ -150,7 +151,7 @@ class AdmissionHandlers:
     async def admit(self, request: AdmitRequest) -> BaseModel:
         names = members(request.model, self._groups, self._models)
         if names is None:
-            return rejected(ErrorCode.UNKNOWN_MODEL, f"no model or model group {request.model[:80]!r}")
+            return rejected(ErrorCode.UNKNOWN_MODEL, unknown_model(request.model, self._groups, self._models))
         key = _key(request.tenant, request.request_id)
         done = self._done.get(key)
         if done is not None:

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import nats
 from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -29,7 +28,8 @@ from shared.contracts.ledger import SnapshotReply, SnapshotRequest
 from shared.contracts.registry import RPCS
 from shared.contracts.subjects import TENANT_SCOPED, Rpc, Subjects
 from shared.infra import deadline, tracing
-from shared.infra.settings import nats_servers
+from shared.infra.refusal import ConnectionGuard
+from shared.infra.refusal import connect as guarded_connect
 
 ReplyT = TypeVar("ReplyT", bound=BaseModel)
 PageT = TypeVar("PageT", FleetGetReply, SnapshotReply)
@@ -119,6 +119,7 @@ class RpcClient:
         *,
         timeout_s: float = 5.0,
         scope_by_tenant: bool = False,
+        guard: ConnectionGuard | None = None,
     ) -> None:
         self._connection = connection
         self.subjects = subjects
@@ -126,6 +127,7 @@ class RpcClient:
         # A gateway's client: public calls go on the subject of the request's tenant (docs/SECURITY.md).
         self.scope_by_tenant = scope_by_tenant
         self.stats = CallStats()
+        self._guard = guard  # on a connection of its own: what NATS refused after it was up
 
     @classmethod
     async def connect(
@@ -136,19 +138,24 @@ class RpcClient:
         timeout_s: float = 5.0,
         name: str = "hetsched",
         scope_by_tenant: bool = False,
+        operator: bool = False,
         **options: Any,
     ) -> RpcClient:
         """A client on a connection of its own (the command line, tests, gateways); close it with
         ``close``. ``options`` go to ``nats.connect`` (``shared.infra.identity.connect_options``: the
-        NKey seed, the inbox prefix, TLS)."""
-        nc = await nats.connect(
-            nats_servers(url),
+        NKey seed, the inbox prefix, TLS). NATS refusing the credential raises ``NatsRefused`` at once
+        (``shared.infra.refusal``; ``operator``: the command line, whose fix is the operator's seed); a
+        refusal of its inbox shows when a call gets no answer."""
+        guard = ConnectionGuard.of(url, options, operator=operator)
+        nc = await guarded_connect(
+            url,
+            guard,
             name=name,
             connect_timeout=max(1, int(timeout_s)),
             max_reconnect_attempts=2,
             **options,
         )
-        return cls(nc, subjects, timeout_s=timeout_s, scope_by_tenant=scope_by_tenant)
+        return cls(nc, subjects, timeout_s=timeout_s, scope_by_tenant=scope_by_tenant, guard=guard)
 
     @property
     def nc(self) -> NatsClient:
@@ -193,6 +200,8 @@ class RpcClient:
                 raise RpcError(rpc, "no service answers this subject") from exc
             except NatsTimeoutError as exc:
                 self.stats.record(rpc, seconds=time.monotonic() - started, ok=False)
+                if self._guard is not None and self._guard.refused is not None:
+                    raise self._guard.refused from exc  # no answer could come: say which setting to fix
                 raise RpcError(rpc, f"no reply within {timeout:g} s") from exc
         self.stats.record(rpc, seconds=time.monotonic() - started, ok=True)
         return parse_reply(rpc, msg.data, rejection_as_reply=rejection_as_reply)

@@ -17,6 +17,7 @@ from shared.infra.clock import Clock, system_clock
 from shared.infra.follow import Follower, ReadSide
 from shared.infra.metrics import ServiceMetrics
 from shared.infra.outbox import OutboxRelay
+from shared.infra.refusal import NatsRefused
 from shared.infra.retention import Pruner
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings
@@ -50,6 +51,8 @@ class Runtime:
     metrics: ServiceMetrics = field(default_factory=lambda: ServiceMetrics("unknown"))
     # Its followers (``shared.infra.follow``), built before ``wire`` so that it may hand one to what waits on it.
     read_side: ReadSide | None = None
+    # Set when NATS refused its credential: the process stops and exits saying which setting to fix.
+    refused: NatsRefused | None = None
 
     def follower(self, context: Context) -> Follower:
         """The kit's follower of ``context`` (declared in the service's ``follows``)."""

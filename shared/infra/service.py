@@ -16,11 +16,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import nats
 from faststream import FastStream
 from faststream.nats import NatsBroker
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from faststream.nats.security import NatsSecurity
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from pydantic import BaseModel, ValidationError
 
@@ -59,6 +59,8 @@ from shared.infra.health import health_handler, health_probes, hetsched_version
 from shared.infra.identity import connect_options
 from shared.infra.metrics import ServiceMetrics
 from shared.infra.outbox import OutboxRelay
+from shared.infra.refusal import REFUSED_EXIT, ConnectionGuard, NatsRefused, refusal_reason
+from shared.infra.refusal import connect as guarded_connect
 from shared.infra.requests import Endpoint, RequestServer
 from shared.infra.retention import Pruner, Retention, stream_specs_for
 from shared.infra.rpc import RpcClient
@@ -132,9 +134,26 @@ def build_app(
     broker_options = {k: v for k, v in nats_options.items() if k != "tls"}
     if "tls" in nats_options:  # FastStream takes the TLS context as its security object
         broker_options["security"] = NatsSecurity(ssl_context=nats_options["tls"])
+    holder: list[Runtime] = []
+    app_holder: list[FastStream] = []
+
+    def refused(refusal: NatsRefused) -> None:
+        # Refused on a connection that was up (its credential revoked): stop, and `run_service` exits
+        # with the line. Once: the other connection is refused too.
+        if holder[0].refused is None:
+            holder[0].refused = refusal
+            log.error(refusal.line)
+            for each in (guard, broker_guard):
+                each.silence(refusal)
+            app_holder[0].exit()
+
+    # A refusal ends the process with one line naming the setting to fix, not a reconnect loop.
+    guard = ConnectionGuard.of(nats_url, nats_options, on_refused=refused)
+    broker_guard = ConnectionGuard.of(nats_url, nats_options, on_refused=refused)
     broker = NatsBroker(
         nats_servers(nats_url),  # a cluster's URL lists every node
         **broker_options,
+        **broker_guard.options(),
         max_reconnect_attempts=-1,  # ride out a NATS restart instead of exiting
         reconnect_time_wait=1,
         logger=log,
@@ -152,7 +171,6 @@ def build_app(
     )
     sessions = make_sessions(engine)
     subjects = Subjects(settings.kit.subject_prefix)
-    holder: list[Runtime] = []
     runtime = Runtime(
         name=definition.name,
         schema=definition.schema,
@@ -219,6 +237,7 @@ def build_app(
     listeners = [(listen, listen.on(ctx)) for listen in definition.listens]
 
     app = FastStream(broker, logger=log)
+    app_holder.append(app)
 
     @app.on_startup
     async def _connect() -> None:
@@ -234,8 +253,9 @@ def build_app(
                 log.warning("metrics endpoint not served", extra={"error": str(exc)[:200]})
         # Our own connection for JetStream management, the relay and calls to other services, so
         # publishing does not depend on FastStream internals.
-        runtime.nc = await nats.connect(
-            nats_servers(nats_url),
+        runtime.nc = await guarded_connect(
+            nats_url,
+            guard,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             name=definition.name,
@@ -292,6 +312,9 @@ def build_app(
 
     @app.after_startup
     async def _ready() -> None:
+        connection = getattr(broker, "_connection", None)  # FastStream's own connection, up by now
+        if isinstance(connection, NatsClient):
+            broker_guard.bind(connection)
         log.info("service ready", extra={"nats": nats_url, "subject_prefix": settings.kit.subject_prefix})
 
     @app.on_shutdown
@@ -324,7 +347,9 @@ def build_app(
 
 
 def run_service(bootstrap: Callable[[Settings], tuple[FastStream, Runtime]], *, name: str) -> None:
-    """Entry point of ``python -m services.<name>``: logs, settings, run until SIGINT/SIGTERM."""
+    """Entry point of ``python -m services.<name>``: logs, settings, run until SIGINT/SIGTERM. NATS refusing
+    the process's credential (``shared.infra.refusal``) ends it with one ERROR line naming the setting to
+    fix and exit status ``REFUSED_EXIT``."""
     from shared.infra.logs import configure_logging
     from shared.infra.settings import load_settings
 
@@ -340,10 +365,34 @@ def run_service(bootstrap: Callable[[Settings], tuple[FastStream, Runtime]], *, 
             raise SystemExit(2) from None
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
+    loop.set_exception_handler(_quiet_after_refusal(runtime))
     try:
         loop.run_until_complete(app.run())
+    except NatsRefused as refused:  # at the first connection: nothing else started
+        runtime.refused = refused
+        runtime.log.error(refused.line)
+    except Exception:
+        if runtime.refused is None:
+            raise
+        # Stopping after a refusal: a connection that was refused cannot drain; the line is logged.
+        runtime.log.debug("stopping after NATS refused this process", exc_info=True)
     finally:
         _close_loop(loop)
+    if runtime.refused is not None:
+        raise SystemExit(REFUSED_EXIT)
+
+
+def _quiet_after_refusal(runtime: Runtime) -> Callable[[asyncio.AbstractEventLoop, dict[str, Any]], None]:
+    """The loop's exception handler: once NATS refused the process (its line logged), the refusal raised
+    again inside a client's reconnect task is not worth a traceback."""
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        error = context.get("exception")
+        if runtime.refused is not None and error is not None and refusal_reason(error) is not None:
+            return
+        loop.default_exception_handler(context)
+
+    return handler
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop) -> None:

@@ -24,6 +24,7 @@ from nats.aio.client import Client
 from hetsched.engine_sim import EngineLoad, publish_engine_status
 from hetsched.stack import wait_healthy
 from shared.contracts.base import Rejected
+from shared.contracts.fleet import FleetGetReply
 from shared.contracts.ledger import SnapshotReply, SnapshotRequest
 from shared.contracts.placement import (
     AdmitReply,
@@ -403,4 +404,93 @@ async def test_the_cli_runs_the_request_path_with_a_simulated_engine(stack: Stac
     assert code == 0 and (routed["status"], routed["region"]) == ("routed", "us-east-1"), out
     code, out = await cli("route", "--model", "llama3.1-8b", "--tenant", "cli-co", "--origin", "atlantis", "--json")
     # Bad input the service refuses (invalid_request) takes the CLI's one bad-input path: one line, exit 2.
-    assert code == 2 and out.strip() == "error: invalid_request: unknown origin_region 'atlantis'", out
+    assert code == 2 and out.strip() == (
+        "error: invalid_request: unknown origin_region 'atlantis'; known: eu-west-1, us-east-1, us-west-1"
+    ), out
+
+
+async def cli_run(stack: Stack, *args: str) -> tuple[int, str, str]:
+    """`hetsched ARGS` against the stack: exit status, stdout, stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "hetsched",
+        *args,
+        env=service_env(stack.settings),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_engine_sim_says_what_it_reports_and_refuses_a_node_its_replica_is_not_on(stack: Stack) -> None:
+    """`hetsched engine-sim` prints a start line, one line per report and a count; without --node it reports
+    for the replica's node in the ledger; another node, or a replica the ledger does not hold, is refused
+    (exit 2, one line) before anything is reported."""
+    allocation_id, node = stack.replicas["east"]
+    code, out, err = await cli_run(
+        stack, "engine-sim", "--replica", allocation_id, "--count", "2", "--interval-s", "0.1"
+    )
+    lines = out.splitlines()
+    assert code == 0 and err == "", out + err
+    assert lines[0] == f"engine-sim: reporting replica {allocation_id} on {node} every 0.1 s, 2 report(s)", out
+    assert [line.split(":")[0] for line in lines[1:3]] == ["report 1", "report 2"], out
+    assert all(" of 40.0 GB, TTFT p50 " in line and line.endswith("healthy") for line in lines[1:3]), out
+    assert lines[3:] == [f"2 engine status report(s) sent for {allocation_id} on {node}"], out
+
+    _west_id, west_node = stack.replicas["tf"]
+    elsewhere = next(n for n in ("dgx-h100-01", "hgx-h200-01", west_node) if n != node)
+    code, out, err = await cli_run(stack, "engine-sim", "--replica", allocation_id, "--node", elsewhere, "--count", "1")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, out + err
+    assert err.startswith(f"error: replica {allocation_id} is not placed on {elsewhere!r}") and err.rstrip().endswith(
+        f"it is on {node}"
+    ), err
+    code, out, err = await cli_run(stack, "engine-sim", "--replica", "al-nobody", "--count", "1")
+    assert code == 2 and out == "" and "replica 'al-nobody' holds no accelerator in the ledger" in err, out + err
+
+
+async def test_unknown_names_are_refused_with_the_known_ones(stack: Stack) -> None:
+    """An unknown model (place, explain, admit, route), SKU or region (place, explain, route's origin): a typed
+    refusal whose message lists the known names, the closest first; an unknown region is `invalid_request`
+    naming the fleet's regions, not `no_capacity`."""
+
+    asked = iter(range(100))
+
+    async def place(rpc: Rpc, **fields: Any) -> Rejected | PlaceReply:
+        # A request id is kept with its body even when refused: a fresh one per request.
+        body = {"request_id": f"unknown-{next(asked)}", "tenant": "acme", "model": "llama3-8b", "context_tokens": 4096}
+        return await stack.rpc.ask(rpc, PlaceRequest(**{**body, **fields}), PlaceReply)
+
+    for rpc in (Rpc.PLACEMENT_PLACE, Rpc.PLACEMENT_EXPLAIN):
+        model = await place(rpc, model="llama3-7b")
+        assert isinstance(model, Rejected) and model.error.code == "unknown_model", model
+        assert model.error.message.startswith("unknown model 'llama3-7b' (did you mean "), model
+        assert all(name in model.error.message for name in ("llama3-8b", "llama3-70b", "mamba2-2.7b", "mixtral-8x7b"))
+        sku = await place(rpc, skus=["H200"])
+        assert isinstance(sku, Rejected) and sku.error.code == "unknown_sku", sku
+        assert sku.error.message.startswith(
+            "unknown SKU 'H200' (did you mean 'H200-SXM-141GB'?); known: H200-SXM-141GB"
+        )
+        assert all(name in sku.error.message for name in ("H100-SXM-80GB", "L40S-48GB", "TPU-V5E")), sku
+        region = await place(rpc, region="us-west-2")
+        assert isinstance(region, Rejected) and region.error.code == "invalid_request", region
+        head = "unknown region 'us-west-2' (did you mean 'us-west-1'?); known: "
+        assert region.error.message.startswith(head + "us-west-1, "), region
+        # The regions placement knows are its fleet's (the session's database may hold other modules' nodes).
+        fleet = await stack.rpc.fleet()
+        assert isinstance(fleet, FleetGetReply)
+        known = {n.region for n in fleet.nodes} | {p.region for p in fleet.tpu_pods}
+        assert set(region.error.message.removeprefix(head).split(", ")) == known, (region, known)
+    admitted = await stack.admit(request_id="unknown-admit", model="chat-lnog", input_tokens=10)
+    assert isinstance(admitted, Rejected) and admitted.error.code == "unknown_model", admitted
+    assert admitted.error.message.startswith("no model or model group 'chat-lnog' (did you mean 'chat-long'?); known:")
+    assert "chat-large" in admitted.error.message and "llama3.1-8b" in admitted.error.message
+    routed = await stack.route(request_id="unknown-route", tenant="t", origin_region="us-west-1", model="mixtral-8x7")
+    assert isinstance(routed, Rejected) and routed.error.code == "unknown_model", routed
+    assert routed.error.message.startswith("no model or model group 'mixtral-8x7' (did you mean 'mixtral-8x7b'?)")
+    origin = await stack.route(request_id="unknown-origin", tenant="t", origin_region="eu-west-2")
+    assert isinstance(origin, Rejected) and origin.error.code == "invalid_request", origin
+    assert origin.error.message == (
+        "unknown origin_region 'eu-west-2' (did you mean 'eu-west-1'?); known: eu-west-1, us-west-1, us-east-1"
+    )

@@ -14,6 +14,7 @@ from hetsched.cli.choices import BadRows, SimPolicy, SimSharing
 from hetsched.cli.common import DataDirOption, bad_input, console, endpoints, err, settings_of
 from hetsched.stack import operator_options
 from shared.contracts.subjects import Subjects
+from shared.infra.refusal import NatsRefused
 
 if TYPE_CHECKING:
     from shared.domain.traces import OnError
@@ -161,6 +162,8 @@ def sim(
                 timeout_s=settings.kit.request_timeout_ms / 1000,
                 options=operator_options(settings),
             )
+        except NatsRefused as refused:  # its credential: one line naming the setting to fix
+            bad_input(refused.line)
         except Exception as exc:
             err.print(f"[red]--live: no stack at {nats_url}: {type(exc).__name__} {exc}[/red]")
             raise typer.Exit(2) from exc

@@ -10,7 +10,7 @@ how one node's KV pool is shared between engines. Pure: time is ``now_ms`` from 
 
 from shared.domain.admission.engines import Engine, ReplicaStatus, engine_of, request_kv_bytes
 from shared.domain.admission.fair import FairQueue, TokenBucket
-from shared.domain.admission.groups import members, parse_model_groups
+from shared.domain.admission.groups import members, parse_model_groups, unknown_model
 from shared.domain.admission.pool import DONOR_ORDER, Grant, KvPool
 from shared.domain.admission.select import (
     FAILOVER_ORDER,
@@ -49,4 +49,5 @@ __all__ = [
     "parse_model_groups",
     "request_kv_bytes",
     "select",
+    "unknown_model",
 ]

@@ -16,6 +16,7 @@ from typing import Any
 
 from shared.domain.hardware import CatalogError
 from shared.domain.models import ModelSpec
+from shared.domain.names import ECHO, unknown_name
 
 _FIELDS = frozenset({"models", "description"})
 
@@ -70,3 +71,8 @@ def members(
     if name in models:
         return (name,)
     return None
+
+
+def unknown_model(name: str, groups: Mapping[str, tuple[str, ...]], models: Mapping[str, ModelSpec]) -> str:
+    """The refusal of a name that is neither a catalog model nor a group: the known ones, closest first."""
+    return unknown_name("model", name, [*models, *groups], prefix=f"no model or model group {name[:ECHO]!r}")

@@ -101,7 +101,16 @@ def emptied(snapshot: FleetSnapshot) -> FleetSnapshot:
         capacity = {a: replace(c, reserved=0, shared=False) for a, c in snapshot.capacity.items()}
         pods = {n: replace(p, grid=TpuGrid.empty(p.grid.tpu_type, p.pod.shape)) for n, p in snapshot.tpu_pods.items()}
         frame.empty = FleetSnapshot(
-            snapshot.nodes, capacity, snapshot.racks, {}, pods, snapshot.skus, snapshot.models, {}, {}
+            snapshot.nodes,
+            capacity,
+            snapshot.racks,
+            {},
+            pods,
+            snapshot.skus,
+            snapshot.models,
+            {},
+            {},
+            snapshot.known_regions,
         )
     return frame.empty
 

@@ -131,6 +131,9 @@ class FleetSnapshot:
     # by ``fleet.cluster_key`` (``<region>/<cluster>``).
     pcie_util: Mapping[str, float] = field(default_factory=dict)
     cross_domain_used: Mapping[str, float] = field(default_factory=dict)
+    # Regions of nodes the snapshot leaves out (lost ones): a region whose nodes are all lost is still one
+    # a request may name (it waits for capacity), not an unknown one. Not part of equality.
+    known_regions: frozenset[str] = field(default_factory=frozenset, compare=False)
     _memo: _Memo = field(default_factory=_Memo, init=False, repr=False, compare=False)
 
     @classmethod
@@ -242,6 +245,7 @@ class FleetSnapshot:
             self.models,
             self.pcie_util if pcie_util is None else pcie_util,
             self.cross_domain_used if cross_domain_used is None else cross_domain_used,
+            self.known_regions,
         )
         if changed is not None:
             _chain(self, after, (changed[0] | pcie_moved, changed[1], changed[2]))
@@ -461,6 +465,7 @@ def apply(snapshot: FleetSnapshot, decision: Decision) -> FleetSnapshot:
         models=snapshot.models,
         pcie_util=snapshot.pcie_util,
         cross_domain_used=cross_domain,
+        known_regions=snapshot.known_regions,
     )
     _chain(snapshot, after, (touched, frozenset(touched_racks), touched_pods))
     return after

@@ -619,6 +619,7 @@ class FleetView:
             models=self.models,
             pcie_util=dict(self.pcie.util),
             cross_domain_used=self.cross_domain_used(),
+            known_regions=frozenset(p.region for p in self.profiles.values()) | {p.region for p in self.pods.values()},
         )
 
     def _update(self, before: FleetSnapshot, touched: set[str]) -> FleetSnapshot:

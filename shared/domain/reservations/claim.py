@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from shared.domain.errors import ErrorCode
 from shared.domain.fleet import AcceleratorId
+from shared.domain.names import ECHO, unknown_name
 from shared.domain.reservations.rules import Slot, choose, free_slots
 
 
@@ -46,7 +47,10 @@ def unclaimable(accelerators: Sequence[str] | None, *, sku: str | None, skus: Co
                 return Refused(ErrorCode.INVALID_REQUEST, "TPU chips cannot be reserved (GPUs only for now)")
         return None
     if sku not in skus:
-        return Refused(ErrorCode.UNKNOWN_SKU, f"no SKU {sku!r} in the catalog")
+        given = sku or ""
+        return Refused(
+            ErrorCode.UNKNOWN_SKU, unknown_name("SKU", given, skus, prefix=f"no SKU {given[:ECHO]!r} in the catalog")
+        )
     return None
 
 

@@ -319,6 +319,7 @@ BAD: list[tuple[dict[str, object], str]] = [
     ({"kv_dtype": "bf17"}, "invalid_request"),
     ({"backend": "fpga"}, "invalid_request"),
     ({"slo": Slo(tpot_ms=0)}, "invalid_request"),
+    ({"region": "mars-1"}, "invalid_request"),  # the fleet has nodes in us-west-1 only
 ]
 
 
@@ -329,6 +330,36 @@ def test_bad_input_is_a_typed_rejection_that_changes_nothing(fields: dict[str, o
     assert decision.status == "rejected" and decision.error_code == code, decision.message
     assert decision.message and not decision.accelerators and decision.score == {}
     assert apply(snap, decision) is snap
+
+
+def test_an_unknown_name_is_refused_with_the_known_ones_closest_first() -> None:
+    """A model, a SKU or a region nobody knows: the refusal names the known ones, the closest first, so the
+    caller fixes the request from the message."""
+    snap = snapshot(
+        node("a").nvswitch(8), node("b").region("us-east-1").nvswitch(8), pods=[tpu_pod("p", region="eu-west-1")]
+    )
+    model = decide(snap, request("llama3-70"))
+    assert model.error_code == "unknown_model"
+    assert model.message.startswith("unknown model 'llama3-70' (did you mean 'llama3-70b'?); known: llama3-70b, ")
+    assert all(name in model.message for name in snap.models)
+    sku = decide(snap, request(skus=("H100-SXM-80GB", "H100-SXM")))
+    assert sku.error_code == "unknown_sku"
+    assert sku.message.startswith("unknown SKU 'H100-SXM' (did you mean 'H100-SXM-80GB'?); known: H100-SXM-80GB, ")
+    assert all(name in sku.message for name in snap.skus)
+    region = decide(snap, request(region="us-west-2"))
+    assert region.error_code == "invalid_request"
+    assert region.message == (
+        "unknown region 'us-west-2' (did you mean 'us-west-1'?); known: us-west-1, eu-west-1, us-east-1"
+    )
+    far = decide(snap, request(region="mars-1"))
+    assert far.message == "unknown region 'mars-1'; known: eu-west-1, us-east-1, us-west-1"
+    assert decide(snap, request(region="eu-west-1", backend="tpu")).placed  # a pod's region is known too
+
+
+def test_a_region_is_not_refused_as_unknown_before_the_fleet_is_known() -> None:
+    """An empty view (placement not synced yet) knows no region: the request is refused for capacity, not
+    as bad input."""
+    assert decide(snapshot(), request(region="us-west-1")).error_code == "no_capacity"
 
 
 def test_the_context_limit_is_the_models() -> None:

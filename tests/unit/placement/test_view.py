@@ -128,6 +128,18 @@ def test_lost_nodes_leave_the_snapshot_and_come_back_on_recovery() -> None:
     assert set(view.snapshot.nodes) == {"n1"}
 
 
+def test_a_region_whose_nodes_are_all_lost_is_still_known() -> None:
+    """Its nodes lost, us-west-1 is still a region a request may name: refused for capacity (it may wait),
+    not as unknown; a region the view never heard of is bad input naming the known ones."""
+    view = view_of("n1")
+    view.node_up("n1", False)
+    assert view.snapshot.nodes == {}
+    lost = decide(view.snapshot, request(region="us-west-1"))
+    assert lost.error_code == "no_capacity", lost.message
+    never = decide(view.snapshot, request(region="mars-1"))
+    assert (never.error_code, never.message) == ("invalid_request", "unknown region 'mars-1'; known: us-west-1")
+
+
 def test_tpu_chips_with_bytes_reserved_are_taken() -> None:
     pod = tpu_pod("p1", shape=(4, 4))
     hbm = skus()["TPU-V5E"].hbm_bytes

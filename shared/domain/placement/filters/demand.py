@@ -4,7 +4,8 @@
 * bad values are ``invalid_request``: tokens or concurrency below 1, a typical shape longer than the
   context, a context beyond the model's maximum, a TP degree that is not a power of two or does not
   divide the model's heads, an unknown dtype or backend, a non-positive SLO, a backend the model has
-  no artifact for; SKUs in the allow-list must be in the catalog (``unknown_sku``);
+  no artifact for, a region the fleet has no node or pod in; SKUs in the allow-list must be in the catalog
+  (``unknown_sku``); an unknown name's refusal lists the known ones, closest first;
 * the TP degrees to try (the request's, else 1, 2, 4, 8, 16 where the attention and SSM heads divide
   evenly) and ``memory.per_accelerator_share`` at each;
 * for each TPU type in the fleet, the smallest legal slice holding the replica: at least
@@ -21,6 +22,7 @@ from typing import Final
 
 from shared.domain.memory import DEFAULT_WORKSPACE_BYTES, DTYPE_BYTES, MemoryShare, per_accelerator_share
 from shared.domain.models import ModelSpec
+from shared.domain.names import ECHO, LISTED, unknown_name
 from shared.domain.placement.framework import (
     DEMAND,
     GB,
@@ -44,6 +46,15 @@ MAX_PP: Final = 8
 @dataclass(frozen=True, slots=True)
 class DemandConfig:
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
+
+
+def fleet_regions(snapshot: FleetSnapshot) -> frozenset[str]:
+    """The regions of the fleet's nodes and TPU pods, lost ones included: the regions a placement can name."""
+    return (
+        snapshot.known_regions
+        | {node.region for node in snapshot.nodes.values()}
+        | {pod.pod.region for pod in snapshot.tpu_pods.values()}
+    )
 
 
 def _invalid(message: str) -> Status:
@@ -75,7 +86,9 @@ class DemandPreFilter:
     def prefilter(self, state: CycleState, snapshot: FleetSnapshot, request: PlacementRequest) -> Status:
         model = snapshot.models.get(request.model)
         if model is None:
-            return Status(Code.UNKNOWN_MODEL, plugin=NAME, message=f"unknown model {request.model!r}")
+            return Status(
+                Code.UNKNOWN_MODEL, plugin=NAME, message=unknown_name("model", request.model, snapshot.models)
+            )
         problem = self._validate(snapshot, request, model)
         if problem is not None:
             return problem
@@ -177,7 +190,14 @@ class DemandPreFilter:
         if request.skus is not None:
             unknown = sorted(set(request.skus) - set(snapshot.skus))
             if unknown:
-                return Status(Code.UNKNOWN_SKU, plugin=NAME, message=f"unknown SKU {', '.join(unknown)}")
+                head = f"unknown SKU {', '.join(repr(u[:ECHO]) for u in unknown[:LISTED])}"
+                return Status(
+                    Code.UNKNOWN_SKU, plugin=NAME, message=unknown_name("SKU", unknown[0], snapshot.skus, prefix=head)
+                )
+        if request.region is not None and request.region not in snapshot.known_regions:
+            regions = fleet_regions(snapshot)
+            if regions and request.region not in regions:  # an empty fleet (not synced yet) knows no region
+                return _invalid(unknown_name("region", request.region, regions))
         if request.slo is not None:
             for label, value in (
                 ("ttft_ms", request.slo.ttft_ms),
