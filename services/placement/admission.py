@@ -60,6 +60,7 @@ from shared.domain.admission import (
     unknown_model,
 )
 from shared.domain.models import ModelSpec
+from shared.domain.names import unknown_name
 from shared.infra.clock import MonotonicMs
 from shared.infra.grouping import Grouped
 from shared.infra.rpc import RpcClient, RpcError
@@ -122,8 +123,10 @@ class AdmissionHandlers:
         log: logging.Logger,
         load_placed: Callable[[], Awaitable[list[tuple[str, PlaceReply]]]] | None = None,
         draining: Callable[[], set[str]] = set,
+        regions: Callable[[], frozenset[str]] = frozenset,
     ) -> None:
         self._load_placed = load_placed
+        self._regions = regions  # the fleet's regions (placement's view): a request may name only these
         self._moving = draining  # replicas the rebalancer is moving: no new request goes to them
         # The holds of concurrent admissions go to the ledger together.
         self._holds: Grouped[CommitRequest, CommitReply | Rejected | None] = Grouped(
@@ -152,6 +155,10 @@ class AdmissionHandlers:
         names = members(request.model, self._groups, self._models)
         if names is None:
             return rejected(ErrorCode.UNKNOWN_MODEL, unknown_model(request.model, self._groups, self._models))
+        if request.region is not None:
+            regions = self._regions()
+            if regions and request.region not in regions:  # an empty view (not synced yet) knows no region
+                return rejected(ErrorCode.INVALID_REQUEST, unknown_name("region", request.region, regions))
         key = _key(request.tenant, request.request_id)
         done = self._done.get(key)
         if done is not None:

@@ -84,6 +84,7 @@ def wire(runtime: Runtime) -> Ctx:
         log=runtime.log,
         load_placed=load_placed,
         draining=lambda: readmodel.draining,
+        regions=readmodel.regions,
     )
     handlers = PlacementHandlers.build(
         view=readmodel,

@@ -40,6 +40,7 @@ from shared.contracts.subjects import Rpc
 from shared.contracts.topology import NodeProfilePayload, TopologyEventName
 from shared.domain.hardware import Sku
 from shared.domain.models import ModelSpec
+from shared.domain.placement.filters.demand import fleet_regions
 from shared.domain.placement.types import FleetSnapshot
 from shared.domain.placement.view import DEFAULT_PCIE_WINDOW_S, AssumeKey, Crossing, FleetView
 from shared.domain.reservations import ReservationBook
@@ -93,12 +94,22 @@ class ReadModel:
         self.book = ReservationBook()
         self.throttled: set[str] = set()
         self.draining: set[str] = set()
+        self._regions_of: FleetSnapshot | None = None
+        self._regions: frozenset[str] = frozenset()
 
     # -- what decisions use ----------------------------------------------------------------------
 
     @property
     def snapshot(self) -> FleetSnapshot:
         return self.view.snapshot
+
+    def regions(self) -> frozenset[str]:
+        """The fleet's regions, lost nodes' included (what a request may name); worked out again only when
+        the snapshot is a new one."""
+        snapshot = self.view.snapshot
+        if self._regions_of is not snapshot:
+            self._regions_of, self._regions = snapshot, fleet_regions(snapshot)
+        return self._regions
 
     def assume(
         self, key: AssumeKey, held: Mapping[str, int], *, shared: bool = False, crossing: Crossing | None = None

@@ -217,6 +217,8 @@ def test_a_service_with_a_wrong_credential_exits_with_one_line(stack: Stack, tmp
     base = {
         **stack.env,
         "HETSCHED_NATS_URL": stack.nats_url,
+        # The stack's own database: a service checks its database before NATS (a missing one exits 2).
+        "HETSCHED_DATABASE_URL": str(stack.state["database_url"]),
         "HETSCHED_LOG_FORMAT": "text",
         "HETSCHED_METRICS_PORT": "-1",
     }

@@ -451,7 +451,7 @@ async def test_engine_sim_says_what_it_reports_and_refuses_a_node_its_replica_is
 
 
 async def test_unknown_names_are_refused_with_the_known_ones(stack: Stack) -> None:
-    """An unknown model (place, explain, admit, route), SKU or region (place, explain, route's origin): a typed
+    """An unknown model (place, explain, admit, route), SKU or region (place, explain, admit, route's origin): a typed
     refusal whose message lists the known names, the closest first; an unknown region is `invalid_request`
     naming the fleet's regions, not `no_capacity`."""
 
@@ -482,6 +482,10 @@ async def test_unknown_names_are_refused_with_the_known_ones(stack: Stack) -> No
         assert isinstance(fleet, FleetGetReply)
         known = {n.region for n in fleet.nodes} | {p.region for p in fleet.tpu_pods}
         assert set(region.error.message.removeprefix(head).split(", ")) == known, (region, known)
+    far = await stack.admit(request_id="unknown-admit-region", model="chat-long", input_tokens=10, region="us-west-2")
+    assert isinstance(far, Rejected) and far.error.code == "invalid_request", far
+    assert far.error.message.startswith(head + "us-west-1, "), far
+    assert set(far.error.message.removeprefix(head).split(", ")) == known, (far, known)
     admitted = await stack.admit(request_id="unknown-admit", model="chat-lnog", input_tokens=10)
     assert isinstance(admitted, Rejected) and admitted.error.code == "unknown_model", admitted
     assert admitted.error.message.startswith("no model or model group 'chat-lnog' (did you mean 'chat-long'?); known:")
