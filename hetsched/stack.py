@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import nats
 from pydantic import SecretStr
 
 from hetsched.embedded import (
@@ -41,10 +40,12 @@ from shared.infra.identity import (
     write_auth_conf,
 )
 from shared.infra.migrate import upgrade
+from shared.infra.refusal import ConnectionGuard
+from shared.infra.refusal import connect as guarded_connect
 from shared.infra.retention import stream_specs_for
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.service import grant_of
-from shared.infra.settings import Settings, nats_servers
+from shared.infra.settings import Settings
 
 STATE_FILE = "stack.json"
 DATABASE_NAME = "hetsched"
@@ -305,6 +306,18 @@ class Stack:
             "HETSCHED_NATS_INBOX_PREFIX": inbox_prefix(service_identity(services()[package].schema)),
         }
 
+    def check_nats(self) -> None:
+        """Connect once as the operator before anything is migrated or started: a server that refuses the
+        credential raises ``NatsRefused`` (its one line names the setting) instead of every later step retrying."""
+
+        async def check() -> None:
+            options = self.nats_options()
+            guard = ConnectionGuard.of(self.nats_url, options, operator=True)
+            nc = await guarded_connect(self.nats_url, guard, name="hetsched-up", **options)
+            await nc.close()
+
+        asyncio.run(check())
+
     def create_streams(self) -> None:
         """Every stream, as the operator, before the services start: each service may then create or
         update only its own, and its consumers find the others."""
@@ -312,7 +325,9 @@ class Stack:
             return
 
         async def create() -> None:
-            nc = await nats.connect(nats_servers(self.nats_url), name="hetsched-up", **self.nats_options())
+            options = self.nats_options()
+            guard = ConnectionGuard.of(self.nats_url, options, operator=True)  # refused: NatsRefused, no retries
+            nc = await guarded_connect(self.nats_url, guard, name="hetsched-up", **options)
             try:
                 # As the operator: with the limits of the settings, DEADLETTER's included (no service may update it).
                 await ensure_streams(nc.jetstream(), stream_specs_for(self.settings))

@@ -63,6 +63,7 @@ def up(
         stack.start_servers()
         if stop_requested:
             return
+        stack.check_nats()
         console.print(f"NATS      {stack.nats_url}{'  (embedded)' if stack.nats else ''}")
         console.print(f"Postgres  {stack.database_url}{'  (embedded)' if stack.postgres else ''}", soft_wrap=True)
         stack.migrate()
@@ -78,6 +79,7 @@ def up(
                 nats_url=stack.nats_url,
                 subjects=Subjects(settings.kit.subject_prefix),
                 deadline_s=health_timeout_s,
+                operator=True,
                 **stack.nats_options(),
             )
         )
@@ -93,6 +95,8 @@ def up(
             time.sleep(0.2)
     except DatabaseMissing as exc:
         fail(str(exc), BAD_INPUT_EXIT)
+    except NatsRefused as refused:  # the operator's credential: one line naming the setting, no retries
+        fail(refused.line, BAD_INPUT_EXIT)
     except ServerDied as exc:
         died = exc
         err.print(f"[bold red]!!! {exc}: stopping the stack[/bold red]")

@@ -299,6 +299,29 @@ def test_the_cli_refused_exits_2_with_one_line(stack: Stack, tmp_path: Path) -> 
     assert "refused this client (Authorization Violation)" in bare.stderr and "--data-dir" in bare.stderr
 
 
+def test_up_on_a_server_that_refuses_its_credential_exits_2_with_one_line(stack: Stack, tmp_path: Path) -> None:
+    """`hetsched up` on an existing NATS (the stack's) with an operator seed the server does not admit: exit 2
+    at once with one line naming the setting, before it migrates or starts anything."""
+    wrong = tmp_path / "wrong-up.nk"
+    write_secret(wrong, new_seed())
+    data_dir = tmp_path / "second"
+    started = time.monotonic()
+    shown = stack.cli(
+        "up",
+        "--data-dir",
+        str(data_dir),
+        HETSCHED_NATS_URL=stack.nats_url,
+        HETSCHED_DATABASE_URL=str(stack.state["database_url"]),
+        HETSCHED_NATS_NKEY_SEED_FILE=str(wrong),
+    )
+    took = time.monotonic() - started
+    print(f"\nup refused by NATS exited {shown.returncode} after {took:.1f}s")
+    assert shown.returncode == 2, shown.stdout + shown.stderr
+    errors = [line for line in shown.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "HETSCHED_NATS_NKEY_SEED_FILE" in errors[0] and str(wrong) in errors[0], shown.stderr
+    assert "migrations at head" not in shown.stdout and not (data_dir / "logs" / "placement.log").exists()
+
+
 def test_a_supervised_service_refused_logs_one_line_per_restart(stack: Stack) -> None:
     """Last (it breaks the stack's rebalancer): the rebalancer's seed replaced by one the server does not
     admit, and the process killed. `hetsched up` restarts it with its backoff; each attempt exits 78 and
