@@ -46,14 +46,18 @@ from shared.contracts.subjects import Rpc
 from shared.domain.placement.listing import index_ranges
 from shared.infra.rpc import RpcClient
 
+OwnerOption = Annotated[
+    str | None, typer.Option(help="Owner (default with --credential: the credential's tenant, when it has one).")
+]
+
 app = typer.Typer()
 
 
 @app.command()
 def place(
     model: Annotated[str, typer.Option(help="Catalog model name.")],
-    tenant: Annotated[str, typer.Option(help="Tenant.")],
     context_tokens: Annotated[int, typer.Option(help="Longest sequence held.")],
+    tenant: OwnerOption = None,
     concurrency: Annotated[int, typer.Option(help="Sequences held at once.")] = 1,
     request_id: Annotated[str | None, typer.Option(help="Idempotency key (random by default).")] = None,
     dtype: Annotated[Dtype | None, typer.Option(help="Weights dtype.")] = None,
@@ -82,7 +86,7 @@ def place(
     """One `placement.place` call (or `placement.explain` with --explain)."""
     fields: dict[str, Any] = {
         "request_id": request_id or f"cli-{uuid.uuid4()}",
-        "tenant": tenant,
+        "tenant": _owner(data_dir, credential, tenant),
         "model": model,
         "context_tokens": context_tokens,
         "concurrency": concurrency,
@@ -125,19 +129,15 @@ def _emit(reply: PlaceReply | Rejected, kind: EmitKind) -> None:
 @app.command()
 def release(
     allocation_id: Annotated[str, typer.Argument(help="Allocation to release.")],
-    tenant: Annotated[str, typer.Option(help="Owner.")],
+    tenant: OwnerOption = None,
     as_json: JsonOption = False,
     data_dir: DataDirOption = None,
     credential: CredentialOption = None,
 ) -> None:
     """One `placement.release` call."""
-    request = build(lambda: ReleaseRequest(allocation_id=allocation_id, tenant=tenant))
+    owner = _owner(data_dir, credential, tenant)
+    request = build(lambda: ReleaseRequest(allocation_id=allocation_id, tenant=owner))
     print_reply(ask(data_dir, Rpc.PLACEMENT_RELEASE, request, ReleaseReply, credential=credential), as_json)
-
-
-OwnerOption = Annotated[
-    str | None, typer.Option(help="Owner (default with --credential: the credential's tenant, when it has one).")
-]
 
 
 @app.command()
@@ -153,9 +153,7 @@ def renew(
     credential: CredentialOption = None,
 ) -> None:
     """One `placement.renew` call: the replica's lease ends `--lease-s` seconds from now; prints the new end."""
-    owner = _tenant(data_dir, credential, tenant)
-    if owner is None:
-        bad_input("--tenant is required (the replica's owner)")
+    owner = _owner(data_dir, credential, tenant)
     lease = lease_s if lease_s is not None else settings_of(data_dir).placement.default_lease_s
     request = build(lambda: RenewRequest(allocation_id=allocation_id, tenant=owner, lease_s=lease))
     reply = shown(data_dir, Rpc.PLACEMENT_RENEW, request, RenewReply, as_json, credential=credential)
@@ -214,6 +212,14 @@ def _tenant(data_dir: Path | None, credential: Path | None, given: str | None) -
     if acting is None or not acting.scoped:
         return given
     return acting.tenant(given)
+
+
+def _owner(data_dir: Path | None, credential: Path | None, given: str | None) -> str:
+    """The tenant a call acts for: ``--tenant``, or a one-tenant gateway credential's; else exit 2."""
+    owner = _tenant(data_dir, credential, given)
+    if owner is None:
+        bad_input("--tenant is required (or --credential of a gateway with one tenant)")
+    return owner
 
 
 def _listed(

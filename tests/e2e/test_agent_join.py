@@ -299,6 +299,47 @@ def test_the_cli_refused_exits_2_with_one_line(stack: Stack, tmp_path: Path) -> 
     assert "refused this client (Authorization Violation)" in bare.stderr and "--data-dir" in bare.stderr
 
 
+def test_replicas_lists_what_place_made_per_tenant(stack: Stack, tmp_path: Path) -> None:
+    """Two tenants' gateways place through the CLI with their own credentials: `hetsched replicas` with a
+    gateway's credential lists that tenant's replicas only, the operator's lists both; `hetsched renew`
+    moves the lease end it shows; one gateway cannot renew the other's replica."""
+    seeds = {tenant: tmp_path / f"{tenant}-gw.nk" for tenant in ("acme", "globex")}
+    placed: dict[str, str] = {}
+    for tenant, seed in seeds.items():
+        issued = stack.cli("credentials", "issue", "--tenant", tenant, "--out", str(seed))
+        assert issued.returncode == 0, issued.stdout + issued.stderr
+        shown = stack.cli(
+            "place", "--model", "llama3-8b", "--context-tokens", "4096", "--json", "--credential", str(seed)
+        )
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        reply = json.loads(shown.stdout)
+        assert reply["status"] == "placed", reply
+        placed[tenant] = reply["allocation_id"]
+
+    def listed(*args: str) -> dict[str, dict[str, Any]]:
+        shown = stack.cli("replicas", "--json", *args)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        return {r["replica_id"]: r for r in json.loads(shown.stdout)["replicas"]}
+
+    for tenant, seed in seeds.items():
+        own = listed("--credential", str(seed))
+        assert set(own) == {placed[tenant]} and own[placed[tenant]]["tenant"] == tenant, own
+        assert own[placed[tenant]]["model"] == "llama3-8b" and own[placed[tenant]]["placements"], own
+    everyone = listed()
+    assert set(placed.values()) <= set(everyone), everyone
+    table = stack.cli("replicas", "--wide", "--credential", str(seeds["acme"]))
+    assert table.returncode == 0 and placed["acme"] in table.stdout and placed["globex"] not in table.stdout, table
+
+    acme_id = placed["acme"]
+    before = listed("--credential", str(seeds["acme"]))[acme_id]["lease_expires_at"]
+    renewed = stack.cli("renew", acme_id, "--lease-s", "7200", "--credential", str(seeds["acme"]))
+    assert renewed.returncode == 0 and "renewed" in renewed.stdout, renewed.stdout + renewed.stderr
+    after = listed("--credential", str(seeds["acme"]))[acme_id]["lease_expires_at"]
+    assert before is not None and after is not None and after > before, (before, after)
+    other = stack.cli("renew", placed["globex"], "--tenant", "globex", "--credential", str(seeds["acme"]))
+    assert other.returncode == 1 and "forbidden" in other.stderr, other.stdout + other.stderr
+
+
 def test_up_on_a_server_that_refuses_its_credential_exits_2_with_one_line(stack: Stack, tmp_path: Path) -> None:
     """`hetsched up` on an existing NATS (the stack's) with an operator seed the server does not admit: exit 2
     at once with one line naming the setting, before it migrates or starts anything."""
