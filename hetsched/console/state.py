@@ -26,8 +26,8 @@ from shared.contracts.topology import NodeProfilePayload
 from shared.domain.fleet import AcceleratorId
 from shared.infra.rpc import RpcClient
 
-# `reservation.status` is asked once per tenant: a fleet with more tenants shows the first ones only.
-TENANTS_MAX = 32
+# `reservation.status` is asked once per tenant that holds a reservation, at most this many at a time.
+TENANTS_IN_FLIGHT = 16
 FABRIC = "fabric"  # the edge code between GPUs of one multi-node NVLink clique (GH200 NVL, NVL72)
 
 
@@ -218,7 +218,8 @@ async def answer_of(
 async def reservations_of(
     rpc: RpcClient, errors: dict[str, str]
 ) -> tuple[ReservationReportReply | None, list[ReservationStatusReply]]:
-    """``reservation.report``, then ``reservation.status`` for each of its first ``TENANTS_MAX`` tenants."""
+    """``reservation.report``, then ``reservation.status`` for every tenant it names (``TENANTS_IN_FLIGHT`` at a
+    time): a reserved GPU of any tenant shows as reserved, never as free."""
     report = await answer_of(
         errors,
         "reservations",
@@ -227,11 +228,17 @@ async def reservations_of(
     )
     if report is None:
         return None, []
-    tenants = sorted(report.by_tenant)[:TENANTS_MAX]
+    tenants = sorted(report.by_tenant)
+    in_flight = asyncio.Semaphore(TENANTS_IN_FLIGHT)
 
     def status_of(tenant: str) -> Callable[[], Awaitable[BaseModel]]:
         request = ReservationStatusRequest(tenant=tenant)
-        return lambda: rpc.ask(Rpc.RESERVATION_STATUS, request, ReservationStatusReply)
+
+        async def ask() -> BaseModel:
+            async with in_flight:
+                return await rpc.ask(Rpc.RESERVATION_STATUS, request, ReservationStatusReply)
+
+        return ask
 
     answers = await asyncio.gather(
         *(answer_of(errors, "reservations", status_of(t), ReservationStatusReply) for t in tenants)
