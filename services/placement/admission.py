@@ -4,56 +4,51 @@
 region (placement's own, ``replicas.ReplicaBook``) -> the pure selection (``shared.domain.admission``:
 long context to SSM, strict SLO to the fastest engine, otherwise least cost; a failover order) -> fair
 queueing between tenants (weighted fair queueing with token buckets: in-profile tenants first, by
-virtual finish time) -> hold the request's peak KV inside the replica through the ledger (a ``request``
-allocation in the replica's KV pool, leased) -> reply with the hold's ``allocation_id``.
+virtual finish time) -> count the request's peak KV against the replica's in-memory account (its engine's
+last reported KV use plus the grants made since that report; ``shared.domain.admission.account``) and the
+node's engine pools -> reply with an admission id (``allocation_id``).
 
-A hold the ledger refuses (the pool is fuller than the book knew) fails over to the next replica in the
-selection's order. Nothing fits now: ``queued`` with a position; the request waits in the fair queue
+All of it is in memory: no ledger call, no Postgres write, no event per request. The replica's KV pool was
+reserved in the ledger when the replica was placed; which request uses which part of it is the engine's
+business, and the engine's reports correct the estimate every interval.
+
+A replica whose estimate has no room for the request passes it to the next replica in the selection's
+order. Nothing fits now: ``queued`` with a position; the request waits in the fair queue
 (``HETSCHED_ADMIT_QUEUE_TTL_S``) and is admitted as capacity frees; asking again with the same request id
 answers its state. No replica can serve it at all (none healthy, none fresh, the context too long):
 ``no_capacity``. ``failed_replica_id`` takes a replica that just failed the request out of rotation
-until its engine reports again, and the request fails over past it; only a tenant holding an admission on
-that replica is heard (the reply says when it was ignored: ``failed_replica_ignored``).
+until its engine reports again, and the request fails over past it; only a tenant with an admission in
+flight on that replica is heard (the reply says when it was ignored: ``failed_replica_ignored``).
 
-Holds are committed under the replica owner's tenant (the ledger keeps a replica's pool to its owner);
-the requesting tenant is in the hold's ledger request id (``admit/<tenant>/<request id>``), and only it
-may release the hold (``placement.release``).
+Only the requesting tenant may release (``placement.release``) or renew (``placement.renew``) its
+admission; another tenant is answered as for an unknown allocation. An admission not released within its
+``lease_s`` is dropped from the account (the engine's reports count what it still runs). After a restart
+the accounts start empty and fill from the engines' next reports; an admission id from before the restart
+is unknown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from pydantic import BaseModel
 
-from services.placement.ledger_calls import ask_ledger
-from services.placement.replicas import Hold, Replica, ReplicaBook, hold_request_id, hold_requester, replica_of
+from services.placement.replicas import Hold, Replica, ReplicaBook, replica_of
 from shared.contracts.base import ErrorCode, Rejected, rejected
-from shared.contracts.ledger import (
-    AllocationEvent,
-    CommitBatchReply,
-    CommitBatchRequest,
-    CommitReply,
-    CommitRequest,
-    LedgerEventName,
-    LedgerReleaseReply,
-    LedgerReleaseRequest,
-    ShareIn,
-    no_allocation,
-)
-from shared.contracts.placement import AdmitReply, AdmitRequest, PlaceReply, ReleaseReply
-from shared.contracts.subjects import Rpc
+from shared.contracts.ledger import no_allocation
+from shared.contracts.placement import AdmitReply, AdmitRequest, PlaceReply, ReleaseReply, RenewReply
 from shared.contracts.topology import EngineStatusEvent
 from shared.domain.admission import (
     AdmitAsk,
     AdmitPolicy,
     Candidate,
     FairQueue,
-    Grant,
     Selection,
     members,
     select,
@@ -62,8 +57,7 @@ from shared.domain.admission import (
 from shared.domain.models import ModelSpec
 from shared.domain.names import unknown_name
 from shared.infra.clock import MonotonicMs
-from shared.infra.grouping import Grouped
-from shared.infra.rpc import RpcClient, RpcError
+from shared.infra.rpc import RpcClient
 
 DRAIN_PERIOD_S = 0.1
 """How often the fair queue is retried while it holds requests (besides on every release and report)."""
@@ -85,20 +79,6 @@ class _Waiting:
     request: AdmitRequest
     models: tuple[str, ...]  # the model, or its group's members
     failure_ignored: bool | None = None  # its failed_replica_id was not heard (None: it named none)
-
-
-async def _ask_ledger(rpc: RpcClient, commits: list[CommitRequest]) -> list[CommitReply | Rejected | None]:
-    """Holds to the ledger: one `ledger.commit` for one, one `ledger.commit_batch` for several (each still
-    all-or-nothing on its own); ``None`` for each when the ledger did not answer."""
-    try:
-        if len(commits) == 1:
-            return [await rpc.ask(Rpc.LEDGER_COMMIT, commits[0], CommitReply)]
-        reply = await rpc.ask(Rpc.LEDGER_COMMIT_BATCH, CommitBatchRequest(commits=commits), CommitBatchReply)
-    except RpcError:
-        return [None] * len(commits)
-    if isinstance(reply, Rejected):
-        return [reply] * len(commits)
-    return list(reply.results)
 
 
 def _key(tenant: str, request_id: str) -> str:
@@ -124,14 +104,12 @@ class AdmissionHandlers:
         load_placed: Callable[[], Awaitable[list[tuple[str, PlaceReply]]]] | None = None,
         draining: Callable[[], set[str]] = set,
         regions: Callable[[], frozenset[str]] = frozenset,
+        wall: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
+        """``rpc`` is kept for callers that pass it; admission itself calls no other service."""
         self._load_placed = load_placed
         self._regions = regions  # the fleet's regions (placement's view): a request may name only these
         self._moving = draining  # replicas the rebalancer is moving: no new request goes to them
-        # The holds of concurrent admissions go to the ledger together.
-        self._holds: Grouped[CommitRequest, CommitReply | Rejected | None] = Grouped(
-            lambda commits: _ask_ledger(rpc, commits), max_group=64, lanes=4
-        )
         self._book = book
         self._rpc = rpc
         self._models = models
@@ -148,6 +126,8 @@ class AdmissionHandlers:
         self._done: dict[str, AdmitReply] = {}
         self._draining = asyncio.Lock()
         self._wake = asyncio.Event()
+        self._wall = wall
+        self._next_expiry_ms = 0.0
 
     # -- placement.admit ---------------------------------------------------------------------------
 
@@ -164,6 +144,7 @@ class AdmissionHandlers:
         if done is not None:
             return done
         now_ms = self._timer()
+        self._expire(now_ms)
         ignored: bool | None = None
         if request.failed_replica_id is not None:  # heard only from a tenant with an admission on it
             ignored = not self._book.failed(request.failed_replica_id, tenant=request.tenant, now_ms=now_ms)
@@ -230,49 +211,26 @@ class AdmissionHandlers:
         )
 
     async def _hold(self, waiting: _Waiting, selection: Selection) -> AdmitReply | None:
-        """Hold the request's KV in the first replica of the order that takes it; None when none does."""
+        """Count the request on the first replica of the order whose estimate has room; None when none has."""
         request = waiting.request
+        now_ms = self._timer()
         for index, candidate in enumerate(selection.order):
             replica = self._book.replicas.get(candidate.replica.replica_id)
             if replica is None:
                 continue
-            granted = self._book.grant(replica, candidate.need_bytes)
-            if granted is None:
-                continue  # the engine's guaranteed KV share and what it may borrow are used up on this node
-            self._book.tentative(replica.replica_id, candidate.need_bytes)  # concurrent admissions see it
-            committed = await self._commit(request, replica, candidate)
-            if not isinstance(committed, CommitReply) or committed.allocation_id is None:
-                self._book.tentative(replica.replica_id, candidate.need_bytes, undo=True)
-                self._book.ungrant(replica, granted)
-                continue
             hold = Hold(
-                allocation_id=committed.allocation_id,
+                allocation_id=f"adm-{uuid.uuid4().hex}",
                 replica_id=replica.replica_id,
                 requester=request.tenant,
                 request_id=request.request_id,
                 kv_bytes=candidate.need_bytes,
-                grant=granted if isinstance(granted, Grant) else None,
+                granted_at_ms=now_ms,
+                expires_at_ms=now_ms + request.lease_s * 1000,
             )
-            self._book.held(hold, counted=True)
-            return self._admitted(waiting, replica, candidate, selection, committed, index)
+            if not self._book.admit(replica, hold):
+                continue  # its estimate, or the engine's share of the node's pool, has no room
+            return self._admitted(waiting, replica, candidate, selection, hold, index)
         return None
-
-    async def _commit(
-        self, request: AdmitRequest, replica: Replica, candidate: Candidate
-    ) -> CommitReply | Rejected | None:
-        per_rank = max(1, -(-candidate.need_bytes // max(1, len(replica.kv_pool))))
-        commit = CommitRequest(
-            request_id=hold_request_id(request.tenant, request.request_id),
-            tenant=replica.owner,
-            kind="request",
-            parent_id=replica.replica_id,
-            lease_s=request.lease_s,
-            shares=[ShareIn(accelerator_id=acc, kv_bytes=per_rank) for acc in replica.accelerators],
-        )
-        answer = await self._holds.submit(commit)
-        if answer is None:
-            self._log.warning("the ledger did not answer an admission hold", extra={"replica": replica.replica_id})
-        return answer
 
     def _admitted(
         self,
@@ -280,31 +238,39 @@ class AdmissionHandlers:
         replica: Replica,
         candidate: Candidate,
         selection: Selection,
-        committed: CommitReply,
+        hold: Hold,
         index: int,
     ) -> AdmitReply:
         request = waiting.request
         explanation = selection.explanation
         if index:
-            explanation += f"; {index} replica(s) before it refused the hold (KV pool full)"
+            explanation += f"; {index} replica(s) before it had no KV room left"
         if waiting.failure_ignored:
             explanation += _IGNORED
         reply = AdmitReply(
             status="admitted",
-            allocation_id=committed.allocation_id,
+            allocation_id=hold.allocation_id,
             replica_id=replica.replica_id,
             node=replica.node,
             engine=replica.engine.value,
             model=replica.model,
             region=replica.region,
             kv_bytes=candidate.need_bytes,
-            lease_expires_at=committed.lease_expires_at,
+            lease_expires_at=self._wall() + timedelta(seconds=request.lease_s),
             explanation=explanation,
             failover=[c.replica.replica_id for c in selection.order[index + 1 :]][:8],
             failed_replica_ignored=waiting.failure_ignored,
         )
         self._remember(_key(request.tenant, request.request_id), reply)
         return reply
+
+    def _expire(self, now_ms: float) -> None:
+        """Drop admissions whose lease ended without a release (checked at most once a second)."""
+        if now_ms < self._next_expiry_ms:
+            return
+        self._next_expiry_ms = now_ms + 1000
+        for hold in self._book.expire(now_ms):
+            self._done.pop(_key(hold.requester, hold.request_id), None)
 
     def _remember(self, key: str, reply: AdmitReply) -> None:
         if len(self._done) >= DONE_KEPT:
@@ -326,6 +292,7 @@ class AdmissionHandlers:
         admitted = 0
         async with self._draining:
             now_ms = self._timer()
+            self._expire(now_ms)
             for key, _waiting in self._queue.expire(now_ms):
                 self._done.pop(key, None)
             selections: dict[int, Selection] = {}
@@ -407,64 +374,36 @@ class AdmissionHandlers:
         if self._book.report(status, now_ms=self._timer()) and len(self._queue):
             self._wake.set()
 
-    def on_hold_event(self, name: str, payload: AllocationEvent) -> None:
-        """A LEDGER event of a `request` allocation, from placement's view of the ledger (no transaction)."""
-        if name == LedgerEventName.ALLOCATION_COMMITTED:
-            self.on_hold_committed(payload)
-        elif name in (LedgerEventName.ALLOCATION_RELEASED, LedgerEventName.ALLOCATION_EXPIRED):
-            self.on_allocation_ended(payload.allocation_id)
-
-    def on_hold_committed(self, payload: AllocationEvent) -> None:
-        """A `request` allocation the ledger committed: a hold of ours (maybe another process's, or one made
-        before a restart) that the book should count."""
-        requester = hold_requester(payload.request_id)
-        if payload.kind != "request" or payload.parent_id is None or requester is None:
-            return
-        if payload.parent_id not in self._book.replicas:
-            return
-        tenant, request_id = requester
-        self._book.held(
-            Hold(
-                allocation_id=payload.allocation_id,
-                replica_id=payload.parent_id,
-                requester=tenant,
-                request_id=request_id,
-                kv_bytes=sum(share.total_bytes for share in payload.shares),
-            )
-        )
-
     def on_allocation_ended(self, allocation_id: str) -> None:
-        """A hold released or expired frees KV; a replica released or expired leaves rotation."""
-        hold = self._book.ended(allocation_id)
-        if hold is not None:
-            self._done.pop(_key(hold.requester, hold.request_id), None)
-        self._book.remove(allocation_id)
-        self._wake.set()
+        """A replica's allocation released or expired in the ledger: it leaves rotation (its requests with it)."""
+        if allocation_id in self._book.replicas:
+            for hold in [h for h in self._book.holds.values() if h.replica_id == allocation_id]:
+                self._done.pop(_key(hold.requester, hold.request_id), None)
+            self._book.remove(allocation_id)
+            self._wake.set()
 
-    # -- placement.release of a hold --------------------------------------------------------------------
+    # -- placement.release / placement.renew of an admission ----------------------------------------------
 
-    def owner_of_hold(self, allocation_id: str, tenant: str) -> str | Rejected | None:
-        """The ledger tenant to release a hold under: None when it is not a hold this process knows;
-        when another tenant asks, the ledger's answer to an unknown allocation (``not_found``, the same
-        message: an id tells no one whether it exists)."""
+    def is_admission(self, allocation_id: str) -> bool:
+        """Whether the id names an admission (this process's, or one from before a restart: ``adm-``)."""
+        return allocation_id in self._book.holds or allocation_id.startswith("adm-")
+
+    def release_hold(self, allocation_id: str, tenant: str) -> ReleaseReply | Rejected:
+        """End an admission in memory: its KV leaves the replica's account. Unknown, already released, or
+        another tenant's: the same ``not_found`` as for an unknown allocation (an id tells no one whether
+        it exists)."""
         hold = self._book.holds.get(allocation_id)
-        if hold is None:
-            return None
-        if hold.requester != tenant:
+        if hold is None or hold.requester != tenant:
             return no_allocation(allocation_id)
-        replica = self._book.replicas.get(hold.replica_id)
-        return replica.owner if replica is not None else tenant
-
-    async def release_hold(self, allocation_id: str, owner: str) -> ReleaseReply | Rejected:
-        released = await ask_ledger(
-            self._rpc,
-            Rpc.LEDGER_RELEASE,
-            LedgerReleaseRequest(allocation_id=allocation_id, tenant=owner),
-            LedgerReleaseReply,
-        )
-        if isinstance(released, Rejected):
-            return released
-        if released.status != "released":
-            return Rejected(error=released.error or rejected(ErrorCode.INTERNAL, "the ledger did not release").error)
-        self.on_allocation_ended(allocation_id)
+        self._book.ended(allocation_id)
+        self._done.pop(_key(hold.requester, hold.request_id), None)
+        self._wake.set()
         return ReleaseReply(status="released")
+
+    def renew_hold(self, allocation_id: str, tenant: str, lease_s: int) -> RenewReply | Rejected:
+        """Extend an admission's lease in memory (a long generation); refused as ``release_hold`` is."""
+        hold = self._book.holds.get(allocation_id)
+        if hold is None or hold.requester != tenant:
+            return no_allocation(allocation_id)
+        self._book.renew(allocation_id, self._timer() + lease_s * 1000)
+        return RenewReply(status="renewed", lease_expires_at=self._wall() + timedelta(seconds=lease_s))

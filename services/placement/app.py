@@ -160,7 +160,7 @@ SERVICE = ServiceDefinition(
                 LedgerEventName.ALLOCATION_RELEASED: lambda ctx: ctx.handlers.lifecycle.on_allocation_released,
             },
             together=True,  # one per placement: a batch per transaction (the handlers only write rows)
-            # Requests' KV holds (one pair per admission) reach admission through the view's feed instead.
+            # `request` allocations (a retired kind, ended at the ledger's migration) concern no decision.
             skip=lambda payload: payload.kind == "request",
         ),
     ),

@@ -1,6 +1,6 @@
 """What placement follows into memory (the kit's read side, ``shared.infra.follow``) and where each event
-goes: the fleet view (seeded from the owners' snapshots: seed ``view``), admission (engines' status, KV
-holds), the quotas' tally, the queue's wake-up, the reservations and the rebalancer's word."""
+goes: the fleet view (seeded from the owners' snapshots: seed ``view``), admission (engines' status), the
+quotas' tally, the queue's wake-up, the reservations and the rebalancer's word."""
 
 from __future__ import annotations
 
@@ -37,13 +37,13 @@ def _fleet(name: str) -> FoldFactory:
 
 
 def _allocation(name: str) -> FoldFactory:
-    """A LEDGER allocation event: a request's KV hold is admission's (it moves no HBM in the view: it lives
-    in its replica's pool); any other goes into the view, then into each tenant's placed-GPU tally."""
+    """A LEDGER allocation event into the view, then into each tenant's placed-GPU tally. A `request`
+    allocation (a retired kind: the ledger no longer makes them, and ends those left at its migration)
+    lived inside its replica's pool and moves no HBM: skipped."""
 
     def factory(ctx: Any) -> Fold:
         def fold(payload: AllocationEvent, meta: EventMeta) -> None:
             if payload.kind == "request":
-                ctx.admission.on_hold_event(name, payload)
                 return
             ctx.readmodel.apply(name, payload, meta.occurred_at)
             ctx.handlers.tally.on_view_allocation(name, payload)
@@ -79,11 +79,9 @@ def _throttle(on: bool) -> FoldFactory:
     return factory
 
 
-def _is_admissions(name: str, payload: Any) -> bool:
-    """Events admission takes as they come, the view seeded or not: engines' status and KV holds."""
-    return name == TelemetryEventName.ENGINE_STATUS or (
-        isinstance(payload, AllocationEvent) and payload.kind == "request"
-    )
+def _is_admissions(name: str, _payload: Any) -> bool:
+    """Events admission takes as they come, the view seeded or not: engines' status."""
+    return name == TelemetryEventName.ENGINE_STATUS
 
 
 FOLLOWS = (
@@ -113,7 +111,6 @@ FOLLOWS = (
             LedgerEventName.ALLOCATION_EXPIRED: _allocation(LedgerEventName.ALLOCATION_EXPIRED),
             LedgerEventName.CAPACITY_CHANGED: _fleet(LedgerEventName.CAPACITY_CHANGED),
         },
-        live=_is_admissions,
     ),
     # GPU telemetry for each node's PCIe utilisation; engines' status for admission's rotation.
     Follow(

@@ -38,7 +38,7 @@ from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
 
 class Lifecycle:
-    """Release and renew placed replicas (and admissions' KV holds), and follow their end in the ledger."""
+    """Release and renew placed replicas (and admissions, in memory), and follow their end in the ledger."""
 
     def __init__(
         self,
@@ -58,12 +58,9 @@ class Lifecycle:
         self._freed = freed  # capacity may have freed: the queue's wake
 
     async def release(self, request: ReleaseRequest) -> BaseModel:
-        if self._admission is not None:  # an admission's KV hold, released for the tenant that asked for it
-            owner = self._admission.owner_of_hold(request.allocation_id, request.tenant)
-            if isinstance(owner, Rejected):
-                return owner
-            if owner is not None:
-                return await self._admission.release_hold(request.allocation_id, owner)
+        if self._admission is not None and self._admission.is_admission(request.allocation_id):
+            # an admission (in memory only), released for the tenant that asked for it
+            return self._admission.release_hold(request.allocation_id, request.tenant)
         released = await ask_ledger(
             self._rpc,
             Rpc.LEDGER_RELEASE,
@@ -90,11 +87,8 @@ class Lifecycle:
 
     async def renew(self, request: RenewRequest) -> BaseModel:
         tenant = request.tenant
-        if self._admission is not None:  # an admission's KV hold: renewed under its replica's owner
-            owner = self._admission.owner_of_hold(request.allocation_id, request.tenant)
-            if isinstance(owner, Rejected):
-                return owner
-            tenant = owner or tenant
+        if self._admission is not None and self._admission.is_admission(request.allocation_id):
+            return self._admission.renew_hold(request.allocation_id, tenant, request.lease_s)
         renewed = await ask_ledger(
             self._rpc,
             Rpc.LEDGER_RENEW,
@@ -106,7 +100,7 @@ class Lifecycle:
         if renewed.status != "renewed":
             return _refused(renewed.error)
         lease = renewed.lease_expires_at
-        if lease is not None:  # the replica's lease end as `placement.replicas` lists it (a hold has none)
+        if lease is not None:  # the replica's lease end as `placement.replicas` lists it
 
             async def work(uow: UnitOfWork) -> None:
                 await self._store.lease_renewed(
@@ -133,7 +127,7 @@ class Lifecycle:
 
     async def on_allocation_expired(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
         """A replica whose lease ran out is announced as ended (as a release is), for those who follow
-        where replicas are (the router); a request's KV hold frees its replica's pool."""
+        where replicas are (the router)."""
         tenant = await self._store.mark_ended(
             session=uow.session, allocation_id=payload.allocation_id, status=IntentState.EXPIRED, now=uow.now
         )

@@ -1,12 +1,13 @@
 """Admission's in-memory view of the replicas placement made: each replica's model, engine, accelerators and
-KV pool (from placement's own decisions), its engine's latest status (TELEMETRY `engine_status`), the KV
-holds admission committed into it (its own, and the ledger's `request` allocations it hears of), and the
-per-node KV pools with each engine's guaranteed share (``shared.domain.admission.pool``).
+KV pool (from placement's own decisions), its engine's latest status (TELEMETRY `engine_status`), the
+requests admission granted into it (``shared.domain.admission.account``: an estimate of the pool's use, the
+engine's reported use plus the grants made since that report), and the per-node KV pools with each engine's
+guaranteed share (``shared.domain.admission.pool``).
 
-It is a cache, never the authority: the ledger checks every hold against the replica's KV pool, so a
-book that missed something costs a failover to the next replica, never an over-commit. After a restart
-it is seeded from placement's decisions; the holds made before the restart are known again as the
-ledger's events tell them (or when their lease ends)."""
+Nothing here is durable and nothing here asks another service: a replica's KV pool was reserved in the
+ledger when it was placed, and which request uses which part of it is the engine's business. After a
+restart the book is seeded from placement's decisions and each replica's use comes back with its engine's
+next report; requests admitted before the restart are counted in that report."""
 
 from __future__ import annotations
 
@@ -15,29 +16,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from shared.contracts.placement import PlaceReply
-from shared.contracts.subjects import token, untoken
 from shared.contracts.topology import EngineStatusEvent
-from shared.domain.admission import Engine, Grant, KvPool, ReplicaStatus, engine_of
+from shared.domain.admission import (
+    Engine,
+    EngineReport,
+    Grant,
+    InFlight,
+    KvPool,
+    ReplicaAccount,
+    ReplicaStatus,
+    engine_of,
+)
 from shared.domain.models import ModelSpec
 from shared.domain.placement.types import chip_id
-
-HOLD_PREFIX = "admit/"
-"""The ledger request id of an admission hold: ``admit/<requesting tenant token>/<request id>``."""
-
-
-def hold_request_id(tenant: str, request_id: str) -> str:
-    return f"{HOLD_PREFIX}{token(tenant)}/{request_id}"
-
-
-def hold_requester(ledger_request_id: str) -> tuple[str, str] | None:
-    """(requesting tenant, request id) of an admission hold's ledger request id; None for anything else."""
-    if not ledger_request_id.startswith(HOLD_PREFIX):
-        return None
-    scoped, _, request_id = ledger_request_id[len(HOLD_PREFIX) :].partition("/")
-    try:
-        return untoken(scoped), request_id
-    except ValueError:
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +90,7 @@ def replica_of(owner: str, reply: PlaceReply, models: Mapping[str, ModelSpec]) -
 
 @dataclass
 class Hold:
-    """One admitted request's KV inside its replica."""
+    """One admitted request's KV inside its replica (in memory only): ``allocation_id`` is its admission id."""
 
     allocation_id: str
     replica_id: str
@@ -107,6 +98,8 @@ class Hold:
     request_id: str
     kv_bytes: int
     grant: Grant | None = None
+    expires_at_ms: float = float("inf")
+    granted_at_ms: float = 0.0
 
 
 @dataclass
@@ -117,17 +110,15 @@ class _Report:
 
 @dataclass
 class ReplicaBook:
-    """What admission knows of replicas, their engines' reports and the holds in them."""
+    """What admission knows of replicas, their engines' reports and the requests in flight on them."""
 
     models: Mapping[str, ModelSpec]
     kv_shares: Mapping[Engine, float] | None = None
     replicas: dict[str, Replica] = field(default_factory=dict)
-    holds: dict[str, Hold] = field(default_factory=dict)
+    holds: dict[str, Hold] = field(default_factory=dict)  # admission id -> the request in flight
     _reports: dict[str, _Report] = field(default_factory=dict)
-    _held: dict[str, int] = field(default_factory=dict)
-    _since: dict[str, int] = field(default_factory=dict)  # replica -> admitted since its engine last reported
+    _accounts: dict[str, ReplicaAccount] = field(default_factory=dict)  # replica -> its in-flight estimate
     _failed: dict[str, float] = field(default_factory=dict)  # replica -> when a caller said it failed (ms)
-    _holders: dict[tuple[str, str], int] = field(default_factory=dict)  # (replica, requester) -> holds there
     _pools: dict[str, KvPool] = field(default_factory=dict)
     _statuses: dict[str, ReplicaStatus] = field(default_factory=dict)  # until the replica's figures change
 
@@ -135,6 +126,15 @@ class ReplicaBook:
 
     def add(self, replica: Replica) -> None:
         self.replicas[replica.replica_id] = replica
+        account = self._accounts.get(replica.replica_id)
+        if account is None or account.pool_bytes != replica.kv_total:
+            self._accounts[replica.replica_id] = ReplicaAccount(
+                replica.kv_total,
+                grants=dict(account.grants) if account else {},
+                last_report=account.last_report if account else None,
+                unreported=set(account.unreported) if account else set(),
+            )
+        self._statuses.pop(replica.replica_id, None)
         self._rebuild_pool(replica.node)
 
     def remove(self, replica_id: str) -> None:
@@ -142,9 +142,8 @@ class ReplicaBook:
         if replica is None:
             return
         for allocation_id in [a for a, hold in self.holds.items() if hold.replica_id == replica_id]:
-            self._unhold(self.holds.pop(allocation_id))
-        self._held.pop(replica_id, None)
-        self._since.pop(replica_id, None)
+            self.holds.pop(allocation_id)
+        self._accounts.pop(replica_id, None)
         self._reports.pop(replica_id, None)
         self._failed.pop(replica_id, None)
         self._statuses.pop(replica_id, None)
@@ -161,17 +160,38 @@ class ReplicaBook:
     # -- engine reports and failures -----------------------------------------------------------------
 
     def report(self, status: EngineStatusEvent, *, now_ms: float) -> bool:
-        """Keep the latest report of a replica's engine; True when it is one of ours and on its node."""
+        """Keep the latest report of a replica's engine; True when it is one of ours and on its node. The
+        requests admitted before it count as part of the engine's figures from now on."""
         replica = self.replicas.get(status.replica_id)
         if replica is None:
             return False  # not one of ours (or not yet: its engine reports again within seconds)
         if replica.node != status.node:
             return False  # another node's agent speaking for this replica (names compare exactly)
         self._reports[status.replica_id] = _Report(status, now_ms)
+        self._account(replica).report(
+            EngineReport(kv_used_bytes=self._scaled_use(replica, status), queue_depth=status.queue_depth, at_ms=now_ms)
+        )
         self._statuses.pop(status.replica_id, None)
-        self._since.pop(status.replica_id, None)  # the engine's queue now counts what was admitted before
         self._failed.pop(status.replica_id, None)  # a report after a failure puts it back in rotation
         return True
+
+    @staticmethod
+    def _scaled_use(replica: Replica, status: EngineStatusEvent) -> int:
+        """The engine's KV use as the same fraction of the replica's pool (the engine sizes its cache itself,
+        so its own total may differ from the bytes placement reserved)."""
+        if status.kv_total_bytes <= 0:
+            return 0
+        return round(replica.kv_total * min(1.0, status.kv_used_bytes / status.kv_total_bytes))
+
+    def _account(self, replica: Replica) -> ReplicaAccount:
+        account = self._accounts.get(replica.replica_id)
+        if account is None:
+            account = self._accounts[replica.replica_id] = ReplicaAccount(replica.kv_total)
+        return account
+
+    def account(self, replica_id: str) -> ReplicaAccount | None:
+        """The replica's in-flight account (read it, do not change it)."""
+        return self._accounts.get(replica_id)
 
     def failed(self, replica_id: str, *, tenant: str, now_ms: float) -> bool:
         """``tenant`` says this replica failed or timed out its request: out of rotation until it reports
@@ -184,12 +204,13 @@ class ReplicaBook:
         return True
 
     def holds_on(self, replica_id: str, tenant: str) -> bool:
-        """Whether ``tenant`` holds an admission (a KV hold) on the replica now."""
-        return self._holders.get((replica_id, tenant), 0) > 0
+        """Whether ``tenant`` has a request in flight (an admission not released) on the replica now."""
+        account = self._accounts.get(replica_id)
+        return account is not None and account.holders(tenant) > 0
 
     def status(self, replica: Replica) -> ReplicaStatus:
         """The replica as the selection rules see it (never reported: not healthy, not fresh); kept until
-        a report, a hold or a failure changes it (freshness is judged by the caller against its clock)."""
+        a report, a grant or a failure changes it (freshness is judged by the caller against its clock)."""
         cached = self._statuses.get(replica.replica_id)
         if cached is not None:
             return cached
@@ -199,7 +220,7 @@ class ReplicaBook:
 
     def _status(self, replica: Replica) -> ReplicaStatus:
         report = self._reports.get(replica.replica_id)
-        held = self._held.get(replica.replica_id, 0)
+        account = self._account(replica)
         total = replica.kv_total
         if report is None:
             healthy, queue, used, p50, p99, at = False, 0, 0, 0.0, 0.0, None
@@ -207,10 +228,8 @@ class ReplicaBook:
             s = report.status
             healthy = s.healthy and replica.replica_id not in self._failed
             # What admission sent since the report waits in the engine too (until the next report says).
-            queue = s.queue_depth + self._since.get(replica.replica_id, 0)
-            # Holds are checked against the replica's pool in the ledger; the engine's own total may differ
-            # (it sizes its cache itself), so its use counts as the same fraction of the pool.
-            used = round(total * min(1.0, s.kv_used_bytes / s.kv_total_bytes)) if s.kv_total_bytes > 0 else 0
+            queue = s.queue_depth + account.unreported_count
+            used = account.reported_bytes
             p50, p99, at = s.latency_p50_ms, s.latency_p99_ms, report.at_ms
         return ReplicaStatus(
             replica_id=replica.replica_id,
@@ -226,10 +245,10 @@ class ReplicaBook:
             latency_p50_ms=p50,
             latency_p99_ms=p99,
             reported_at_ms=at,
-            held_bytes=max(0, held - used),  # holds the engine's figure may not show yet
+            held_bytes=account.unreported_bytes,  # grants the engine's figure does not show yet
         )
 
-    # -- holds -----------------------------------------------------------------------------------------
+    # -- requests in flight ------------------------------------------------------------------------------
 
     def grant(self, replica: Replica, nbytes: int) -> Grant | bool | None:
         """The node pool's grant for ``nbytes`` more of this replica's engine; None when the engine's
@@ -244,58 +263,57 @@ class ReplicaBook:
         if pool is not None and isinstance(grant, Grant):
             pool.release(grant)
 
-    def tentative(self, replica_id: str, nbytes: int, *, undo: bool = False) -> None:
-        """Count a hold on its way to the ledger (so concurrent admissions see it), or take it back."""
-        sign = -1 if undo else 1
-        self._statuses.pop(replica_id, None)
-        self._held[replica_id] = self._held.get(replica_id, 0) + sign * nbytes
-        self._since[replica_id] = self._since.get(replica_id, 0) + sign
-        if self._held[replica_id] <= 0:
-            self._held.pop(replica_id)
-        if self._since[replica_id] <= 0:
-            self._since.pop(replica_id)
-
-    def held(self, hold: Hold, *, counted: bool = False) -> None:
-        """A hold the ledger accepted (idempotent: the same allocation twice counts once); ``counted``:
-        its bytes are already counted (``tentative``)."""
-        if hold.allocation_id in self.holds:
-            if counted:
-                self.tentative(hold.replica_id, hold.kv_bytes, undo=True)
-            return
-        replica = self.replicas.get(hold.replica_id)
-        if hold.grant is None and replica is not None:
-            granted = self.grant(replica, hold.kv_bytes)
-            hold.grant = granted if isinstance(granted, Grant) else None
+    def admit(self, replica: Replica, hold: Hold) -> bool:
+        """Count a request in flight on ``replica`` when its estimate leaves room, and the node's pool
+        grants its engine the bytes; False, with nothing counted, when not."""
+        account = self._account(replica)
+        if not account.fits(hold.kv_bytes):
+            return False
+        granted = self.grant(replica, hold.kv_bytes)
+        if granted is None:
+            return False  # the engine's guaranteed KV share and what it may borrow are used up on this node
+        inflight = InFlight(
+            admission_id=hold.allocation_id,
+            tenant=hold.requester,
+            request_id=hold.request_id,
+            nbytes=hold.kv_bytes,
+            granted_at_ms=hold.granted_at_ms,
+            expires_at_ms=hold.expires_at_ms,
+        )
+        if not account.grant(inflight):
+            self.ungrant(replica, granted)
+            return False
+        hold.grant = granted if isinstance(granted, Grant) else None
         self.holds[hold.allocation_id] = hold
-        key = (hold.replica_id, hold.requester)
-        self._holders[key] = self._holders.get(key, 0) + 1
-        if not counted:
-            self.tentative(hold.replica_id, hold.kv_bytes)
+        self._statuses.pop(replica.replica_id, None)
+        return True
+
+    def renew(self, allocation_id: str, expires_at_ms: float) -> Hold | None:
+        hold = self.holds.get(allocation_id)
+        account = self._accounts.get(hold.replica_id) if hold is not None else None
+        if hold is None or account is None or account.renew(allocation_id, expires_at_ms) is None:
+            return None
+        hold.expires_at_ms = expires_at_ms
+        return hold
 
     def ended(self, allocation_id: str) -> Hold | None:
-        """A hold released or expired; the hold, or None when it was not one."""
+        """A request released (or its lease ended): the hold, or None when it was not one (idempotent)."""
         hold = self.holds.pop(allocation_id, None)
         if hold is None:
             return None
-        self._unhold(hold)
+        account = self._accounts.get(hold.replica_id)
+        if account is not None:
+            account.release(allocation_id)
         self._statuses.pop(hold.replica_id, None)
-        left = self._held.get(hold.replica_id, 0) - hold.kv_bytes
-        if left > 0:
-            self._held[hold.replica_id] = left
-        else:
-            self._held.pop(hold.replica_id, None)
         replica = self.replicas.get(hold.replica_id)
         if replica is not None:
             self.ungrant(replica, hold.grant)
         return hold
 
-    def _unhold(self, hold: Hold) -> None:
-        key = (hold.replica_id, hold.requester)
-        left = self._holders.get(key, 0) - 1
-        if left > 0:
-            self._holders[key] = left
-        else:
-            self._holders.pop(key, None)
+    def expire(self, now_ms: float) -> list[Hold]:
+        """End the requests whose lease passed without a release; those ended."""
+        gone = [a for a, hold in self.holds.items() if hold.expires_at_ms <= now_ms]
+        return [hold for a in gone if (hold := self.ended(a)) is not None]
 
     def _rebuild_pool(self, node: str) -> None:
         """The node's KV pool over the replicas on it, with the grants of the holds in them again."""

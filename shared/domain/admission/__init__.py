@@ -5,9 +5,11 @@ how one node's KV pool is shared between engines. Pure: time is ``now_ms`` from 
 * ``groups``: model groups, one API name for several catalog models;
 * ``select``: candidates, the rule that picks among them, the failover order;
 * ``fair``: per-tenant weighted fair queueing shaped by token buckets;
-* ``pool``: a node's KV pool with a guarantee per engine and borrowing from idle engines.
+* ``pool``: a node's KV pool with a guarantee per engine and borrowing from idle engines;
+* ``account``: one replica's in-flight requests, estimated against its engine's reports.
 """
 
+from shared.domain.admission.account import EngineReport, InFlight, ReplicaAccount
 from shared.domain.admission.engines import Engine, ReplicaStatus, engine_of, request_kv_bytes
 from shared.domain.admission.fair import FairQueue, TokenBucket
 from shared.domain.admission.groups import members, parse_model_groups, unknown_model
@@ -33,11 +35,14 @@ __all__ = [
     "AdmitPolicy",
     "Candidate",
     "Engine",
+    "EngineReport",
     "Exclusion",
     "FairQueue",
     "Grant",
     "Hint",
+    "InFlight",
     "KvPool",
+    "ReplicaAccount",
     "ReplicaStatus",
     "Rule",
     "Selection",

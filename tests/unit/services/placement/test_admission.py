@@ -1,5 +1,5 @@
-"""AdmissionHandlers with fakes: a ledger that checks each hold against its replica's KV pool as the real one
-does, a fake monotonic clock, engine reports handed in directly. No servers."""
+"""AdmissionHandlers with fakes: an RPC client that records any call (admission must make none: it counts
+requests in memory), a fake monotonic clock, engine reports handed in directly. No servers."""
 
 from __future__ import annotations
 
@@ -12,18 +12,18 @@ import pytest
 from pydantic import BaseModel
 
 from services.placement.admission import AdmissionHandlers, Fairness
-from services.placement.replicas import Replica, ReplicaBook, hold_requester, replica_of
-from shared.contracts.base import ErrorCode, Rejected, rejected
-from shared.contracts.ledger import (
-    CommitBatchReply,
-    CommitBatchRequest,
-    CommitReply,
-    CommitRequest,
-    LedgerReleaseReply,
-    LedgerReleaseRequest,
-    no_allocation,
+from services.placement.replicas import Replica, ReplicaBook, replica_of
+from shared.contracts.base import ErrorCode, Rejected
+from shared.contracts.ledger import no_allocation
+from shared.contracts.placement import (
+    AcceleratorShare,
+    AdmitReply,
+    AdmitRequest,
+    NodePlacement,
+    PlaceReply,
+    ReleaseReply,
+    RenewReply,
 )
-from shared.contracts.placement import AcceleratorShare, AdmitReply, AdmitRequest, NodePlacement, PlaceReply
 from shared.contracts.subjects import Rpc, Subjects
 from shared.contracts.topology import EngineStatusEvent
 from shared.domain.admission import AdmitPolicy, Engine
@@ -44,50 +44,16 @@ class Clock:
         return self.ms
 
 
-class FakeLedger(RpcClient):
-    """`ledger.commit` of `request` allocations: refused `no_capacity` past the replica's KV pool (per
-    accelerator, as ``shared.domain.ledger.check_request``); `ledger.release` frees them."""
+class NoCalls(RpcClient):
+    """An RPC client that records every call and answers none: admission must not call another service."""
 
-    def __init__(self, pools: dict[str, dict[str, int]], owners: dict[str, str]) -> None:
+    def __init__(self) -> None:
         super().__init__(lambda: None, Subjects("t"))  # type: ignore[arg-type, return-value]
-        self.pools = pools
-        self.owners = owners
-        self.used: dict[str, dict[str, int]] = {r: {} for r in pools}
-        self.holds: dict[str, tuple[str, CommitRequest]] = {}
-        self.commits: list[CommitRequest] = []
-        self.batches: list[int] = []
+        self.calls: list[Rpc] = []
 
     async def call(self, rpc: Rpc, request: BaseModel, **_: Any) -> BaseModel:
-        if rpc is Rpc.LEDGER_RELEASE:
-            assert isinstance(request, LedgerReleaseRequest)
-            replica, commit = self.holds.pop(request.allocation_id)
-            assert request.tenant == commit.tenant
-            for share in commit.shares:
-                self.used[replica][share.accelerator_id] -= share.kv_bytes
-            return LedgerReleaseReply(status="released")
-        if rpc is Rpc.LEDGER_COMMIT_BATCH:
-            assert isinstance(request, CommitBatchRequest)
-            self.batches.append(len(request.commits))
-            return CommitBatchReply(results=[self._commit(commit) for commit in request.commits])
-        assert rpc is Rpc.LEDGER_COMMIT and isinstance(request, CommitRequest)
-        return self._commit(request)
-
-    def _commit(self, request: CommitRequest) -> BaseModel:
-        self.commits.append(request)
-        parent = request.parent_id or ""
-        if self.owners[parent] != request.tenant:
-            return rejected(ErrorCode.FORBIDDEN, "the replica belongs to another tenant")
-        for share in request.shares:
-            if (
-                self.used[parent].get(share.accelerator_id, 0) + share.kv_bytes
-                > self.pools[parent][share.accelerator_id]
-            ):
-                return CommitReply(status="rejected", error=rejected(ErrorCode.NO_CAPACITY, "KV pool full").error)
-        for share in request.shares:
-            self.used[parent][share.accelerator_id] = self.used[parent].get(share.accelerator_id, 0) + share.kv_bytes
-        allocation_id = f"hold-{len(self.commits)}"
-        self.holds[allocation_id] = (parent, request)
-        return CommitReply(status="committed", request_id=request.request_id, allocation_id=allocation_id)
+        self.calls.append(rpc)
+        raise AssertionError(f"admission called {rpc} on the request path")
 
 
 def _replica(replica_id: str, model: str, node: str, *, kv_gb: float = 40, region: str = "us-west-1") -> Replica:
@@ -123,11 +89,11 @@ def _status(replica: Replica, **figures: Any) -> EngineStatusEvent:
 
 def _stack(
     *replicas: Replica, fairness: Fairness | None = None, draining: set[str] | None = None
-) -> tuple[AdmissionHandlers, FakeLedger, Clock, ReplicaBook]:
+) -> tuple[AdmissionHandlers, NoCalls, Clock, ReplicaBook]:
     book = ReplicaBook(models=MODELS)
     for replica in replicas:
         book.add(replica)
-    ledger = FakeLedger({r.replica_id: dict(r.kv_pool) for r in replicas}, {r.replica_id: r.owner for r in replicas})
+    ledger = NoCalls()
     clock = Clock()
     handlers = AdmissionHandlers(
         book=book,
@@ -166,10 +132,10 @@ async def test_a_64k_request_to_a_group_with_ssm_and_transformer_goes_to_the_ssm
     # A short request with no SLO goes by least cost: the idle, fast transformer.
     short = await handlers.admit(_ask("short", tokens=1000))
     assert isinstance(short, AdmitReply) and short.replica_id == "r-tf"
-    # The hold is a `request` allocation in the replica's pool, under its owner, naming the requester.
-    commit = ledger.commits[0]
-    assert (commit.kind, commit.parent_id, commit.tenant) == ("request", "r-ssm", "platform")
-    assert hold_requester(commit.request_id) == ("acme", "long")
+    # Counted in memory on the replica, for the requester; no other service was asked.
+    hold = _book.holds[reply.allocation_id or ""]
+    assert (hold.replica_id, hold.requester, hold.request_id) == ("r-ssm", "acme", "long")
+    assert ledger.calls == []
 
 
 async def test_a_replica_the_rebalancer_drains_takes_no_new_request_but_keeps_its_holds() -> None:
@@ -186,7 +152,7 @@ async def test_a_replica_the_rebalancer_drains_takes_no_new_request_but_keeps_it
     draining.add("r-old")
     after = await handlers.admit(_ask("new", tokens=1000))
     assert isinstance(after, AdmitReply) and after.replica_id == "r-copy"
-    assert handlers.owner_of_hold(before.allocation_id or "", "acme") is not None  # still held on the old one
+    assert before.allocation_id in _book.holds  # still in flight on the old one
 
 
 async def test_a_stale_replica_is_never_chosen() -> None:
@@ -230,16 +196,22 @@ async def test_a_failed_engine_fails_over_in_the_same_call_and_stays_out_until_i
     assert isinstance(back, AdmitReply) and back.replica_id == "r-moe"
 
 
-async def test_a_hold_the_ledger_refuses_fails_over_to_the_next_replica() -> None:
-    a, b = _replica("r-a", "llama3.1-8b", "n1", kv_gb=40), _replica("r-b", "llama3.1-8b", "n2", kv_gb=40)
-    handlers, ledger, _clock, _book = _stack(a, b)
-    handlers.on_engine_status(_status(a, latency_p50_ms=20.0, queue_depth=0))
+async def test_a_replica_whose_estimate_has_no_room_fails_over_to_the_next_one() -> None:
+    """Grants since the engine's last report count on top of its reported use: the first replica fills
+    before its engine reports again, and the next request goes to the next replica in the order."""
+    a, b = _replica("r-a", "llama3.1-8b", "n1", kv_gb=10), _replica("r-b", "llama3.1-8b", "n2", kv_gb=10)
+    handlers, ledger, _clock, book = _stack(a, b)
+    handlers.on_engine_status(_status(a, latency_p50_ms=20.0, queue_depth=0, kv_used_bytes=2 * GB))
     handlers.on_engine_status(_status(b, latency_p50_ms=90.0, queue_depth=0))
-    ledger.used["r-a"]["n1/gpu0"] = 40 * GB  # the book does not know: another process filled it
 
-    reply = await handlers.admit(_ask("x", model="llama3.1-8b"))
-    assert isinstance(reply, AdmitReply) and reply.replica_id == "r-b"
-    assert "refused the hold" in (reply.explanation or "")
+    # (60,000 + 256) tokens x 128 KiB = 7.9 GB: one fits beside r-a's reported 2 GB, a second does not.
+    first = await handlers.admit(_ask("x1", model="llama3.1-8b", tokens=60_000))
+    second = await handlers.admit(_ask("x2", model="llama3.1-8b", tokens=60_000))
+    assert isinstance(first, AdmitReply) and first.replica_id == "r-a"
+    assert isinstance(second, AdmitReply) and second.replica_id == "r-b", second
+    account = book.account("r-a")
+    assert account is not None and account.estimate_bytes == 2 * GB + (first.kv_bytes or 0)
+    assert ledger.calls == []
 
 
 async def test_nothing_fits_queues_with_a_position_and_admits_when_capacity_frees() -> None:
@@ -264,7 +236,7 @@ async def test_the_same_request_id_answers_the_same_admission() -> None:
     handlers.on_engine_status(_status(tf))
     one = await handlers.admit(_ask("same"))
     two = await handlers.admit(_ask("same"))
-    assert one == two and len(ledger.commits) == 1
+    assert one == two and len(_book.holds) == 1 and ledger.calls == []
 
 
 async def test_kv_is_held_until_release_and_only_its_tenant_may_release_it() -> None:
@@ -275,16 +247,61 @@ async def test_kv_is_held_until_release_and_only_its_tenant_may_release_it() -> 
     assert isinstance(reply, AdmitReply) and reply.allocation_id is not None and reply.kv_bytes
     assert book.status(tf).held_bytes == reply.kv_bytes
 
-    # Another tenant's hold is answered as the ledger answers an unknown allocation (issue 23): the same
-    # code and message, so the id does not tell it exists.
-    theirs = handlers.owner_of_hold(reply.allocation_id, "mallory")
-    assert isinstance(theirs, Rejected) and theirs.error.code is ErrorCode.NOT_FOUND
+    # Another tenant is answered as the ledger answers an unknown allocation: the same code and message,
+    # so the id does not tell it exists; nothing changes.
+    theirs = handlers.release_hold(reply.allocation_id, "mallory")
     assert theirs == no_allocation(reply.allocation_id)
-    owner = handlers.owner_of_hold(reply.allocation_id, "acme")
-    assert owner == "platform"
-    # A long generation renews its hold: through placement.renew, under the replica's owner (PlacementHandlers).
-    released = await handlers.release_hold(reply.allocation_id, "platform")
-    assert released.status == "released" and book.status(tf).held_bytes == 0 and not ledger.holds
+    assert handlers.renew_hold(reply.allocation_id, "mallory", 600) == no_allocation(reply.allocation_id)
+    assert book.status(tf).held_bytes == reply.kv_bytes
+    # A long generation renews its admission (in memory), then releases it.
+    renewed = handlers.renew_hold(reply.allocation_id, "acme", 600)
+    assert isinstance(renewed, RenewReply) and renewed.status == "renewed" and renewed.lease_expires_at
+    released = handlers.release_hold(reply.allocation_id, "acme")
+    assert isinstance(released, ReleaseReply) and released.status == "released"
+    assert book.status(tf).held_bytes == 0 and not book.holds
+    # Idempotent: a second release, or an id never given, is the unknown-allocation answer.
+    assert handlers.release_hold(reply.allocation_id, "acme") == no_allocation(reply.allocation_id)
+    assert handlers.release_hold("adm-never", "acme") == no_allocation("adm-never")
+    # The same request id admits anew once released.
+    again = await handlers.admit(_ask("big", tokens=6000))
+    assert isinstance(again, AdmitReply) and again.allocation_id not in (None, reply.allocation_id)
+    assert ledger.calls == []
+
+
+async def test_an_admission_not_released_within_its_lease_is_dropped() -> None:
+    tf = _replica("r-tf", "llama3.1-8b", "n1", kv_gb=1)
+    handlers, _ledger, clock, book = _stack(tf)
+    handlers.on_engine_status(_status(tf))
+    reply = await handlers.admit(_ask("gone", tokens=6000, lease_s=5))
+    assert isinstance(reply, AdmitReply) and reply.allocation_id in book.holds
+    clock.ms += 4_000
+    await handlers.admit(_ask("other", tokens=10))
+    assert reply.allocation_id in book.holds
+    clock.ms += 2_000
+    await handlers.admit(_ask("later", tokens=10))
+    assert reply.allocation_id not in book.holds
+    assert handlers.release_hold(reply.allocation_id or "", "acme") == no_allocation(reply.allocation_id or "")
+
+
+async def test_after_a_restart_the_counts_come_back_from_the_engines_next_report() -> None:
+    """A fresh process knows no admission; the engine's next report carries what it runs, and admission
+    refuses what would take the replica past its pool."""
+    tf = _replica("r-tf", "llama3.1-8b", "n1", kv_gb=10)
+    handlers, ledger, _clock, book = _stack(tf)
+    handlers.on_engine_status(_status(tf, queue_depth=0))
+    for i in range(3):  # 3 x 7.9 GB would not fit 10 GB: one does
+        await handlers.admit(_ask(f"before-{i}", model="llama3.1-8b", tokens=60_000))
+    assert len(book.holds) == 1
+
+    restarted, _ledger2, _clock2, book2 = _stack(tf)  # the same replica, an empty memory
+    assert book2.holds == {} and book2.account("r-tf") is not None
+    assert book2.account("r-tf").estimate_bytes == 0  # type: ignore[union-attr]
+    restarted.on_engine_status(_status(tf, queue_depth=1, kv_used_bytes=8 * GB))  # what it still runs
+    refused = await restarted.admit(_ask("after", model="llama3.1-8b", tokens=60_000))
+    assert isinstance(refused, AdmitReply) and refused.status == "queued", refused
+    small = await restarted.admit(_ask("small", model="llama3.1-8b", tokens=1000))
+    assert isinstance(small, AdmitReply) and small.status == "admitted", small
+    assert ledger.calls == [] and _ledger2.calls == []
 
 
 async def test_unknown_model_and_a_context_too_long_for_every_replica() -> None:
@@ -347,16 +364,16 @@ def test_a_placed_reply_becomes_a_replica_with_its_kv_pool() -> None:
     assert replica_of("acme", reply.model_copy(update={"model": None}), MODELS) is None
 
 
-async def test_concurrent_admissions_hold_their_kv_in_batches() -> None:
-    """Admissions that arrive while a hold is in flight go to the ledger together (`ledger.commit_batch`),
-    each still answered on its own."""
+async def test_concurrent_admissions_are_counted_in_memory_without_a_call() -> None:
+    """Admissions that arrive together are each answered on their own, every one counted, none asking
+    another service."""
     replicas = [_replica(f"r-{i}", "llama3.1-8b", f"n{i}") for i in range(4)]
     handlers, ledger, _clock, book = _stack(*replicas)
     for replica in replicas:
         handlers.on_engine_status(_status(replica, queue_depth=0))
     replies = await asyncio.gather(*(handlers.admit(_ask(f"c-{i}", tenant=f"t{i}")) for i in range(40)))
     assert all(isinstance(r, AdmitReply) and r.status in ("admitted", "queued") for r in replies)
-    assert ledger.batches and max(ledger.batches) > 1
+    assert ledger.calls == []
     admitted = [r for r in replies if isinstance(r, AdmitReply) and r.status == "admitted"]
     assert len(book.holds) == len(admitted) == len({r.allocation_id for r in admitted})
 
@@ -423,9 +440,9 @@ async def test_failed_replica_id_counts_only_from_a_tenant_holding_an_admission_
     assert heard.replica_id == "r-tf"  # acme holds admissions on r-moe: out of rotation, failed over
 
     handlers.on_engine_status(_status(moe, latency_p50_ms=30.0, queue_depth=0))  # back in rotation
-    for reply in (mine, probe, after):
+    for reply, tenant in ((mine, "acme"), (probe, "globex"), (after, "acme")):
         assert reply.allocation_id is not None
-        handlers.on_allocation_ended(reply.allocation_id)
+        assert isinstance(handlers.release_hold(reply.allocation_id, tenant), ReleaseReply)
     assert not book.holds_on("r-moe", "acme")
     late = await handlers.admit(_ask("a-3", tenant="acme", model="llama3.1-8b", failed_replica_id="r-moe"))
     assert isinstance(late, AdmitReply) and late.failed_replica_ignored is True
