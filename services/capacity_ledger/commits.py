@@ -98,9 +98,6 @@ class CommitHandlers:
                 if charged and self._crossing_budget > 0
                 else {}
             )
-            parents = await self._store.lock_replica_pools(
-                session=uow.session, ids=[i.parent_id for i in intents if i.parent_id]
-            )
             gone.clear()
             gone.update(i for i, alive in enumerate(live()) if not alive)  # re-checked after the locks
             planned = [i for n, i in enumerate(intents) if n not in gone]
@@ -108,7 +105,6 @@ class CommitHandlers:
                 planned,
                 view=view,
                 existing=existing,
-                parents=parents,
                 now=uow.now,
                 default_lease_s=self._default_lease_s,
                 clusters=clusters,

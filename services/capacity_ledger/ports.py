@@ -17,7 +17,6 @@ from shared.domain.ledger import (
     AllocationState,
     EndedAllocation,
     ExistingAllocation,
-    ReplicaPool,
 )
 from shared.infra.uow import UnitOfWork
 
@@ -47,7 +46,6 @@ class Store(Protocol):
     async def accelerator_clusters(self, *, session: AsyncSession, ids: Iterable[str]) -> dict[str, str | None]: ...
 
     async def lock_crossing(self, *, session: AsyncSession, clusters: Iterable[str]) -> dict[str, int]: ...
-    async def lock_replica_pools(self, *, session: AsyncSession, ids: Iterable[str]) -> dict[str, ReplicaPool]: ...
     async def insert_allocations(
         self, *, session: AsyncSession, allocations: Sequence[store.NewAllocation]
     ) -> None: ...

@@ -158,11 +158,17 @@ class CommitRequest(Request):
         min_length=1, max_length=NAME_MAX, description="Idempotency key (per tenant).", examples=["r-1"]
     )
     tenant: str = Field(min_length=1, max_length=NAME_MAX, description="Owner.", examples=["acme"])
-    kind: Literal["replica", "request"] = Field(default="replica", description="What is held.", examples=["replica"])
+    kind: Literal["replica", "request"] = Field(
+        default="replica",
+        description="What is held: `replica`, the only kind the ledger accepts. `request` is refused as "
+        "`invalid_request`: admissions are counted by placement in memory (`placement.admit`), and the ledger holds "
+        "replicas only.",
+        examples=["replica"],
+    )
     parent_id: str | None = Field(
         default=None,
         max_length=ID_MAX,
-        description="For `request`: the replica whose KV pool it uses.",
+        description="Unused: it named the replica of a `request` allocation, a kind now refused. A `replica` has none.",
         examples=[None],
     )
     sharing: Literal["exclusive", "shared"] = Field(
@@ -203,13 +209,10 @@ class CommitRequest(Request):
         return as_utc(value)
 
     @model_validator(mode="after")
-    def _parent_for_requests(self) -> CommitRequest:
-        if self.kind == "request" and not self.parent_id:
-            raise ValueError("a `request` allocation needs `parent_id` (its replica)")
+    def _no_parent(self) -> CommitRequest:
+        # A `request` (refused by the ledger, whatever its fields) is answered with why, not with a field error.
         if self.kind == "replica" and self.parent_id:
             raise ValueError("a `replica` allocation has no parent")
-        if self.kind == "request" and self.cross_domain_bytes_per_s:
-            raise ValueError("a `request` allocation has no cross-domain traffic of its own (its replica has)")
         return self
 
 
@@ -343,8 +346,12 @@ class AllocationEvent(Contract):
     allocation_id: str = Field(description="Allocation.", examples=["al-..."])
     request_id: str = Field(description="Its request id.", examples=["r-1"])
     tenant: str = Field(description="Owner.", examples=["acme"])
-    kind: str = Field(description="`replica` or `request`.", examples=["replica"])
-    parent_id: str | None = Field(default=None, description="Replica of a request allocation.")
+    kind: str = Field(
+        description="`replica`; `request` only for allocations written before the ledger held replicas only "
+        "(admissions are counted by placement in memory).",
+        examples=["replica"],
+    )
+    parent_id: str | None = Field(default=None, description="Replica of a (retired) request allocation.")
     preemptible: bool = Field(default=False, description="Preemptible.")
     priority: Int = Field(default=0, description="Priority.")
     lease_expires_at: datetime | None = Field(default=None, description="Lease end.")

@@ -442,7 +442,8 @@ class AdmitReply(Contract):
     status: Literal["admitted", "queued", "rejected"] = Field(description="Outcome.", examples=["admitted"])
     allocation_id: str | None = Field(
         default=None,
-        description="The request's KV hold inside the replica (`placement.release` ends it).",
+        description="The admission id (`adm-...`): the request counted against its replica in placement's memory, "
+        "not a ledger allocation (`placement.release` ends it, `placement.renew` extends it).",
         examples=["adm-1"],
     )
     replica_id: str | None = Field(

@@ -176,7 +176,12 @@ async def test_bad_input_gets_typed_errors_and_changes_nothing(ledger: Client, s
         (Rpc.LEDGER_COMMIT, commit("no-such-node/gpu0", 1), "not_found"),
         (Rpc.LEDGER_COMMIT, commit(["dgx-h100-02/gpu1", "no-such-node/gpu0"], 1), "not_found"),  # all or nothing
         (Rpc.LEDGER_COMMIT, commit("dgx-h100-02/gpu1", 1, lease_expires_at=past), "invalid_request"),
-        (Rpc.LEDGER_COMMIT, commit("dgx-h100-02/gpu1", 1, kind="request"), "invalid_request"),  # no parent
+        (Rpc.LEDGER_COMMIT, commit("dgx-h100-02/gpu1", 1, kind="request"), "invalid_request"),  # replicas only
+        (
+            Rpc.LEDGER_COMMIT,
+            commit("dgx-h100-02/gpu0", 1, tenant="globex", kind="request", parent_id=held["allocation_id"]),
+            "invalid_request",
+        ),
         # Another tenant's allocation: answered as an unknown one (issue 23: an id says nothing of its existence).
         (Rpc.LEDGER_RELEASE, {"allocation_id": held["allocation_id"], "tenant": "acme"}, "not_found"),
         (Rpc.LEDGER_RENEW, {"allocation_id": held["allocation_id"], "tenant": "acme", "lease_s": 60}, "not_found"),
@@ -412,48 +417,93 @@ async def test_drift_after_two_samples_over_ten_percent_once_per_episode(ledger:
     assert again[1]["payload"]["difference_bytes"] == 25 * GB
 
 
-async def test_requests_live_inside_their_replica_kv_pool(ledger: Client, settings: Settings) -> None:
+async def test_a_request_commit_is_refused_typed_and_changes_nothing(ledger: Client, settings: Settings) -> None:
+    """The ledger holds replicas only: admissions are counted by placement in memory, so a `request`
+    commit (a KV hold inside a replica, as the ledger once took) is refused and writes nothing."""
     acc = "dgx-a100-01/gpu0"
     replica = await call(
         ledger,
         settings,
         Rpc.LEDGER_COMMIT,
         {
-            "request_id": "rep-1",
+            "request_id": f"rep-{uuid.uuid4().hex[:8]}",
             "tenant": "acme",
             "shares": [{"accelerator_id": acc, "weights_bytes": 20 * GB, "kv_bytes": 10 * GB}],
         },
     )
-    child = {"kind": "request", "parent_id": replica["allocation_id"], "tenant": "acme"}
-    ok = await call(
-        ledger,
-        settings,
-        Rpc.LEDGER_COMMIT,
-        {**child, "request_id": "q-1", "shares": [{"accelerator_id": acc, "kv_bytes": 6 * GB}]},
-    )
-    assert ok["status"] == "committed"
-    over = await call(
-        ledger,
-        settings,
-        Rpc.LEDGER_COMMIT,
-        {**child, "request_id": "q-2", "shares": [{"accelerator_id": acc, "kv_bytes": 5 * GB}]},
-    )
-    assert over["error"]["code"] == "no_capacity" and "KV pool" in over["error"]["message"]
-    stranger = await call(
-        ledger,
-        settings,
-        Rpc.LEDGER_COMMIT,
-        {**child, "tenant": "globex", "request_id": "q-3", "shares": [{"accelerator_id": acc, "kv_bytes": 1 * GB}]},
-    )
-    assert stranger["error"]["code"] == "forbidden"
-    assert (await reserved(ledger, settings, "dgx-a100-01"))[acc] == 30 * GB  # requests add nothing on top
-    await call(ledger, settings, Rpc.LEDGER_RELEASE, {"allocation_id": replica["allocation_id"], "tenant": "acme"})
+    assert replica["status"] == "committed"
+    before = await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {})
+    rid = f"q-{uuid.uuid4().hex[:8]}"
+    hold = {
+        "request_id": rid,
+        "tenant": "acme",
+        "kind": "request",
+        "parent_id": replica["allocation_id"],
+        "shares": [{"accelerator_id": acc, "kv_bytes": GB}],
+    }
+    refused = await call(ledger, settings, Rpc.LEDGER_COMMIT, hold)
+    assert refused["status"] == "rejected" and refused["error"]["code"] == "invalid_request", refused
+    assert "replicas only" in refused["error"]["message"] and "placement" in refused["error"]["message"]
+    batch = await call(ledger, settings, Rpc.LEDGER_COMMIT_BATCH, {"commits": [hold]})
+    assert [(r["status"], r["error"]["code"]) for r in batch["results"]] == [("rejected", "invalid_request")]
+    assert await call(ledger, settings, Rpc.LEDGER_SNAPSHOT, {}) == before
+    conn = await superuser(settings)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM ledger.allocations WHERE request_id = $1", rid) == 0
+    finally:
+        await conn.close()
+
+    async def committed() -> list[str]:
+        # Once the replica's own commit is on the stream, a commit of the hold would have been too.
+        events = await ledger_events(ledger, settings, "allocation_committed")
+        ids = [e["payload"]["request_id"] for e in events]
+        return ids if replica["request_id"] in ids else []
+
+    assert rid not in await wait_for(committed, 15, interval_s=0.2, what="the replica's commit on the stream")
+
+
+async def test_a_replica_s_end_still_ends_a_request_row_written_before_the_retirement(
+    ledger: Client, settings: Settings
+) -> None:
+    """Rows of kind `request` from before admissions left the ledger (until migration 0017 ends them) go
+    with their replica, as they always did."""
+    acc = "dgx-a100-01/gpu1"
+    replica = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(acc, 20))
+    assert replica["status"] == "committed"
+    legacy = f"al-legacy-{uuid.uuid4().hex[:8]}"
+    conn = await superuser(settings)
+    try:
+        async with conn.transaction():
+            await conn.execute(
+                "INSERT INTO ledger.allocations (id, request_id, tenant, kind, parent_id, state, preemptible, "
+                "priority, lease_expires_at) VALUES ($1, $1, 'acme', 'request', $2, 'active', false, 0, "
+                "now() + interval '1 hour')",
+                legacy,
+                replica["allocation_id"],
+            )
+            await conn.execute(
+                "INSERT INTO ledger.shares (allocation_id, accelerator_id, weights, kv, activation, workspace, "
+                "total, counts, active) VALUES ($1, $2, 0, $3, 0, 0, $3, false, true)",
+                legacy,
+                acc,
+                GB,
+            )
+        assert (await reserved(ledger, settings, "dgx-a100-01"))[acc] == 20 * GB  # the hold counts nothing
+        released = await call(
+            ledger, settings, Rpc.LEDGER_RELEASE, {"allocation_id": replica["allocation_id"], "tenant": "acme"}
+        )
+        assert released["status"] == "released", released
+        row = await conn.fetchrow("SELECT state, ended_at FROM ledger.allocations WHERE id = $1", legacy)
+        assert row["state"] == "released" and row["ended_at"] is not None
+        assert not await conn.fetchval("SELECT active FROM ledger.shares WHERE allocation_id = $1", legacy)
+    finally:
+        await conn.close()
 
     async def request_released() -> bool:
-        released = [e["payload"]["allocation_id"] for e in await ledger_events(ledger, settings, "allocation_released")]
-        return ok["allocation_id"] in released
+        gone = [e["payload"]["allocation_id"] for e in await ledger_events(ledger, settings, "allocation_released")]
+        return legacy in gone
 
-    await wait_for(request_released, 15, interval_s=0.2, what="the request went with its replica")
+    await wait_for(request_released, 15, interval_s=0.2, what="the legacy request went with its replica")
 
 
 # -- exclusive and shared replicas; cross-domain traffic per cluster -----------------------------------
@@ -709,7 +759,7 @@ async def test_the_journal_is_append_only_even_for_the_superuser(ledger: Client,
 
 async def test_replaying_the_ledger_stream_rebuilds_the_tables(ledger: Client, settings: Settings) -> None:
     # Its own history, so the test means the same alone as after the others: commits on three
-    # accelerators, one released, a request inside a replica (which counts nothing on its own).
+    # accelerators, one released, and a replica.
     accs = ["a100-pcie-01/gpu0", "a100-pcie-01/gpu1", "a100-pcie-01/gpu2"]
     kept = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(accs[:2], 7, sharing="shared"))
     gone = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit(accs[1:], 3, sharing="shared"))
@@ -724,19 +774,7 @@ async def test_replaying_the_ledger_stream_rebuilds_the_tables(ledger: Client, s
             "shares": [{"accelerator_id": accs[2], "kv_bytes": GB}],
         },
     )
-    request = await call(
-        ledger,
-        settings,
-        Rpc.LEDGER_COMMIT,
-        {
-            "request_id": f"q-{uuid.uuid4().hex[:8]}",
-            "tenant": "acme",
-            "kind": "request",
-            "parent_id": replica["allocation_id"],
-            "shares": [{"accelerator_id": accs[2], "kv_bytes": GB // 2}],
-        },
-    )
-    assert all(r["status"] == "committed" for r in (kept, gone, replica, request))
+    assert all(r["status"] == "committed" for r in (kept, gone, replica))
     released = await call(
         ledger, settings, Rpc.LEDGER_RELEASE, {"allocation_id": gone["allocation_id"], "tenant": "acme"}
     )

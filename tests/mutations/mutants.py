@@ -175,6 +175,14 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=(LEDGER_IT,),
     ),
     Mutant(
+        name="ledger_accepts_request_holds",
+        what="the ledger takes a `request` commit again instead of refusing it (admissions are placement's)",
+        file="shared/domain/ledger/commits.py",
+        find="            outcomes.append(Refused(ErrorCode.INVALID_REQUEST, REQUEST_RETIRED))\n            continue\n",
+        replace="            pass\n",
+        tests=(LEDGER_DOMAIN, LEDGER_UNIT),
+    ),
+    Mutant(
         name="commit_batch_reordered",
         what="commit_batch answers its results in another order",
         file="services/capacity_ledger/commits.py",

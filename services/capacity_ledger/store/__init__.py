@@ -33,7 +33,6 @@ from services.capacity_ledger.store.allocations import (
     insert_allocations,
     lock_allocation,
     lock_allocations,
-    lock_replica_pools,
     set_lease,
 )
 from services.capacity_ledger.store.reads import (
@@ -65,7 +64,6 @@ __all__ = [
     "lock_allocation",
     "lock_allocations",
     "lock_crossing",
-    "lock_replica_pools",
     "metrics_figures",
     "node_accelerators",
     "set_lease",

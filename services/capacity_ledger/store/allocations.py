@@ -19,7 +19,6 @@ from shared.domain.ledger import (
     CommitIntent,
     EndedAllocation,
     ExistingAllocation,
-    ReplicaPool,
 )
 from shared.domain.memory import MemoryShare
 
@@ -68,44 +67,6 @@ async def existing_allocations(
             state=r["state"],
         )
     return out
-
-
-async def lock_replica_pools(*, session: AsyncSession, ids: Iterable[str]) -> dict[str, ReplicaPool]:
-    """Lock the replica allocations requests will live in, with their KV pools and what is in use."""
-    wanted = sorted(set(ids))
-    if not wanted:
-        return {}
-    apg = await driver(session=session)
-    rows = await apg.fetch(
-        "SELECT id, tenant, state, kind FROM ledger.allocations WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE",
-        wanted,
-    )
-    found = [r["id"] for r in rows]
-    pools: dict[str, dict[str, int]] = {i: {} for i in found}
-    used: dict[str, dict[str, int]] = {i: {} for i in found}
-    shares = await apg.fetch(
-        "SELECT s.allocation_id, a.parent_id, s.accelerator_id, s.kv FROM ledger.shares s "
-        "JOIN ledger.allocations a ON a.id = s.allocation_id "
-        "WHERE s.active AND (s.allocation_id = ANY($1::text[]) OR a.parent_id = ANY($1::text[]))",
-        found,
-    )
-    for s in shares:
-        if s["allocation_id"] in pools:
-            pools[s["allocation_id"]][s["accelerator_id"]] = s["kv"]
-        elif s["parent_id"] in used:
-            into = used[s["parent_id"]]
-            into[s["accelerator_id"]] = into.get(s["accelerator_id"], 0) + s["kv"]
-    return {
-        r["id"]: ReplicaPool(
-            id=r["id"],
-            tenant=r["tenant"],
-            kind=r["kind"],
-            active=r["state"] == AllocationState.ACTIVE,
-            pool=pools[r["id"]],
-            used=used[r["id"]],
-        )
-        for r in rows
-    }
 
 
 async def insert_allocations(*, session: AsyncSession, allocations: Sequence[NewAllocation]) -> None:

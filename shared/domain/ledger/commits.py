@@ -8,14 +8,15 @@ nothing; the same key with other shares is ``invalid_request``, and a key whose 
 A replica that does not fit is refused with the fresh view: ``conflict`` when the caller's
 ``expected`` view differs from the current one (it decided on stale data), else ``no_capacity``. Not
 fitting is short of bytes, or an accelerator held by replicas it may not join (``sharing``: an
-exclusive group takes only idle GPUs, a shared replica only idle or shared ones). A request lives
-inside its replica's KV pool: it is checked against the pool, not against the accelerators.
+exclusive group takes only idle GPUs, a shared replica only idle or shared ones). The ledger holds
+replicas only: a commit of kind ``request`` is ``invalid_request`` (placement counts admissions in its
+own memory; rows of that kind written before are ended by migration 0017).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -25,7 +26,12 @@ from shared.domain.ledger.fit import Refusal, Shares, apply_shares, check_fit
 from shared.domain.ledger.sharing import EXCLUSIVE, Sharing, allocation_cluster, check_sharing, held_by
 from shared.domain.memory import MemoryShare
 
-AllocationKind = Literal["replica", "request"]
+AllocationKind = Literal["replica", "request"]  # `request`: rows written before admissions left the ledger
+
+REQUEST_RETIRED = (
+    "the ledger holds replicas only: kind `request` is refused (admissions are counted by placement in memory, "
+    "per replica; use placement.admit)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +61,8 @@ class CommitIntent:
 
     @property
     def counts_against_hbm(self) -> bool:
-        """A replica's bytes count on its accelerators; a request's live inside its replica's KV pool."""
+        """A replica's bytes count on its accelerators (a retired ``request`` lived inside its replica's KV
+        pool)."""
         return self.kind == "replica"
 
 
@@ -67,18 +74,6 @@ class ExistingAllocation:
     lease_expires_at: datetime
     shares: tuple[tuple[str, MemoryShare], ...]
     state: str = "active"  # or `released` / `expired`: an ended allocation is never answered as committed
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaPool:
-    """A replica allocation that requests live in: its KV bytes per accelerator and what is in use."""
-
-    id: str
-    tenant: str
-    kind: str
-    active: bool
-    pool: Mapping[str, int]
-    used: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,25 +144,6 @@ def refusal_code(intent: CommitIntent, view: Mapping[str, AcceleratorCapacity]) 
     return ErrorCode.CONFLICT if is_stale(intent.expected, view, intent.accelerator_ids) else ErrorCode.NO_CAPACITY
 
 
-def check_request(intent: CommitIntent, parent: ReplicaPool | None) -> Refused | None:
-    """Whether a request allocation fits its replica's KV pool (None when it does)."""
-    if parent is None:
-        return Refused(ErrorCode.NOT_FOUND, f"no replica allocation {intent.parent_id!r}")
-    if parent.tenant != intent.tenant:
-        return Refused(ErrorCode.FORBIDDEN, "the replica belongs to another tenant")
-    if parent.kind != "replica" or not parent.active:
-        return Refused(ErrorCode.CONFLICT, f"replica {intent.parent_id} is not active")
-    for accelerator_id, share in intent.shares:
-        pool = parent.pool.get(accelerator_id)
-        if pool is None:
-            return Refused(ErrorCode.INVALID_REQUEST, f"{accelerator_id} is not one of the replica's accelerators")
-        free = pool - parent.used.get(accelerator_id, 0)
-        if share.total > free:
-            short_gb = (share.total - free) / 1e9
-            return Refused(ErrorCode.NO_CAPACITY, f"{accelerator_id}: KV pool short by {short_gb:.2f} GB")
-    return None
-
-
 MAX_LEASE_S = 30 * 86400  # the longest lease a commit or renewal may ask for (as `lease_s`'s bound)
 
 
@@ -186,7 +162,6 @@ def plan_commits(
     *,
     view: Mapping[str, AcceleratorCapacity],
     existing: Mapping[tuple[str, str], ExistingAllocation],
-    parents: Mapping[str, ReplicaPool],
     now: datetime,
     default_lease_s: int,
     clusters: Mapping[str, str | None] | None = None,
@@ -194,17 +169,19 @@ def plan_commits(
     crossing_budget: int = 0,
 ) -> CommitPlan:
     """Decide every commit of a batch in order; each is all-or-nothing, and later ones see the bytes
-    earlier ones reserved and the replicas that hold each accelerator (and the KV earlier requests took
-    from a pool). ``clusters``: the cluster of each accelerator, for the allocation's ``cluster``.
-    ``crossing``: the cross-domain traffic active replicas send per cluster (bytes/s); with a
-    ``crossing_budget`` (bytes/s per cluster, 0: none), a replica whose traffic would take its cluster
-    past it is refused ``no_capacity`` (the hard limit; placement shares it out by SLO below it)."""
+    earlier ones reserved and the replicas that hold each accelerator. ``clusters``: the cluster of
+    each accelerator, for the allocation's ``cluster``. ``crossing``: the cross-domain traffic active
+    replicas send per cluster (bytes/s); with a ``crossing_budget`` (bytes/s per cluster, 0: none), a
+    replica whose traffic would take its cluster past it is refused
+    ``no_capacity`` (the hard limit; placement shares it out by SLO below it)."""
     outcomes: list[Outcome] = []
-    pools = dict(parents)
     seen: set[tuple[str, str]] = set()
     crossing_used = dict(crossing or {})
     for intent in intents:
         ids = intent.accelerator_ids
+        if intent.kind == "request":
+            outcomes.append(Refused(ErrorCode.INVALID_REQUEST, REQUEST_RETIRED))
+            continue
         if intent.key in existing or intent.key in seen:
             outcomes.append(_duplicate(intent, existing.get(intent.key), view, ids))
             continue
@@ -218,30 +195,16 @@ def plan_commits(
         if unknown:
             outcomes.append(Refused(ErrorCode.NOT_FOUND, f"unknown accelerator(s): {', '.join(unknown)}"))
             continue
-        if intent.counts_against_hbm:
-            problem = check_replica(intent, view)
-            if problem is None and crossing_budget > 0 and intent.cross_domain_bytes_per_s > 0:
-                problem = check_crossing(
-                    intent, allocation_cluster(ids, clusters or {}), crossing_used, crossing_budget
-                )
-            if problem is not None:
-                outcomes.append(problem)
-                continue
-            view = held_by(apply_shares(view, intent.shares), ids, intent.sharing)
-            charged = allocation_cluster(ids, clusters or {})
-            if charged is not None and intent.cross_domain_bytes_per_s > 0:
-                crossing_used[charged] = crossing_used.get(charged, 0) + intent.cross_domain_bytes_per_s
-        else:
-            parent = pools.get(intent.parent_id or "")
-            problem = check_request(intent, parent)
-            if problem is not None:
-                outcomes.append(problem)
-                continue
-            if parent is not None:
-                used = dict(parent.used)
-                for accelerator_id, share in intent.shares:
-                    used[accelerator_id] = used.get(accelerator_id, 0) + share.total
-                pools[parent.id] = ReplicaPool(parent.id, parent.tenant, parent.kind, parent.active, parent.pool, used)
+        problem = check_replica(intent, view)
+        if problem is None and crossing_budget > 0 and intent.cross_domain_bytes_per_s > 0:
+            problem = check_crossing(intent, allocation_cluster(ids, clusters or {}), crossing_used, crossing_budget)
+        if problem is not None:
+            outcomes.append(problem)
+            continue
+        view = held_by(apply_shares(view, intent.shares), ids, intent.sharing)
+        charged = allocation_cluster(ids, clusters or {})
+        if charged is not None and intent.cross_domain_bytes_per_s > 0:
+            crossing_used[charged] = crossing_used.get(charged, 0) + intent.cross_domain_bytes_per_s
         seen.add(intent.key)
         cluster = allocation_cluster(ids, clusters or {})
         outcomes.append(Accepted(lease_end(intent, now=now, default_lease_s=default_lease_s), cluster))

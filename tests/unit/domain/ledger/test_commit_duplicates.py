@@ -21,7 +21,6 @@ def test_a_repeat_of_an_ended_allocation_is_a_conflict(state: str) -> None:
         [intent(("n/gpu0", hbm(2)), rid="r-9")],
         view=V,
         existing={("acme", "r-9"): stored},
-        parents={},
         now=NOW,
         default_lease_s=60,
     ).outcomes[0]
@@ -35,7 +34,6 @@ def test_a_repeat_of_an_active_allocation_is_still_a_duplicate() -> None:
         [intent(("n/gpu0", hbm(2)), rid="r-9")],
         view=V,
         existing={("acme", "r-9"): stored},
-        parents={},
         now=NOW,
         default_lease_s=60,
     ).outcomes[0]

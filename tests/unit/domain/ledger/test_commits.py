@@ -12,13 +12,13 @@ import pytest
 
 from shared.domain.errors import ErrorCode
 from shared.domain.ledger import (
+    REQUEST_RETIRED,
     Accepted,
     CommitIntent,
     CommitPlan,
     Duplicate,
     ExistingAllocation,
     Refused,
-    ReplicaPool,
     plan_commits,
     same_shares,
 )
@@ -42,11 +42,8 @@ def intent(*shares: tuple[str, MemoryShare], **extra: Any) -> CommitIntent:
 def plan(
     *intents: CommitIntent,
     existing: dict[tuple[str, str], ExistingAllocation] | None = None,
-    parents: dict[str, ReplicaPool] | None = None,
 ) -> CommitPlan:
-    return plan_commits(
-        intents, view=V, existing=existing or {}, parents=parents or {}, now=NOW, default_lease_s=LEASE_S
-    )
+    return plan_commits(intents, view=V, existing=existing or {}, now=NOW, default_lease_s=LEASE_S)
 
 
 def refused(outcome: object) -> Refused:
@@ -136,48 +133,28 @@ def test_the_same_request_id_twice_in_one_batch_is_invalid_the_second_time() -> 
     assert result.view["n/gpu1"].reserved == 1 * GB
 
 
-POOL = ReplicaPool("al-rep", "acme", "replica", True, pool={"n/gpu0": 10 * GB}, used={"n/gpu0": 4 * GB})
+def request_hold(kv_gb: float, *, rid: str = "q", acc: str = "n/gpu0") -> CommitIntent:
+    return intent((acc, hbm(kv_gb=kv_gb)), rid=rid, kind="request", parent_id="al-rep")
 
 
-def child(
-    kv_gb: float, *, rid: str = "q", tenant: str = "acme", acc: str = "n/gpu0", parent: str = "al-rep"
-) -> CommitIntent:
-    return intent((acc, hbm(kv_gb=kv_gb)), rid=rid, tenant=tenant, kind="request", parent_id=parent)
+def test_a_request_commit_is_refused_invalid_and_reserves_nothing() -> None:
+    """The ledger holds replicas only: admissions are counted by placement in memory."""
+    replica = intent(("n/gpu1", hbm(5)), rid="r")
+    result = plan(request_hold(1), replica, request_hold(1, rid="q2", acc="n/gpu1"))
+    first, accepted, last = result.outcomes
+    for outcome in (first, last):
+        assert refused(outcome).code is ErrorCode.INVALID_REQUEST and refused(outcome).message == REQUEST_RETIRED
+        assert refused(outcome).view is None
+    assert "replicas only" in REQUEST_RETIRED and "placement" in REQUEST_RETIRED
+    assert isinstance(accepted, Accepted)  # a refused request in the batch stops nothing else
+    assert result.view["n/gpu0"] == V["n/gpu0"] and result.view["n/gpu1"].reserved == 5 * GB
 
 
-@pytest.mark.parametrize(
-    ("request_", "parents", "code"),
-    [
-        (child(6), {"al-rep": POOL}, None),  # 4 + 6 = 10 GB: the pool is exactly full
-        (child(7), {"al-rep": POOL}, ErrorCode.NO_CAPACITY),
-        (child(1, tenant="globex"), {"al-rep": POOL}, ErrorCode.FORBIDDEN),
-        (child(1), {}, ErrorCode.NOT_FOUND),
-        (
-            child(1),
-            {"al-rep": ReplicaPool("al-rep", "acme", "replica", False, {"n/gpu0": 10 * GB})},
-            ErrorCode.CONFLICT,
-        ),
-        (child(1, acc="n/gpu1"), {"al-rep": POOL}, ErrorCode.INVALID_REQUEST),  # not one of the replica's
-    ],
-)
-def test_requests_live_inside_their_replica_kv_pool(
-    request_: CommitIntent, parents: dict[str, ReplicaPool], code: ErrorCode | None
-) -> None:
-    result = plan(request_, parents=parents)
-    if code is None:
-        assert isinstance(result.outcomes[0], Accepted)
-    else:
-        assert refused(result.outcomes[0]).code is code
-    assert result.view == V  # requests never add accelerator bytes
-
-
-def test_requests_of_one_batch_share_their_pool() -> None:
-    result = plan(
-        child(3, rid="q1"), child(2, rid="q2"), child(2, rid="q3"), child(1, rid="q4"), parents={"al-rep": POOL}
-    )
-    assert [type(o) for o in result.outcomes] == [Accepted, Accepted, Refused, Accepted]  # 4 + 3 + 2 + 1 = 10 GB
-    assert refused(result.outcomes[2]).message == "n/gpu0: KV pool short by 1.00 GB"  # 9 GB used + 2 > 10
-    assert POOL.used == {"n/gpu0": 4 * GB}  # the input is not changed
+def test_a_request_commit_under_an_existing_key_is_refused_not_answered_as_a_duplicate() -> None:
+    """A retry of a request hold written before the retirement does not learn of it as committed."""
+    held = ExistingAllocation("al-q", NOW + timedelta(seconds=60), (("n/gpu0", hbm(kv_gb=1)),))
+    result = plan(request_hold(1), existing={("acme", "q"): held})
+    assert refused(result.outcomes[0]).message == REQUEST_RETIRED
 
 
 def test_outcomes_keep_the_batch_order() -> None:
@@ -207,7 +184,6 @@ def test_a_cluster_s_cross_domain_budget_is_a_hard_limit_within_a_batch() -> Non
             intents,
             view=accelerators,
             existing={},
-            parents={},
             now=NOW,
             default_lease_s=LEASE_S,
             clusters=clusters,

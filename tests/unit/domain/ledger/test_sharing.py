@@ -20,7 +20,6 @@ from shared.domain.ledger import (
     CommitPlan,
     CrossDomainUse,
     Refused,
-    ReplicaPool,
     Sharing,
     allocation_cluster,
     apply_shares,
@@ -41,14 +40,12 @@ V = view(IDLE, HELD_SHARED, HELD_EXCLUSIVE, gpu("n/gpu3"), gpu("n/gpu4", availab
 def plan(
     *intents: CommitIntent,
     on: dict[str, AcceleratorCapacity] | None = None,
-    parents: dict[str, ReplicaPool] | None = None,
     clusters: dict[str, str | None] | None = None,
 ) -> CommitPlan:
     return plan_commits(
         intents,
         view=V if on is None else on,
         existing={},
-        parents=parents or {},
         now=NOW,
         default_lease_s=300,
         clusters=clusters,
@@ -152,12 +149,6 @@ def test_a_held_gpu_is_a_conflict_only_when_the_callers_view_was_stale(
     assert refused(plan(intent(("n/gpu2", hbm(1)), expected=expected)).outcomes[0]).code is code
 
 
-def test_requests_are_not_replicas_and_join_their_replicas_gpu() -> None:
-    pool = ReplicaPool("al-rep", "acme", "replica", True, pool={"n/gpu2": 5 * GB})
-    request = intent(("n/gpu2", hbm(kv_gb=1)), rid="q", kind="request", parent_id="al-rep")
-    assert isinstance(plan(request, parents={"al-rep": pool}).outcomes[0], Accepted)
-
-
 def test_a_gpu_given_back_takes_a_new_exclusive_group() -> None:
     first = plan(intent(("n/gpu0", hbm(10)), rid="a"))
     held = first.view
@@ -218,14 +209,13 @@ def test_accepted_replicas_never_put_an_exclusive_group_beside_another_replica(
         extra: dict[str, Any] = {"kind": "request", "parent_id": "al-0"} if is_request else {"sharing": sharing}
         shares = [(f"n/gpu{g}", hbm(gb) if not is_request else hbm(kv_gb=gb)) for g in gpus]
         intents.append(intent(*shares, rid=f"r{n}", **extra))
-    pool = ReplicaPool("al-0", "acme", "replica", True, pool={f"n/gpu{g}": 100 * GB for g in range(4)})
-    result = plan_commits(intents, view=start, existing={}, parents={"al-0": pool}, now=NOW, default_lease_s=60)
+    result = plan_commits(intents, view=start, existing={}, now=NOW, default_lease_s=60)
     # Holders per GPU: the starting one on gpu1, then every accepted replica.
     holders: dict[str, list[str]] = {"n/gpu1": ["shared" if start_shared else "exclusive"]}
+    assert all(intents[i].kind == "replica" for i, _ in result.accepted)  # request holds are refused
     for i, _ in result.accepted:
-        if intents[i].kind == "replica":
-            for acc in intents[i].accelerator_ids:
-                holders.setdefault(acc, []).append(intents[i].sharing)
+        for acc in intents[i].accelerator_ids:
+            holders.setdefault(acc, []).append(intents[i].sharing)
     for acc, sharings in holders.items():
         assert len(sharings) == 1 or set(sharings) == {"shared"}, (acc, sharings)
         assert result.view[acc].shared == (set(sharings) == {"shared"})

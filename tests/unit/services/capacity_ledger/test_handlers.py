@@ -44,7 +44,6 @@ from shared.domain.ledger import (
     DriftDetector,
     EndedAllocation,
     ExistingAllocation,
-    ReplicaPool,
 )
 from shared.domain.memory import MemoryShare, usable_hbm
 from shared.infra.uow import UnitOfWork
@@ -101,9 +100,6 @@ class FakeStore:
             if a.state is AllocationState.ACTIVE and a.cluster and a.cross_domain_bytes_per_s:
                 used[a.cluster] = used.get(a.cluster, 0) + a.cross_domain_bytes_per_s
         return {c: used[c] for c in clusters if c in used}
-
-    async def lock_replica_pools(self, *, session: Any, ids: Iterable[str]) -> dict[str, ReplicaPool]:
-        return {}
 
     async def insert_allocations(self, *, session: Any, allocations: Sequence[NewAllocation]) -> None:
         self._called("insert_allocations", allocations=list(allocations))
@@ -327,19 +323,12 @@ async def test_only_shared_replicas_sit_together(first: str, second: str, status
     assert store.accelerators["n/gpu0"].shared is (first == "shared")  # as the first holder left it
 
 
-async def test_a_request_joins_its_exclusively_held_replica_gpu() -> None:
-    handlers, store, _units = make(gpu("n/gpu0"))
+async def test_a_request_commit_is_refused_invalid_and_writes_nothing() -> None:
+    """The ledger holds replicas only (admissions are counted by placement in memory)."""
+    handlers, store, units = make(gpu("n/gpu0"))
     (replica,) = await handlers.apply_commits([commit_request("a", ("n/gpu0", 10))])
     assert replica.allocation_id is not None
-
-    async def pools(*, session: Any, ids: Iterable[str]) -> dict[str, ReplicaPool]:
-        return {
-            replica.allocation_id or "": ReplicaPool(
-                replica.allocation_id or "", "acme", "replica", True, {"n/gpu0": 10 * GB}
-            )
-        }
-
-    store.lock_replica_pools = pools  # type: ignore[method-assign]
+    before = (dict(store.allocations), store.accelerators["n/gpu0"], len(units.named("allocation_committed")))
     request = CommitRequest(
         request_id="q",
         tenant="acme",
@@ -348,7 +337,11 @@ async def test_a_request_joins_its_exclusively_held_replica_gpu() -> None:
         shares=[ShareIn(accelerator_id="n/gpu0", kv_bytes=GB)],
     )
     (held,) = await handlers.apply_commits([request])
-    assert held.status == "committed"
+    assert held.status == "rejected" and held.error is not None
+    assert held.error.code == "invalid_request" and "replicas only" in held.error.message
+    batch = await handlers.commit_batch(CommitBatchRequest(commits=[request]))
+    assert isinstance(batch, CommitBatchReply) and [r.status for r in batch.results] == ["rejected"]
+    assert (dict(store.allocations), store.accelerators["n/gpu0"], len(units.named("allocation_committed"))) == before
 
 
 async def test_a_released_exclusive_gpu_takes_a_new_exclusive_group() -> None:
@@ -382,16 +375,16 @@ async def test_the_events_carry_sharing_cross_domain_traffic_and_the_cluster() -
     assert shared.status == "committed"
 
 
-async def test_a_request_with_cross_domain_traffic_is_invalid() -> None:
-    with pytest.raises(ValueError, match="cross-domain"):
-        CommitRequest(
-            request_id="q",
-            tenant="acme",
-            kind="request",
-            parent_id="al-1",
-            cross_domain_bytes_per_s=1,
-            shares=[ShareIn(accelerator_id="n/gpu0", kv_bytes=GB)],
-        )
+@pytest.mark.parametrize("extra", [{}, {"parent_id": "al-1", "cross_domain_bytes_per_s": 1}])
+async def test_any_request_commit_is_told_why_it_is_refused(extra: dict[str, Any]) -> None:
+    """Without a parent or with fields a request never had: the answer is the retirement, not a field error."""
+    handlers, _store, _units = make(gpu("n/gpu0"))
+    request = CommitRequest(
+        request_id="q", tenant="acme", kind="request", shares=[ShareIn(accelerator_id="n/gpu0", kv_bytes=GB)], **extra
+    )
+    (reply,) = await handlers.apply_commits([request])
+    assert reply.error is not None and reply.error.code == "invalid_request"
+    assert "placement" in reply.error.message and "replicas only" in reply.error.message
 
 
 async def test_the_snapshot_says_which_gpus_are_shared_and_the_cross_domain_use_on_every_page() -> None:
