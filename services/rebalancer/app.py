@@ -75,7 +75,7 @@ SERVICE = ServiceDefinition(
                 PlacementEventName.PLACEMENT_RELEASED: lambda ctx: ctx.handlers.on_placement_released,
             },
         ),
-        # Bytes per GPU of each allocation (drift) and each replica's KV holds (messages in flight).
+        # Bytes per GPU of each allocation (drift).
         Consumer(
             Context.LEDGER,
             "ledger",
@@ -89,13 +89,17 @@ SERVICE = ServiceDefinition(
     ),
     loops=(Loop("rebalance-tick", lambda ctx: ctx.handlers.tick),),
     calls=(Rpc.PLACEMENT_PLACE, Rpc.PLACEMENT_RELEASE, Rpc.FLEET_GET, Rpc.LEDGER_SNAPSHOT),
-    # GPU telemetry: new samples, the detectors' input (nothing durable to replay).
+    # Telemetry from now on (nothing durable to replay): GPU samples, the detectors' input; engine reports,
+    # what a draining replica still has in flight.
     follows=(
         Follow(
             Context.TELEMETRY,
             start=Start.NEW,
             on={
-                TelemetryEventName.GPU: lambda ctx: lambda sample, meta: ctx.handlers.observe(sample, meta.occurred_at)
+                TelemetryEventName.GPU: lambda ctx: lambda sample, meta: ctx.handlers.observe(sample, meta.occurred_at),
+                TelemetryEventName.ENGINE_STATUS: lambda ctx: (
+                    lambda report, meta: ctx.handlers.on_engine_status(report, meta.occurred_at)
+                ),
             },
         ),
     ),

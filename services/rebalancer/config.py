@@ -21,6 +21,7 @@ class RebalanceConfig:
     migrations_per_min: float = 2.0
     drift_check_s: float = 10.0
     tick_s: float = 1.0
+    drain_timeout_s: float = 600.0
     defrag_block: tuple[int, ...] = (8, 8)
 
     @property
@@ -63,4 +64,5 @@ def config_of(settings: Settings) -> RebalanceConfig:
         migrations_per_min=settings.rebalancer.migrations_per_min,
         drift_check_s=settings.rebalancer.drift_check_s,
         tick_s=settings.rebalancer.tick_s,
+        drain_timeout_s=settings.rebalancer.drain_timeout_s,
     )

@@ -1,8 +1,9 @@
 """Handlers of the rebalancer service: the third stage of the pipeline (prefilter -> score -> rebalance).
 
 It learns the fleet from TOPOLOGY events, the replicas (with the request each was placed with) from
-PLACEMENT events, the allocations and KV holds from LEDGER events (``readmodel``), and follows GPU telemetry
-(TELEMETRY, an ordered consumer of new samples from the nodes' agents). Detectors (``detectors``; sustained
+PLACEMENT events, the allocations from LEDGER events (``readmodel``), and follows TELEMETRY (an ordered
+consumer of what the nodes' agents publish from now on): GPU samples, and each engine's own report
+(``engine_status``: its queue and KV in use, what it has in flight). Detectors (``detectors``; sustained
 windows with hysteresis from ``shared.domain.rebalance.detect``) turn samples into firing targets; each
 firing becomes a plan (``planner``; ``shared.domain.rebalance.plans``, ``tpu_defrag``) that runs
 make-before-break through placement (``runner``):
@@ -18,9 +19,11 @@ make-before-break through placement (``runner``):
   (``drift_alarm``), and ``replace`` when it lasts.
 
 A plan places every copy first (placement.place with the replica's own request, a new id, the old GPUs
-withheld), then releases the old ones, each only once its messages in flight are done (no KV hold left;
-admission sends it nothing new meanwhile: ``replica_draining``). A copy that cannot be placed fails the
-plan and the copies already placed are released (rolled back). Copies are rate-limited per cluster
+withheld), then releases the old ones, each only once its messages in flight are done (admission sends it
+nothing new meanwhile: ``replica_draining``): its engine reported itself idle after the drain started, or
+never reported at all, or ``HETSCHED_REBALANCE_DRAIN_TIMEOUT_S`` passed (``shared.domain.rebalance.drain``).
+A copy that cannot be placed fails the plan and the copies already placed are released (rolled back).
+Copies are rate-limited per cluster
 (``HETSCHED_REBALANCE_MIGRATIONS_PER_MIN``). Plans and their steps are in Postgres and resume after a
 restart (a step's placement request id is fixed, so asking again answers the same).
 """
@@ -55,7 +58,13 @@ from shared.contracts.rebalance import (
     ReplicaDrainingEvent,
 )
 from shared.contracts.subjects import Context
-from shared.contracts.topology import GpuTelemetryEvent, NodeProfileEvent, NodeStateEvent, TpuPodEvent
+from shared.contracts.topology import (
+    EngineStatusEvent,
+    GpuTelemetryEvent,
+    NodeProfileEvent,
+    NodeStateEvent,
+    TpuPodEvent,
+)
 from shared.domain.hardware import Sku
 from shared.domain.models import ModelSpec
 from shared.domain.rebalance.detect import Transition
@@ -166,6 +175,10 @@ class RebalanceHandlers:
     def observe(self, sample: GpuTelemetryEvent, at: datetime) -> list[Transition]:
         """One node's GPU sample through the detectors (``Detectors.observe``)."""
         return self.detectors.observe(sample, at)
+
+    def on_engine_status(self, report: EngineStatusEvent, at: datetime) -> None:
+        """A replica's engine report made at ``at`` (what it has in flight, read when it drains)."""
+        self.view.engine_reported(report, at)
 
     # -- status ------------------------------------------------------------------------------------
 

@@ -13,6 +13,8 @@ from shared.domain.rebalance.detect import Transition
 class Progress:
     active: set[str] = field(default_factory=set)  # targets with a plan open or running
     draining: set[str] = field(default_factory=set)  # replicas told draining
+    # When each drain started (in memory: after a restart, a drain counts as started when first seen again):
+    drain_started: dict[str, datetime] = field(default_factory=dict)
     throttled: set[str] = field(default_factory=set)  # nodes whose cold starts are throttled
     replace_tried: dict[str, datetime] = field(default_factory=dict)  # TP group -> when its re-placement was tried
     # Planned on the next tick, outside any transaction (planning may read the fleet over RPC):
@@ -23,6 +25,7 @@ class Progress:
         """A replica released: nothing of it is under way any more."""
         self.replace_tried.pop(allocation_id, None)
         self.draining.discard(allocation_id)
+        self.drain_started.pop(allocation_id, None)
 
     def throttling(self, nodes: set[str]) -> None:
         """The nodes throttled now (a committed throttle change)."""

@@ -1,4 +1,5 @@
-"""The rebalancer's read model: what the TOPOLOGY, PLACEMENT and LEDGER events told, folded in memory.
+"""The rebalancer's read model: what the TOPOLOGY, PLACEMENT and LEDGER events and the engines' reports
+(TELEMETRY ``engine_status``) told, folded in memory.
 
 Pure and synchronous: each fold takes a contract or domain value and changes the view; no IO, no clock.
 Consumers call the folds only once their transaction has committed (``UnitOfWork.after_commit``), and
@@ -8,11 +9,13 @@ start-up folds the rows the tables hold, so the view follows what Postgres holds
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from services.rebalancer.mapping import cliques_of, replica_of
 from shared.contracts.placement import PlacementEvent, PlaceRequest
-from shared.contracts.topology import NodeProfileEvent, TpuPodEvent
+from shared.contracts.topology import EngineStatusEvent, NodeProfileEvent, TpuPodEvent
 from shared.domain.fleet import AcceleratorId, NodeProfile
+from shared.domain.rebalance.drain import EngineReport
 from shared.domain.rebalance.plans import Replica
 from shared.domain.topology.tpu import TpuGrid, TpuSlice, TpuType, allocate
 from shared.infra.profiles import profile_from_payload
@@ -20,7 +23,7 @@ from shared.infra.profiles import profile_from_payload
 
 @dataclass(frozen=True, slots=True)
 class Allocation:
-    """A live ledger allocation: bytes per accelerator; a ``request`` one is a KV hold inside its replica."""
+    """A live ledger allocation: bytes per accelerator (``parent_id`` is set only on legacy ``request`` rows)."""
 
     allocation_id: str
     kind: str
@@ -30,13 +33,13 @@ class Allocation:
 
 @dataclass
 class RebalanceView:
-    """What the events told: replicas (with the request each was placed with), allocations and KV holds,
-    the fleet's node profiles and NVLink cliques, TPU pods."""
+    """What the events told: replicas (with the request each was placed with), allocations, each replica's
+    latest engine report (what it has in flight), the fleet's node profiles and NVLink cliques, TPU pods."""
 
     replicas: dict[str, Replica] = field(default_factory=dict)
     requests: dict[str, PlaceRequest] = field(default_factory=dict)
     allocations: dict[str, Allocation] = field(default_factory=dict)
-    holds: dict[str, set[str]] = field(default_factory=dict)  # replica -> its live KV holds
+    engines: dict[str, EngineReport] = field(default_factory=dict)  # replica -> its engine's latest report
     by_node: dict[str, set[str]] = field(default_factory=dict)  # node -> replica allocations on it
     profiles: dict[str, NodeProfile] = field(default_factory=dict)
     cliques: dict[str, list[frozenset[str]]] = field(default_factory=dict)
@@ -62,13 +65,12 @@ class RebalanceView:
         """A ``placement_released`` event: the replica is gone."""
         self.replicas.pop(allocation_id, None)
         self.requests.pop(allocation_id, None)
+        self.engines.pop(allocation_id, None)
         self.nvlinked.discard(allocation_id)
 
     def allocated(self, allocation: Allocation) -> None:
-        """An ``allocation_committed`` event (a replica, or a KV hold inside one)."""
+        """An ``allocation_committed`` event."""
         self.allocations[allocation.allocation_id] = allocation
-        if allocation.parent_id is not None:
-            self.holds.setdefault(allocation.parent_id, set()).add(allocation.allocation_id)
         if allocation.kind == "replica":  # the drift check reads a node's replicas on each of its samples
             for node in _hosts(allocation):
                 self.by_node.setdefault(node, set()).add(allocation.allocation_id)
@@ -78,10 +80,19 @@ class RebalanceView:
         gone = self.allocations.pop(allocation_id, None)
         if gone is None:
             return
-        if gone.parent_id is not None:
-            self.holds.get(gone.parent_id, set()).discard(gone.allocation_id)
         for node in _hosts(gone):
             self.by_node.get(node, set()).discard(gone.allocation_id)
+
+    def engine_reported(self, event: EngineStatusEvent, at: datetime) -> None:
+        """An ``engine_status`` report made at ``at``: the replica's latest. Kept for replicas placed only
+        (one released or unknown is left out, so reports of engines gone hold no memory); an older report
+        arriving late is left out."""
+        if event.replica_id not in self.replicas:
+            return
+        known = self.engines.get(event.replica_id)
+        if known is not None and known.at > at:
+            return
+        self.engines[event.replica_id] = EngineReport(event.queue_depth, event.kv_used_bytes, at)
 
     def profiled(self, event: NodeProfileEvent) -> bool:
         """A ``node_profiled`` / ``node_changed`` event; True when a node already known has other NVLink

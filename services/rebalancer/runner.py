@@ -1,6 +1,7 @@
 """Running plans make-before-break through placement: each copy placed first (rate-limited per cluster),
-then each old replica released once it has drained; a copy that cannot be placed fails the plan and the
-copies already placed are released. Every step is recorded with its event."""
+then each old replica released once it has drained (its engine's reports: ``shared.domain.rebalance.drain``);
+a copy that cannot be placed fails the plan and the copies already placed are released.
+Every step is recorded with its event."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from shared.contracts.placement import PlaceReply, ReleaseReply, ReleaseRequest
 from shared.contracts.rebalance import PlanEvent, RebalanceEventName, ReplicaDrainingEvent
 from shared.contracts.subjects import Context, Rpc
 from shared.domain.errors import ErrorCode
+from shared.domain.rebalance.drain import Drained, drained
 from shared.domain.rebalance.plans import Plan, next_step, rolled_back, step_done, step_failed
 from shared.infra.clock import Clock
 from shared.infra.rpc import RpcClient, RpcError
@@ -125,7 +127,7 @@ class PlanRunner:
             else:
                 if step.allocation_id not in self._progress.draining:
                     await self._drain(plan, step.allocation_id)
-                if self._view.holds.get(step.allocation_id):
+                if not self._drained(plan, step.allocation_id):
                     return None  # messages in flight finish on it first
                 try:
                     released = await self._rpc.ask(
@@ -161,6 +163,23 @@ class PlanRunner:
             except RpcError as exc:
                 self._log.warning("could not release copy %s of a failed plan: %s", copy_id, exc)
 
+    def _drained(self, plan: Plan, allocation_id: str) -> bool:
+        """The draining replica may be released now (``drained``); a drain not seen before counts from now
+        (after a restart, from when it is first seen again)."""
+        now = self._clock()
+        started = self._progress.drain_started.setdefault(allocation_id, now)
+        verdict = drained(
+            self._view.engines.get(allocation_id), started=started, now=now, timeout_s=self._config.drain_timeout_s
+        )
+        if verdict is Drained.TIMED_OUT:
+            self._log.warning(
+                "plan %s: %s not reported idle within %.0f s of its drain; released with work possibly in flight",
+                plan.plan_id,
+                allocation_id,
+                self._config.drain_timeout_s,
+            )
+        return verdict is not Drained.WAIT
+
     async def _drain(self, plan: Plan, allocation_id: str) -> None:
         async def work(uow: UnitOfWork) -> None:
             uow.emit(
@@ -174,9 +193,14 @@ class PlanRunner:
                 plan_id=plan.plan_id,
                 what=f"{allocation_id} draining (no new requests)",
             )
-            uow.after_commit(lambda: self._progress.draining.add(allocation_id))
+            uow.after_commit(lambda: self._drained_from(allocation_id, now))
 
+        now = self._clock()
         await self._uow.run(work)
+
+    def _drained_from(self, allocation_id: str, started: datetime) -> None:
+        self._progress.draining.add(allocation_id)
+        self._progress.drain_started[allocation_id] = started
 
     async def _record(self, plan: Plan, index: int, note: str) -> None:
         view = plan_view(plan)

@@ -1,8 +1,7 @@
 """Tables of the rebalancer service: everything it owns lives in schema `rebalance`.
 
 - ``replicas``: each placed replica as PLACEMENT announced it (the request it was placed with, where);
-- ``allocations``: live ledger allocations (bytes per accelerator; a `request` one is a KV hold inside
-  its replica: a replica with holds has messages in flight);
+- ``allocations``: live ledger allocations (bytes per accelerator, read by the drift check);
 - ``nodes`` / ``pods``: the fleet as TOPOLOGY announced it (GPUs, NVLink cliques; TPU pod shapes);
 - ``plans``: every plan with its steps (``PlanView``), resumed after a restart;
 - ``actions``: what the rebalancer did, newest last (``rebalance.status`` shows the last ones);

@@ -815,6 +815,12 @@ class RebalancerSettings(Section):
         gt=0,
         description="Replica copies the rebalancer starts per minute and cluster (also the burst).",
     )
+    drain_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="A draining replica whose engine has not reported itself idle (no queue, no KV in use) since "
+        "its drain started is released after this long anyway, with work possibly in flight.",
+    )
     tick_s: float = Field(default=1.0, gt=0, description="How often the rebalancer plans and advances its plans.")
 
 

@@ -26,7 +26,7 @@ from shared.contracts.placement import (
 )
 from shared.contracts.rebalance import RebalanceStatusReply, RebalanceStatusRequest
 from shared.contracts.subjects import Rpc
-from shared.contracts.topology import GpuSample, GpuTelemetryEvent, NodeProfileEvent
+from shared.contracts.topology import EngineStatusEvent, GpuSample, GpuTelemetryEvent, NodeProfileEvent
 from shared.domain.fleet import Accelerator, NodeProfile
 from shared.domain.rebalance.detect import Rule
 from shared.domain.topology import LinkMatrix
@@ -242,14 +242,14 @@ async def test_a_placement_and_its_allocations_fold_into_the_view_after_commit()
     await rig.deliver(rig.profiled(node("a")))
     await rig.deliver(rig.placed(placed("r1", "a", 0)))
     await rig.deliver(rig.committed(committed("r1", {"a/gpu0": 20 * GB})))
-    await rig.deliver(rig.committed(committed("k1", {"a/gpu0": GB}, parent="r1")))
+    await rig.deliver(rig.committed(committed("r2", {"a/gpu1": 20 * GB})))
 
     assert set(rig.view.replicas) == {"r1"} and rig.view.requests["r1"].request_id == "req-r1"
-    assert rig.view.by_node == {"a": {"r1"}} and rig.view.holds == {"r1": {"k1"}}
-    assert set(rig.store.replicas) == {"r1"} and set(rig.store.allocations) == {"r1", "k1"}
+    assert rig.view.by_node == {"a": {"r1", "r2"}}
+    assert set(rig.store.replicas) == {"r1"} and set(rig.store.allocations) == {"r1", "r2"}
 
-    await rig.deliver(rig.ended(committed("k1", {"a/gpu0": GB}, parent="r1")))
-    assert rig.view.holds == {"r1": set()} and set(rig.view.allocations) == {"r1"}
+    await rig.deliver(rig.ended(committed("r2", {"a/gpu1": 20 * GB})))
+    assert rig.view.by_node == {"a": {"r1"}} and set(rig.view.allocations) == {"r1"}
 
 
 async def test_a_consumer_batch_that_rolls_back_leaves_the_view_unchanged_and_its_rerun_folds_once() -> None:
@@ -257,19 +257,18 @@ async def test_a_consumer_batch_that_rolls_back_leaves_the_view_unchanged_and_it
     batch = (
         rig.placed(placed("r1", "a", 0)),
         rig.committed(committed("r1", {"a/gpu0": 20 * GB})),
-        rig.committed(committed("k1", {"a/gpu0": GB}, parent="r1")),
+        rig.committed(committed("r2", {"a/gpu1": 20 * GB})),
     )
     rig.uow.fail_next = RuntimeError("the batch's commit failed")
 
     with pytest.raises(RuntimeError):
         await rig.deliver(*batch)
 
-    assert rig.view.replicas == {} and rig.view.allocations == {} and rig.view.holds == {}
-    assert rig.view.by_node == {}
+    assert rig.view.replicas == {} and rig.view.allocations == {} and rig.view.by_node == {}
 
     await rig.deliver(*batch)  # the consumer runs the batch again
-    assert set(rig.view.replicas) == {"r1"} and set(rig.view.allocations) == {"r1", "k1"}
-    assert rig.view.holds == {"r1": {"k1"}} and rig.view.by_node == {"a": {"r1"}}
+    assert set(rig.view.replicas) == {"r1"} and set(rig.view.allocations) == {"r1", "r2"}
+    assert rig.view.by_node == {"a": {"r1", "r2"}}
 
 
 async def test_a_release_that_rolls_back_keeps_the_replica_and_its_targets() -> None:
@@ -356,7 +355,20 @@ async def test_a_cold_node_is_consolidated_onto_a_node_in_use() -> None:
     assert "replica_draining" in rig.uow.names() and plan.state == "done"
 
 
-async def test_a_replica_with_messages_in_flight_is_released_only_once_they_are_done() -> None:
+def engine(replica: str, host: str, *, queue: int, kv: int) -> EngineStatusEvent:
+    return EngineStatusEvent(
+        replica_id=replica,
+        node=host,
+        queue_depth=queue,
+        kv_used_bytes=kv,
+        kv_total_bytes=10 * GB,
+        latency_p50_ms=10.0,
+        latency_p99_ms=20.0,
+    )
+
+
+async def drain_rig() -> Rig:
+    """r1 on node a (cold) and r2 on node b: the consolidation copies r1 onto b, then drains and releases it."""
     a, b = node("a"), node("b")
     rig = Rig(
         FakeRpc(
@@ -369,16 +381,53 @@ async def test_a_replica_with_messages_in_flight_is_released_only_once_they_are_
     await rig.deliver(
         rig.profiled(a), rig.profiled(b), rig.placed(placed("r1", "a", 0)), rig.placed(placed("r2", "b", 0))
     )
-    await rig.deliver(rig.committed(committed("k1", {"a/gpu0": GB}, parent="r1")))  # a request in flight
+    return rig
+
+
+async def test_a_replica_with_messages_in_flight_is_released_only_once_its_engine_reports_idle() -> None:
+    rig = await drain_rig()
+    rig.handlers.on_engine_status(engine("r1", "a", queue=0, kv=0), rig.now)  # idle, but before the drain
 
     rig.sustained(sample("a", {0: 0.05}))
+    rig.handlers.on_engine_status(engine("r1", "a", queue=3, kv=GB), rig.now)  # requests in flight
     await rig.handlers.tick_once()
     assert rig.rpc.requests(Rpc.PLACEMENT_RELEASE) == [] and rig.uow.names().count("replica_draining") == 1
 
-    await rig.deliver(rig.ended(committed("k1", {"a/gpu0": GB}, parent="r1")))
+    rig.now += timedelta(seconds=5)
+    rig.handlers.on_engine_status(engine("r1", "a", queue=0, kv=GB), rig.now)  # queue empty, KV still held
+    await rig.handlers.tick_once()
+    assert rig.rpc.requests(Rpc.PLACEMENT_RELEASE) == []
+
+    rig.now += timedelta(seconds=5)
+    rig.handlers.on_engine_status(engine("r1", "a", queue=0, kv=0), rig.now)
     await rig.handlers.tick_once()
     assert [r.allocation_id for r in rig.rpc.requests(Rpc.PLACEMENT_RELEASE)] == ["r1"]
     assert rig.uow.names().count("replica_draining") == 1  # told once
+
+
+async def test_an_idle_report_older_than_the_drain_does_not_release_until_the_timeout() -> None:
+    rig = await drain_rig()
+    rig.sustained(sample("a", {0: 0.05}))
+    rig.handlers.on_engine_status(engine("r1", "a", queue=0, kv=0), rig.now - timedelta(seconds=1))
+    await rig.handlers.tick_once()
+    assert rig.rpc.requests(Rpc.PLACEMENT_RELEASE) == []
+
+    rig.now += timedelta(seconds=CONFIG.drain_timeout_s - 1)
+    await rig.handlers.tick_once()
+    assert rig.rpc.requests(Rpc.PLACEMENT_RELEASE) == []
+
+    rig.now += timedelta(seconds=1)  # the engine went silent: the drain timeout releases it anyway
+    await rig.handlers.tick_once()
+    assert [r.allocation_id for r in rig.rpc.requests(Rpc.PLACEMENT_RELEASE)] == ["r1"]
+
+
+async def test_a_replica_whose_engine_never_reported_is_released_at_once() -> None:
+    rig = await drain_rig()
+    rig.handlers.on_engine_status(engine("r9", "a", queue=5, kv=GB), rig.now)  # an unknown replica: left out
+    assert rig.view.engines == {}
+    rig.sustained(sample("a", {0: 0.05}))
+    await rig.handlers.tick_once()
+    assert [r.allocation_id for r in rig.rpc.requests(Rpc.PLACEMENT_RELEASE)] == ["r1"]
 
 
 async def test_a_copy_that_cannot_be_placed_rolls_the_plan_back_and_releases_the_copies_placed() -> None:
