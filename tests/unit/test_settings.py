@@ -14,6 +14,7 @@ from shared.domain.routing import Weights
 from shared.infra.settings import KitSettings, PlacementSettings, Settings, env_vars, load_settings
 
 OLD_FLAT_NAMES = 124  # the flat Settings before issue 24: every one of its variables is still read
+ADDED_SINCE = {"HETSCHED_REBALANCE_DRAIN_TIMEOUT_S": "rebalancer.drain_timeout_s"}  # variables added after it
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +27,8 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_every_variable_names_one_field_of_one_section() -> None:
     names = env_vars()
-    assert len(names) == OLD_FLAT_NAMES
+    assert len(names) == OLD_FLAT_NAMES + len(ADDED_SINCE)
+    assert all(names[name] == field for name, field in ADDED_SINCE.items())
     assert all(name.startswith("HETSCHED_") and name == name.upper() for name in names)
     assert names["HETSCHED_PLACEMENT_QUEUE_PAGE"] == "placement.queue_page"
     assert names["HETSCHED_ADMIT_TENANT_WEIGHTS"] == "placement.admit_tenant_weights"
