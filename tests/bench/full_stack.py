@@ -307,6 +307,9 @@ class Run:
     releases_ms: list[float] = field(default_factory=list)
     release_outcomes: dict[str, int] = field(default_factory=dict)
     note: str = ""
+    after: str = ""  # what was done after the run was measured (untimed, not in its CPU)
+    measured_s: float = 0.0  # wall time between the two CPU readings
+    rest_cpu_per_s: float | None = None  # the stack's CPU at rest before the run, CPU-s per second
 
     @property
     def ok_per_s(self) -> float:
@@ -345,6 +348,7 @@ class Run:
     def text(self) -> str:
         ops = max(1, self.load.sent)
         met, parts = self.verdict()
+        after = f"\n  after      {self.after}" if self.after else ""
         releases = ""
         if self.release_outcomes:
             ordered = sorted(self.releases_ms)
@@ -371,8 +375,18 @@ class Run:
             f"({_count(self.commits)} during the run)\n"
             f"  CPU s      {cpu}\n"
             f"             stack {self.stack_cpu_s:.2f} s = {1000 * self.stack_cpu_s / ops:.2f} ms per operation "
-            f"({ops} operations); {others}{restarted}\n"
-            f"  goal       {'MET' if met else 'not met'}: " + "; ".join(parts)
+            f"({ops} operations{self.above_rest()}); {others}{restarted}\n"
+            f"  goal       {'MET' if met else 'not met'}: " + "; ".join(parts) + after
+        )
+
+    def above_rest(self) -> str:
+        """The stack's CPU per operation less what it uses at rest over the same time, in words."""
+        if self.rest_cpu_per_s is None:
+            return ""
+        extra = self.stack_cpu_s - self.rest_cpu_per_s * self.measured_s
+        return (
+            f"; {1000 * extra / max(1, self.load.sent):.2f} ms above the {self.rest_cpu_per_s:.2f} CPU-s/s "
+            f"it uses at rest over the {self.measured_s:.1f} s measured"
         )
 
     def as_json(self) -> dict[str, Any]:
@@ -404,6 +418,9 @@ class Run:
             "releases": dict(self.release_outcomes),
             "restarted": self.restarted,
             "note": self.note,
+            "after": self.after,
+            "rest_cpu_per_s": self.rest_cpu_per_s,
+            "measured_s": round(self.measured_s, 2),
         }
 
 
@@ -436,6 +453,7 @@ async def measure(
     the commit counter are read once everything ``one`` started has settled (``settle``: releases)."""
     await asyncio.gather(*(one(-1 - i) for i in range(WARM_UP)), *(stack.echo_once(-1 - i) for i in range(WARM_UP)))
     await settle()
+    measured_from = time.perf_counter()
     before = stack.cpu_now()
     commits_before = await asyncio.to_thread(stack.ledger_commits)
     load, echo = await asyncio.gather(
@@ -444,6 +462,7 @@ async def measure(
     )
     await settle()
     after = stack.cpu_now()
+    measured_s = time.perf_counter() - measured_from
     commits_after = await asyncio.to_thread(stack.ledger_commits)
     cpu = {name: after[name][1] - before[name][1] for name in after if name in before}
     restarted = [name for name in after if name in before and after[name][0] != before[name][0]]
@@ -461,6 +480,7 @@ async def measure(
         commits_before=commits_before,
         commits_after=commits_after,
         note=note,
+        measured_s=measured_s,
     )
 
 
@@ -626,8 +646,14 @@ class Engines:
             task.cancel()
 
 
+QUEUED_FOLLOW_S = 40.0
+"""How long queued admissions are asked after, once a run is measured: longer than the admission queue's
+default TTL (30 s), after which a request asked again starts over."""
+
+
 async def admit_run(stack: FullStack, *, label: str, rate: float, seconds: float, goal: Goal) -> Run:
     releases = Releases(stack)
+    queued: dict[str, dict[str, Any]] = {}  # request id -> its body, for asking again
 
     async def one(i: int) -> str:
         tenant = f"t{i % TENANTS}"
@@ -645,6 +671,8 @@ async def admit_run(stack: FullStack, *, label: str, rate: float, seconds: float
             return reply
         if reply.get("status") == "admitted":
             releases.later(reply["allocation_id"], tenant, after_s=0, timed=i >= 0)
+        elif reply.get("status") == "queued":
+            queued[body["request_id"]] = body
         return outcome_of(reply)
 
     run = await measure(
@@ -660,7 +688,41 @@ async def admit_run(stack: FullStack, *, label: str, rate: float, seconds: float
         note=f"{TENANTS} tenants, each admission released when answered",
     )
     run.releases_ms, run.release_outcomes = releases.latencies_ms, releases.outcomes
+    if queued:
+        run.after = await follow_queued(stack, queued, releases)
     return run
+
+
+async def follow_queued(stack: FullStack, queued: dict[str, dict[str, Any]], releases: Releases) -> str:
+    """After a run is measured (untimed, not in its CPU): ask each queued admission again with its request id,
+    as a gateway collects it, until it is admitted (then release it) or refused, for ``QUEUED_FOLLOW_S``;
+    so no hold the run made outlives it and the next run starts on free replicas."""
+    started = time.monotonic()
+    waiting = dict(queued)
+    outcomes: dict[str, int] = {}
+    slots = asyncio.Semaphore(32)
+
+    async def ask(request_id: str, body: dict[str, Any]) -> None:
+        async with slots:
+            reply = await guarded(stack.call(Rpc.PLACEMENT_ADMIT, body))
+        outcome = reply if isinstance(reply, str) else outcome_of(reply)
+        if outcome == "queued":
+            return
+        del waiting[request_id]
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        if isinstance(reply, dict) and reply.get("status") == "admitted":
+            releases.later(reply["allocation_id"], body["tenant"], after_s=0, timed=False)
+
+    while waiting and time.monotonic() - started < QUEUED_FOLLOW_S:
+        await asyncio.gather(*(ask(r, b) for r, b in list(waiting.items())))
+        await asyncio.sleep(0.5)
+    await releases.settle()
+    if waiting:
+        outcomes["still queued"] = len(waiting)
+    return (
+        f"the {len(queued)} queued asked again after the run with their request ids for "
+        f"{time.monotonic() - started:.0f} s: {outcomes} (admitted ones released)"
+    )
 
 
 async def route_run(stack: FullStack, *, label: str, rate: float, seconds: float, new_tenants: bool, goal: Goal) -> Run:
@@ -745,15 +807,15 @@ async def bench(args: argparse.Namespace) -> list[Run]:
             await stack.ledger_knows(gpus)
             await placement_ready(stack, deadline_s=START_TIMEOUT_S)
             say(f"stack ready in {time.monotonic() - started:.0f} s; metrics at {stack.metrics_urls.get(LEDGER)}")
-            idle = await settle_idle(stack)
-            if not args.json:
-                print(idle, flush=True)
             for planned in plan(args.scenario, args.rate, args.new_tenants):
                 if planned.scenario in ("admit", "route") and not engines.replicas:
                     say(f"placing {args.replicas} {ADMIT_MODEL} replicas and starting their engines")
                     await engines.start(args.replicas)
+                idle, rest = await settle_idle(stack)
+                say(idle)
                 say(f"run {planned.label} ({args.seconds:g} s)")
                 run = await one_run(stack, planned, args)
+                run.rest_cpu_per_s = rest
                 if planned.scenario == "admit":
                     run.note += f", {len(engines.replicas)} replicas reporting every {ENGINE_REPORT_S:g} s"
                 runs.append(run)
@@ -770,9 +832,10 @@ IDLE_SETTLED = 0.35  # of a core: below this the stack is at rest (its periodic 
 IDLE_MAX_S = 60.0
 
 
-async def settle_idle(stack: FullStack) -> str:
+async def settle_idle(stack: FullStack) -> tuple[str, float]:
     """Wait (up to ``IDLE_MAX_S``) until the started stack is at rest, a window of ``IDLE_WINDOW_S`` in which
-    it used under ``IDLE_SETTLED`` of a core; one line: its CPU in the last window, per process."""
+    it used under ``IDLE_SETTLED`` of a core; one line (its CPU in the last window, per process) and that CPU
+    in CPU-s per second."""
     deadline = time.monotonic() + IDLE_MAX_S
     while True:
         before = stack.cpu_now()
@@ -782,7 +845,7 @@ async def settle_idle(stack: FullStack) -> str:
         total = sum(v for v in used.values() if not math.isnan(v))
         if total / IDLE_WINDOW_S < IDLE_SETTLED or time.monotonic() > deadline:
             per = ", ".join(f"{k} {v:.2f}" for k, v in used.items())
-            return f"stack at rest: {total:.2f} CPU-s over {IDLE_WINDOW_S:g} s ({per})"
+            return f"stack at rest: {total:.2f} CPU-s over {IDLE_WINDOW_S:g} s ({per})", total / IDLE_WINDOW_S
         say(f"waiting for the stack to settle: {total / IDLE_WINDOW_S:.0%} of a core over {IDLE_WINDOW_S:g} s")
 
 
