@@ -295,9 +295,57 @@ class Goal:
         )
 
 
+@dataclass(frozen=True)
+class CpuSpan:
+    """CPU seconds each process used over ``seconds`` of wall time (``machine``: every core's busy time)."""
+
+    cpu_s: dict[str, float]
+    seconds: float
+
+    @property
+    def stack_s(self) -> float:
+        return sum(v for k, v in self.cpu_s.items() if k in STACK and not math.isnan(v))
+
+    @property
+    def others_s(self) -> float:
+        """CPU the rest of the machine used meanwhile: everything busy less the stack, the echo and the client."""
+        ours = sum(v for k, v in self.cpu_s.items() if k != "machine" and not math.isnan(v))
+        return self.cpu_s.get("machine", math.nan) - ours
+
+    def per_op_ms(self, ops: int, rest_per_s: float | None = None) -> float:
+        """The stack's CPU per operation in ms; with ``rest_per_s``, less what it uses at rest meanwhile."""
+        extra = self.stack_s - (rest_per_s or 0.0) * self.seconds
+        return 1000 * extra / max(1, ops)
+
+    def lines(self, ops: int, rest_per_s: float | None) -> str:
+        cpu = ", ".join(f"{k} {self.cpu_s[k]:.2f}" for k in STACK if k in self.cpu_s)
+        ours = ", ".join(f"{k} {v:.2f}" for k, v in self.cpu_s.items() if k not in STACK and k != "machine")
+        rest = "" if rest_per_s is None else f", {self.per_op_ms(ops, rest_per_s):.2f} above rest"
+        return (
+            f"{cpu}\n"
+            f"             stack {self.stack_s:.2f} CPU-s = {self.per_op_ms(ops):.2f} ms per operation{rest}; "
+            f"{ours}; other processes on the machine {self.others_s:.2f} "
+            f"(of {os.cpu_count()} cores x {self.seconds:.1f} s = {(os.cpu_count() or 1) * self.seconds:.1f} CPU-s)"
+        )
+
+    def as_json(self, ops: int, rest_per_s: float | None) -> dict[str, Any]:
+        return {
+            "seconds": round(self.seconds, 2),
+            "cpu_s": {k: round(v, 3) for k, v in self.cpu_s.items()},
+            "stack_cpu_s": round(self.stack_s, 3),
+            "stack_cpu_ms_per_op": round(self.per_op_ms(ops), 3),
+            "stack_cpu_ms_per_op_above_rest": round(self.per_op_ms(ops, rest_per_s), 3),
+            "other_processes_cpu_s": round(self.others_s, 3),
+        }
+
+
 @dataclass
 class Run:
-    """One run's figures, printed and (``--json``) written as JSON."""
+    """One run's figures, printed and (``--json``) written as JSON.
+
+    ``during``: CPU from the first request to the last answer (and the releases it started); ``to_rest``:
+    from the first request until the stack was back at rest, so it holds the events its consumers were
+    still working through after the last answer."""
 
     label: str
     subject: str
@@ -307,31 +355,23 @@ class Run:
     echo: LoadResult
     ok_outcome: str
     goal: Goal
-    cpu_s: dict[str, float] = field(default_factory=dict)
+    during: CpuSpan
+    to_rest: CpuSpan
     restarted: list[str] = field(default_factory=list)
     commits_before: float | None = None
     commits_after: float | None = None
+    commits_at_rest: float | None = None
     releases_ms: list[float] = field(default_factory=list)
     release_outcomes: dict[str, int] = field(default_factory=dict)
     note: str = ""
     after: str = ""  # what was done after the run was measured (untimed, not in its CPU)
-    measured_s: float = 0.0  # wall time between the two CPU readings
     rest_cpu_per_s: float | None = None  # the stack's CPU at rest before the run, CPU-s per second
+    settled: bool = True  # whether the stack was back at rest when ``to_rest`` was read
 
     @property
     def ok_per_s(self) -> float:
         ok = sum(n for o, n in self.load.outcomes.items() if o.startswith(self.ok_outcome))
         return ok * self.load.achieved_per_s / max(1, self.load.sent)
-
-    @property
-    def others_cpu_s(self) -> float:
-        """CPU the rest of the machine used meanwhile: everything busy less the stack, the echo and the client."""
-        ours = sum(v for k, v in self.cpu_s.items() if k != "machine" and not math.isnan(v))
-        return self.cpu_s.get("machine", math.nan) - ours
-
-    @property
-    def stack_cpu_s(self) -> float:
-        return sum(v for k, v in self.cpu_s.items() if k in STACK and not math.isnan(v))
 
     @property
     def commits(self) -> float | None:
@@ -359,7 +399,7 @@ class Run:
         return met, parts
 
     def text(self) -> str:
-        ops = max(1, self.load.sent)
+        ops = self.load.sent
         met, parts = self.verdict()
         after = f"\n  after      {self.after}" if self.after else ""
         releases = ""
@@ -369,15 +409,11 @@ class Run:
                 f"\n  releases   {self.release_outcomes} (untimed in the goal): p50 "
                 f"{_ms(nearest_rank(ordered, 0.5))} ms, p99 {_ms(nearest_rank(ordered, 0.99))} ms"
             )
-        cpu = ", ".join(f"{k} {self.cpu_s[k]:.2f}" for k in STACK if k in self.cpu_s)
-        others = ", ".join(f"{k} {v:.2f}" for k, v in self.cpu_s.items() if k not in STACK and k != "machine")
-        others += (
-            f"; other processes on the machine {self.others_cpu_s:.2f} "
-            f"({os.cpu_count()} cores x {self.measured_s:.1f} s = {(os.cpu_count() or 1) * self.measured_s:.1f} CPU-s)"
-        )
         restarted = ""
         if self.restarted:
             restarted = f"\n  RESTARTED  {self.restarted} (their CPU before the restart is missing)"
+        rest = "" if self.rest_cpu_per_s is None else f"; at rest before it {self.rest_cpu_per_s:.2f} CPU-s/s"
+        back = "back at rest" if self.settled else "NOT back at rest"
         return (
             f"== {self.label}: {self.subject}, {self.offered_per_s:g}/s offered for {self.seconds:g} s"
             f"{' (' + self.note + ')' if self.note else ''} ==\n"
@@ -389,25 +425,17 @@ class Run:
             f"max {_ms(self.echo.max_ms)} ms ({self.echo.achieved_per_s:.0f}/s, {dict(self.echo.outcomes)})"
             f"{releases}\n"
             f"  ledger     commits {_count(self.commits_before)} -> {_count(self.commits_after)} "
-            f"({_count(self.commits)} during the run)\n"
-            f"  CPU s      {cpu}\n"
-            f"             stack {self.stack_cpu_s:.2f} s = {1000 * self.stack_cpu_s / ops:.2f} ms per operation "
-            f"({ops} operations{self.above_rest()}); {others}{restarted}\n"
+            f"({_count(self.commits)} during the run; {_count(self.commits_at_rest)} once back at rest)\n"
+            f"  CPU s      during the run ({self.during.seconds:.1f} s, {ops} operations{rest}):\n"
+            f"             {self.during.lines(ops, self.rest_cpu_per_s)}\n"
+            f"  CPU s      until {back} ({self.to_rest.seconds:.1f} s):\n"
+            f"             {self.to_rest.lines(ops, self.rest_cpu_per_s)}{restarted}\n"
             f"  goal       {'MET' if met else 'not met'}: " + "; ".join(parts) + after
-        )
-
-    def above_rest(self) -> str:
-        """The stack's CPU per operation less what it uses at rest over the same time, in words."""
-        if self.rest_cpu_per_s is None:
-            return ""
-        extra = self.stack_cpu_s - self.rest_cpu_per_s * self.measured_s
-        return (
-            f"; {1000 * extra / max(1, self.load.sent):.2f} ms above the {self.rest_cpu_per_s:.2f} CPU-s/s "
-            f"it uses at rest over the {self.measured_s:.1f} s measured"
         )
 
     def as_json(self) -> dict[str, Any]:
         met, parts = self.verdict()
+        ops = self.load.sent
         return {
             "run": self.label,
             "subject": self.subject,
@@ -428,18 +456,20 @@ class Run:
                 "outcomes": dict(self.echo.outcomes),
             },
             "goal": {"p99_bound_ms": _round(self.goal.bound_ms(self.echo.p99_ms)), "met": met, "parts": parts},
-            "cpu_s": {k: round(v, 3) for k, v in self.cpu_s.items()},
-            "stack_cpu_s": round(self.stack_cpu_s, 3),
-            "other_processes_cpu_s": round(self.others_cpu_s, 3),
             "cores": os.cpu_count(),
-            "stack_cpu_ms_per_op": round(1000 * self.stack_cpu_s / max(1, self.load.sent), 3),
+            "rest_cpu_per_s": self.rest_cpu_per_s,
+            "cpu_during": self.during.as_json(ops, self.rest_cpu_per_s),
+            "cpu_to_rest": {**self.to_rest.as_json(ops, self.rest_cpu_per_s), "settled": self.settled},
             "ledger_commits": self.commits,
+            "ledger_commits_to_rest": (
+                None
+                if self.commits_at_rest is None or self.commits_before is None
+                else self.commits_at_rest - self.commits_before
+            ),
             "releases": dict(self.release_outcomes),
             "restarted": self.restarted,
             "note": self.note,
             "after": self.after,
-            "rest_cpu_per_s": self.rest_cpu_per_s,
-            "measured_s": round(self.measured_s, 2),
         }
 
 
@@ -455,6 +485,10 @@ def _count(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
+def _span(before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]], seconds: float) -> CpuSpan:
+    return CpuSpan({name: after[name][1] - before[name][1] for name in after if name in before}, seconds)
+
+
 async def measure(
     stack: FullStack,
     *,
@@ -468,11 +502,12 @@ async def measure(
     settle: Callable[[], Awaitable[None]],
     note: str = "",
 ) -> Run:
-    """Warm up (untimed), then offer ``one`` and the echo open loop at ``rate`` at the same time; the CPU and
-    the commit counter are read once everything ``one`` started has settled (``settle``: releases)."""
+    """Warm up (untimed), then offer ``one`` and the echo open loop at ``rate`` at the same time. The CPU and
+    the commit counter are read once everything ``one`` started has settled (``settle``: releases), and
+    again once the stack is back at rest (its consumers through the run's events)."""
     await asyncio.gather(*(one(-1 - i) for i in range(WARM_UP)), *(stack.echo_once(-1 - i) for i in range(WARM_UP)))
     await settle()
-    measured_from = time.perf_counter()
+    started = time.perf_counter()
     before = stack.cpu_now()
     commits_before = await asyncio.to_thread(stack.ledger_commits)
     load, echo = await asyncio.gather(
@@ -480,10 +515,12 @@ async def measure(
         run_open_loop("echo", rate, seconds, stack.echo_once, warm_up=0),
     )
     await settle()
-    after = stack.cpu_now()
-    measured_s = time.perf_counter() - measured_from
+    during = _span(before, stack.cpu_now(), time.perf_counter() - started)
     commits_after = await asyncio.to_thread(stack.ledger_commits)
-    cpu = {name: after[name][1] - before[name][1] for name in after if name in before}
+    settled = await back_at_rest(stack, max_s=REST_AFTER_MAX_S)
+    after = stack.cpu_now()
+    to_rest = _span(before, after, time.perf_counter() - started)
+    commits_at_rest = await asyncio.to_thread(stack.ledger_commits)
     restarted = [name for name in after if name in before and after[name][0] != before[name][0]]
     return Run(
         label=label,
@@ -494,12 +531,14 @@ async def measure(
         echo=echo,
         ok_outcome=ok_outcome,
         goal=goal,
-        cpu_s=cpu,
+        during=during,
+        to_rest=to_rest,
         restarted=restarted,
         commits_before=commits_before,
         commits_after=commits_after,
+        commits_at_rest=commits_at_rest,
         note=note,
-        measured_s=measured_s,
+        settled=settled,
     )
 
 
@@ -833,7 +872,7 @@ async def bench(args: argparse.Namespace) -> list[Run]:
                 if planned.scenario in ("admit", "route") and not engines.replicas:
                     say(f"placing {args.replicas} {ADMIT_MODEL} replicas and starting their engines")
                     await engines.start(args.replicas)
-                idle, rest = await settle_idle(stack)
+                idle, rest = await rest_rate(stack)
                 say(idle)
                 say(f"run {planned.label} ({args.seconds:g} s)")
                 run = await one_run(stack, planned, args)
@@ -849,26 +888,37 @@ async def bench(args: argparse.Namespace) -> list[Run]:
     return runs
 
 
-IDLE_WINDOW_S = 5.0
-IDLE_SETTLED = 0.35  # of a core: below this the stack is at rest (its periodic loops, about 0.2 on 1,024 nodes)
-IDLE_MAX_S = 120.0
+REST_WINDOW_S = 2.0
+REST_SETTLED = 0.35  # of a core: below this the stack is at rest (its periodic loops, about 0.2 on 1,024 nodes)
+REST_BEFORE_MAX_S = 120.0  # how long a run waits for the stack to be at rest before it starts
+REST_AFTER_MAX_S = 60.0  # how long a run's CPU is followed after its last answer
 
 
-async def settle_idle(stack: FullStack) -> tuple[str, float]:
-    """Wait (up to ``IDLE_MAX_S``) until the started stack is at rest, a window of ``IDLE_WINDOW_S`` in which
-    it used under ``IDLE_SETTLED`` of a core; one line (its CPU in the last window, per process) and that CPU
-    in CPU-s per second."""
-    deadline = time.monotonic() + IDLE_MAX_S
+async def back_at_rest(stack: FullStack, *, max_s: float) -> bool:
+    """Wait until the stack used under ``REST_SETTLED`` of a core over a window of ``REST_WINDOW_S``, or
+    ``max_s`` passed; whether it came to rest."""
+    deadline = time.monotonic() + max_s
     while True:
         before = stack.cpu_now()
-        await asyncio.sleep(IDLE_WINDOW_S)
+        await asyncio.sleep(REST_WINDOW_S)
         after = stack.cpu_now()
-        used = {k: after[k][1] - before[k][1] for k in STACK if k in after and k in before}
-        total = sum(v for v in used.values() if not math.isnan(v))
-        if total / IDLE_WINDOW_S < IDLE_SETTLED or time.monotonic() > deadline:
-            per = ", ".join(f"{k} {v:.2f}" for k, v in used.items())
-            return f"stack at rest: {total:.2f} CPU-s over {IDLE_WINDOW_S:g} s ({per})", total / IDLE_WINDOW_S
-        say(f"waiting for the stack to settle: {total / IDLE_WINDOW_S:.0%} of a core over {IDLE_WINDOW_S:g} s")
+        used = _span(before, after, REST_WINDOW_S).stack_s / REST_WINDOW_S
+        if used < REST_SETTLED:
+            return True
+        if time.monotonic() > deadline:
+            return False
+
+
+async def rest_rate(stack: FullStack) -> tuple[str, float]:
+    """Once the stack is at rest (up to ``REST_BEFORE_MAX_S``): its CPU over 5 s, one line per process and
+    in CPU-s per second."""
+    if not await back_at_rest(stack, max_s=REST_BEFORE_MAX_S):
+        say(f"the stack did not come to rest within {REST_BEFORE_MAX_S:g} s")
+    before = stack.cpu_now()
+    await asyncio.sleep(5.0)
+    span = _span(before, stack.cpu_now(), 5.0)
+    per = ", ".join(f"{k} {v:.2f}" for k, v in span.cpu_s.items() if k in STACK)
+    return f"stack at rest: {span.stack_s:.2f} CPU-s over 5 s ({per})", span.stack_s / 5.0
 
 
 async def one_run(stack: FullStack, planned: Planned, args: argparse.Namespace) -> Run:
@@ -889,8 +939,8 @@ def say(line: str) -> None:
 
 def summary(runs: list[Run]) -> str:
     rows = [
-        "| run | offered | achieved (ok) | p50 ms | p99 ms | echo p99 ms | goal p99 ms | met | stack CPU ms/op "
-        "| commits |",
+        "| run | offered | achieved (ok) | p50 ms | p99 ms | echo p99 ms | goal p99 ms | met "
+        "| stack CPU ms/op (to rest) | commits |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
@@ -899,7 +949,7 @@ def summary(runs: list[Run]) -> str:
             f"| {r.label} | {r.offered_per_s:g}/s | {r.load.achieved_per_s:.0f}/s ({r.ok_per_s:.0f}/s) | "
             f"{_ms(r.load.p50_ms)} | {_ms(r.load.p99_ms)} | {_ms(r.echo.p99_ms)} | "
             f"{r.goal.bound_ms(r.echo.p99_ms):.1f} | {'yes' if met else 'no'} | "
-            f"{1000 * r.stack_cpu_s / max(1, r.load.sent):.2f} | {_count(r.commits)} |"
+            f"{r.during.per_op_ms(r.load.sent):.2f} / {r.to_rest.per_op_ms(r.load.sent):.2f} | {_count(r.commits)} |"
         )
     return "\n".join(rows)
 
