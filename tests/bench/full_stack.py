@@ -364,7 +364,7 @@ class Run:
     releases_ms: list[float] = field(default_factory=list)
     release_outcomes: dict[str, int] = field(default_factory=dict)
     note: str = ""
-    after: str = ""  # what was done after the run was measured (untimed, not in its CPU)
+    after: str = ""  # what the follow-up after the last answer did (untimed; in ``to_rest`` only)
     rest_cpu_per_s: float | None = None  # the stack's CPU at rest before the run, CPU-s per second
     settled: bool = True  # whether the stack was back at rest when ``to_rest`` was read
 
@@ -500,11 +500,13 @@ async def measure(
     ok_outcome: str,
     goal: Goal,
     settle: Callable[[], Awaitable[None]],
+    follow_up: Callable[[], Awaitable[str]] | None = None,
     note: str = "",
 ) -> Run:
     """Warm up (untimed), then offer ``one`` and the echo open loop at ``rate`` at the same time. The CPU and
     the commit counter are read once everything ``one`` started has settled (``settle``: releases), and
-    again once the stack is back at rest (its consumers through the run's events)."""
+    again once the stack is back at rest (its consumers through the run's events); ``follow_up`` (queued
+    admissions collected) runs in between, so its CPU is in the second reading only."""
     await asyncio.gather(*(one(-1 - i) for i in range(WARM_UP)), *(stack.echo_once(-1 - i) for i in range(WARM_UP)))
     await settle()
     started = time.perf_counter()
@@ -517,6 +519,7 @@ async def measure(
     await settle()
     during = _span(before, stack.cpu_now(), time.perf_counter() - started)
     commits_after = await asyncio.to_thread(stack.ledger_commits)
+    followed = await follow_up() if follow_up is not None else ""
     settled = await back_at_rest(stack, max_s=REST_AFTER_MAX_S)
     after = stack.cpu_now()
     to_rest = _span(before, after, time.perf_counter() - started)
@@ -539,6 +542,7 @@ async def measure(
         commits_at_rest=commits_at_rest,
         note=note,
         settled=settled,
+        after=followed,
     )
 
 
@@ -743,18 +747,20 @@ async def admit_run(stack: FullStack, *, label: str, rate: float, seconds: float
         ok_outcome="admitted",
         goal=goal,
         settle=releases.settle,
+        follow_up=lambda: follow_queued(stack, queued, releases),
         note=f"{TENANTS} tenants, each admission released when answered",
     )
     run.releases_ms, run.release_outcomes = releases.latencies_ms, releases.outcomes
-    if queued:
-        run.after = await follow_queued(stack, queued, releases)
     return run
 
 
 async def follow_queued(stack: FullStack, queued: dict[str, tuple[float, dict[str, Any]]], releases: Releases) -> str:
-    """After a run is measured (untimed, not in its CPU): ask each queued admission again with its request id
-    once a second, as a gateway collects it, until it is admitted (then release it) or refused, or its time
-    in the queue (``QUEUE_TTL_S``) is over; so few holds the run made outlive it."""
+    """After the run's last answer (untimed; in its CPU until back at rest, not during): ask each queued
+    admission again with its request id once a second, as a gateway collects it, until it is admitted (then
+    release it) or refused, or its time in the queue (``QUEUE_TTL_S``) is over; so few holds outlive the run.
+    One line of what became of them (empty when none was queued)."""
+    if not queued:
+        return ""
     started = time.monotonic()
     waiting = dict(queued)
     outcomes: dict[str, int] = {}
