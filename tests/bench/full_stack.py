@@ -15,19 +15,24 @@ each run open loop (a slow answer does not slow the offer):
 - admit: --replicas llama3.1-8b replicas are placed first (TP 1, spread over the regions) and a simulated
   engine reports each one's status every second from the replica's node (as `hetsched engine-sim` does);
   then `placement.admit` of 1,000-token requests from 50 tenants, each admission released with
-  `placement.release` as soon as it is answered (untimed). 200/s; `all` runs 1,000/s too.
+  `placement.release` as soon as it is answered (untimed). 200/s; `all` runs 1,000/s too. A `queued`
+  answer is asked again with its request id once a second after the last answer (as a gateway collects
+  it) and released once admitted, until the admission queue's TTL.
 - route: `route.select` at 500/s for 50 tenants, a new session per request (`admit: false`);
   --new-tenants makes every request a new tenant as well (`all` runs both).
 
-`all` runs the six runs above on one stack; --rate R runs each chosen scenario at R instead (once).
+`all` runs the six runs above on one stack (place, place-slow, route, admit: admissions left queued are
+admitted for a while after), each after the stack is at rest; --rate R runs each chosen scenario at R
+instead (once).
 Beside every run an echo (`tests.bench.echo`, a process that answers at once) is timed open loop at the
 same rate at the same time: what the bus and two Python clients cost on this machine in that moment.
 Each run prints offered and achieved rate, outcomes, p50/p99/max, the echo's p50/p99, its goal worked
 out from the echo's p99, the CPU seconds of every process of the stack (the six services, nats-server,
-Postgres with its backends, `hetsched up` itself; the echo and this client apart) with the stack's CPU
-per operation, and the ledger's commit counter (`hetsched_ledger_commits_total`, read from the metrics
-endpoint `hetsched status --json` names) before and after. Nothing is asserted. The stack is stopped
-with SIGTERM at the end, on an error and on Ctrl-C.
+Postgres with its backends, `hetsched up` itself; the echo, this client and the rest of the machine
+apart) with the stack's CPU per operation, read at the last answer and again once the stack is back at
+rest (its consumers through the run's events), and the ledger's commit counter
+(`hetsched_ledger_commits_total`, read from the metrics endpoint `hetsched status --json` names) before
+and after. Nothing is asserted. The stack is stopped with SIGTERM at the end, on an error and on Ctrl-C.
 """
 
 from __future__ import annotations
