@@ -14,7 +14,7 @@ import random
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from shared.contracts.subjects import Rpc
 from shared.domain.synthetic import synthetic_inventory
@@ -45,7 +45,13 @@ async def run(h: LedgerHarness, *, rate: float, seconds: float) -> str:
     return await open_loop("placement.place", rate, seconds, one)
 
 
-async def placement_ready(h: LedgerHarness, deadline_s: float = 120) -> None:
+class Caller(Protocol):
+    """What placement_ready needs of a benchmark's client: a request with a JSON body and reply."""
+
+    async def call(self, rpc: Rpc, body: dict[str, Any], *, timeout: float = ...) -> dict[str, Any]: ...
+
+
+async def placement_ready(h: Caller, deadline_s: float = 120) -> None:
     """Placement has synced its view (health check `view` ok) and can place on the fleet."""
     probe = {"request_id": "probe", "tenant": "bench", "model": "llama3-8b", "context_tokens": 4096}
     deadline = time.monotonic() + deadline_s
