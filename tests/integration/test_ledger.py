@@ -460,6 +460,11 @@ async def test_a_request_commit_is_refused_typed_and_changes_nothing(ledger: Cli
         return ids if replica["request_id"] in ids else []
 
     assert rid not in await wait_for(committed, 15, interval_s=0.2, what="the replica's commit on the stream")
+    # The session's database is shared with later modules (the metrics test places on this node).
+    released = await call(
+        ledger, settings, Rpc.LEDGER_RELEASE, {"allocation_id": replica["allocation_id"], "tenant": "acme"}
+    )
+    assert released["status"] == "released", released
 
 
 async def test_a_replica_s_end_still_ends_a_request_row_written_before_the_retirement(
