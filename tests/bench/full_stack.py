@@ -63,7 +63,7 @@ import yaml
 from hetsched.engine_sim import EngineLoad, publish_engine_status
 from hetsched.stack import wait_healthy
 from shared.contracts.subjects import Rpc, Subjects
-from tests.bench.loadgen import LoadResult, nearest_rank, run_open_loop
+from tests.bench.loadgen import LoadResult, nearest_rank, positive, run_open_loop
 from tests.bench.placement_e2e import MIX, bench_fleet, placement_ready
 
 REGIONS = ("us-west-1", "us-east-1", "eu-west-1")  # bench_fleet's regions, all in the shipped regions file
@@ -976,22 +976,15 @@ async def _main(args: argparse.Namespace) -> None:
         print(summary(runs))
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", choices=["place", "place-slow", "admit", "route", "all"], default="all")
-    parser.add_argument("--rate", type=_positive, default=None, help="offered per second (default: each run's own)")
-    parser.add_argument("--seconds", type=_positive, default=10, help="how long each run offers")
+    parser.add_argument("--rate", type=positive, default=None, help="offered per second (default: each run's own)")
+    parser.add_argument("--seconds", type=positive, default=10, help="how long each run offers")
     parser.add_argument("--nodes", type=int, default=1024, help="synthetic fleet size")
     parser.add_argument("--replicas", type=int, default=24, help="replicas the admit and route runs use")
     parser.add_argument("--new-tenants", action="store_true", help="route: a new tenant per request")
-    parser.add_argument("--hold-s", type=_positive, default=1.0, help="place: seconds before a replica is released")
+    parser.add_argument("--hold-s", type=positive, default=1.0, help="place: seconds before a replica is released")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document")
     try:
         asyncio.run(_main(parser.parse_args()))

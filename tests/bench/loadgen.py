@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import statistics
@@ -99,3 +100,11 @@ async def open_loop(
     """``one(i)`` (returning its outcome) ``rate`` times a second for ``seconds``, after ``warm_up``
     untimed calls (connections, caches); one line: achieved rate, outcomes, p50 and p99 in ms."""
     return (await run_open_loop(name, rate, seconds, one, warm_up=warm_up)).line()
+
+
+def positive(text: str) -> float:
+    """An argparse type: a number > 0 (a rate, a duration)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value

@@ -50,6 +50,7 @@ from shared.contracts.subjects import Rpc
 from shared.domain.synthetic import synthetic_inventory
 from shared.infra import deadline
 from tests.bench.ledger_harness import INVARIANT_SQL, LedgerHarness
+from tests.bench.loadgen import positive
 from tests.bench.placement_e2e import MIX, placement_ready
 
 TENANT = "soak"
@@ -487,26 +488,19 @@ async def _main(args: argparse.Namespace) -> None:
             servers.stop()
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate", type=_positive, default=100, help="placements offered per second")
-    parser.add_argument("--minutes", type=_positive, default=10, help="how long placements are offered")
+    parser.add_argument("--rate", type=positive, default=100, help="placements offered per second")
+    parser.add_argument("--minutes", type=positive, default=10, help="how long placements are offered")
     parser.add_argument("--nodes", type=int, default=1024, help="synthetic fleet size")
     parser.add_argument(
         "--hold-s",
-        type=_positive,
+        type=positive,
         default=None,
         help=f"mean hold in s; default: {100 * TARGET_FILL:.0f} %% of the fleet reserved",
     )
-    parser.add_argument("--timeout-s", type=_positive, default=10, help="client timeout of one request")
-    parser.add_argument("--sample-s", type=_positive, default=60, help="seconds per row")
+    parser.add_argument("--timeout-s", type=positive, default=10, help="client timeout of one request")
+    parser.add_argument("--sample-s", type=positive, default=60, help="seconds per row")
     try:
         asyncio.run(_main(parser.parse_args()))
     except (KeyboardInterrupt, asyncio.CancelledError):
