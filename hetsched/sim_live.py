@@ -13,7 +13,14 @@ import uuid
 from typing import Any
 
 from shared.contracts.base import Rejected
-from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseReply, ReleaseRequest
+from shared.contracts.placement import (
+    PlaceReply,
+    PlaceRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    RenewReply,
+    RenewRequest,
+)
 from shared.contracts.subjects import Rpc, Subjects
 from shared.domain.errors import ErrorCode
 from shared.domain.fleet import AcceleratorId
@@ -21,6 +28,9 @@ from shared.domain.memory import MemoryShare
 from shared.domain.placement import Decision, FleetSnapshot, PlacementRequest, TpuPlacement, apply
 from shared.domain.topology.tpu import TpuSlice
 from shared.infra.rpc import RpcClient
+
+SIM_LEASE_S = 24 * 3600
+"""The lease a replica the simulator placed on a live stack holds (the simulator releases it when done)."""
 
 
 def to_decision(request_id: str, reply: PlaceReply | Rejected) -> Decision:
@@ -122,6 +132,9 @@ class LivePolicy:
                 message="the live stack placed it where the simulated fleet has no room: different fleets?",
             )
         self._allocations[request.request_id] = reply.allocation_id
+        # No engine will report for it: renew at once, or the ledger ends it after its short first lease.
+        renew = RenewRequest(allocation_id=reply.allocation_id, tenant=self._tenant, lease_s=SIM_LEASE_S)
+        self._loop.run_until_complete(self._rpc.ask(Rpc.PLACEMENT_RENEW, renew, RenewReply))
         return decision
 
     def _release(self, allocation_id: str) -> None:

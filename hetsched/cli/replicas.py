@@ -105,10 +105,30 @@ def place(
     rpc = Rpc.PLACEMENT_EXPLAIN if explain else Rpc.PLACEMENT_PLACE
     # A refused placement keeps its PlaceReply (the explanation says what was tried and why not).
     reply = ask(data_dir, rpc, request, PlaceReply, rejection_as_reply=True, credential=credential)
+    if not explain and isinstance(reply, PlaceReply) and reply.status == "placed" and reply.allocation_id:
+        _confirm(data_dir, credential, request, reply.allocation_id)
     if emit is not None:
         _emit(reply, emit)
         return
     print_reply(reply, as_json)
+
+
+def _confirm(data_dir: Path | None, credential: Path | None, request: PlaceRequest, allocation_id: str) -> None:
+    """A new replica holds a short first lease until its caller renews (or its engine reports): the CLI
+    renews it at once for the lease it asked for. A failed renew is a warning: the replica is placed, and
+    `hetsched renew` or its engine's first report keeps it."""
+    lease = request.lease_s or settings_of(data_dir).placement.default_lease_s
+    renew = RenewRequest(allocation_id=allocation_id, tenant=request.tenant, lease_s=lease)
+    reply = ask(data_dir, Rpc.PLACEMENT_RENEW, renew, RenewReply, rejection_as_reply=True, credential=credential)
+    if not isinstance(reply, RenewReply) or reply.status != "renewed":
+        why = reply.error.message if reply.error is not None else reply.status
+        err.print(
+            f"warning: placed {allocation_id}, but could not extend its first lease ({why}); "
+            f"run `hetsched renew {allocation_id}` or start its engine",
+            soft_wrap=True,
+            markup=False,
+            highlight=False,
+        )
 
 
 def _emit(reply: PlaceReply | Rejected, kind: EmitKind) -> None:

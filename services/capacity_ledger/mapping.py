@@ -42,6 +42,8 @@ def intent(request: CommitRequest) -> CommitIntent:
         expected=request.expected,
         sharing=request.sharing,
         cross_domain_bytes_per_s=request.cross_domain_bytes_per_s,
+        body_hash=request.body_hash,
+        record=request.record,
     )
 
 
@@ -86,7 +88,11 @@ def share_out(accelerator_id: str, s: MemoryShare) -> ShareOut:
 
 
 def committed_event(
-    *, allocation_id: str, intent: CommitIntent, lease_expires_at: datetime, cluster: str | None
+    *,
+    allocation_id: str,
+    intent: CommitIntent,
+    lease_expires_at: datetime,
+    cluster: str | None,
 ) -> AllocationEvent:
     return AllocationEvent(
         allocation_id=allocation_id,
@@ -102,6 +108,7 @@ def committed_event(
         sharing=intent.sharing,
         cross_domain_bytes_per_s=intent.cross_domain_bytes_per_s,
         cluster=cluster,
+        record=dict(intent.record) if intent.record is not None else None,
     )
 
 
@@ -175,4 +182,5 @@ def duplicate_reply(request_id: str, outcome: Duplicate) -> CommitReply:
         duplicate=True,
         lease_expires_at=outcome.lease_expires_at,
         view=balances(outcome.view),
+        record=dict(outcome.record) if outcome.record is not None else None,
     )

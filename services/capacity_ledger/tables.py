@@ -96,6 +96,10 @@ class Allocation(SQLModel, table=True):
     sharing: str = Field(sa_column=Column(Text, nullable=False, server_default=text("'exclusive'")))
     cross_domain_bytes_per_s: int = Field(sa_column=Column(BigInteger, nullable=False, server_default=text("0")))
     cluster: str | None = Field(default=None, sa_column=Column(Text, nullable=True))  # of its accelerators
+    # The caller's record of what it decided (placement: its request and reply), returned by a repeat.
+    record: dict[str, Any] | None = Field(default=None, sa_column=Column(JSONB, nullable=True))
+    # The caller's hash of its request: a repeat with another hash is refused.
+    body_hash: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
 
 
 class Share(SQLModel, table=True):

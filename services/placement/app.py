@@ -93,6 +93,7 @@ def wire(runtime: Runtime) -> Ctx:
         rpc=runtime.rpc,
         timer=monotonic_ms,
         default_lease_s=settings.placement.default_lease_s,
+        first_lease_s=settings.placement.first_lease_s,
         metrics=PlacementMetrics.create(runtime.metrics),
         # An attempt holds its request id for one ledger round trip (and a second to record the outcome).
         ownership=Ownership(
@@ -144,7 +145,11 @@ SERVICE = ServiceDefinition(
         Route(Rpc.PLACEMENT_ADMIT, AdmitRequest, lambda ctx: ctx.admission.admit),
         Route(Rpc.PLACEMENT_REPLICAS, ReplicasRequest, lambda ctx: ctx.listing.replicas),
     ),
-    on_start=(lambda ctx: ctx.admission.start(), lambda ctx: ctx.handlers.tally.start()),
+    on_start=(
+        lambda ctx: ctx.admission.start(),
+        lambda ctx: ctx.handlers.tally.start(),
+        lambda ctx: ctx.handlers.first_leases.load(),
+    ),
     # The fleet view, admission's engines and holds, the reservations and the rebalancer's word: follows.py.
     follows=FOLLOWS,
     stale_after_ms=lambda settings: settings.placement.stale_after_ms,

@@ -5,6 +5,7 @@ behind. A ``conflict``/``no_capacity`` carries the ledger's fresher figures (``S
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -14,11 +15,12 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from services.placement.attempts import ORDINARY, Claimed, Lost, Ordinary, Stale, ledger_silent
 from services.placement.intents import Intents
-from services.placement.mapping import commit_held, crossing, ledger_key, to_commit, to_reply
+from services.placement.mapping import body_hash, commit_held, crossing, ledger_key, to_commit, to_reply
 from services.placement.metrics import PlacementMetrics
+from services.placement.records import PlacementRecord
 from services.placement.tally import QuotaTally
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
-from shared.contracts.ledger import AcceleratorBalance, CommitReply, CommitRequest
+from shared.contracts.ledger import RECORD_MAX_BYTES, AcceleratorBalance, CommitReply, CommitRequest
 from shared.contracts.placement import PlacementEventName, PlaceReply, PlaceRequest
 from shared.contracts.subjects import Rpc
 from shared.domain.placement.types import Decision, FleetSnapshot
@@ -82,6 +84,8 @@ class Committer:
         metrics: PlacementMetrics,
         default_lease_s: int,
         after_commit: Callable[[], None],
+        first_lease_s: int | None = None,
+        placed: Callable[[PlaceRequest, PlaceReply, int], None] = lambda _request, _reply, _lease_s: None,
     ) -> None:
         self._rpc = rpc
         self._intents = intents
@@ -90,6 +94,8 @@ class Committer:
         self._metrics = metrics
         self._default_lease_s = default_lease_s
         self._after_commit = after_commit  # a fault-injection point for tests (HETSCHED_PLACEMENT_FAULT_AFTER_COMMIT)
+        self._first_lease_s = first_lease_s  # None: every commit gets its whole lease at once
+        self._placed = placed  # a placement answered on the direct path: (request, reply, the lease asked for)
         # How long recent commits took from sending to an answer ready (ms): a commit is only sent while
         # the caller's deadline leaves at least their 90th percentile, so an overloaded service refuses
         # early ("deadline_exceeded", nothing reserved) instead of reserving for a caller who is gone.
@@ -112,12 +118,80 @@ class Committer:
     ) -> Prepared:
         """The commit of a placed decision and the reply it would give, assumed in the view before anything
         awaits (decisions made meanwhile see these bytes as taken, and the tenant's quota counts them)."""
-        commit = to_commit(request, decision, snapshot, lease_s=request.lease_s or self._default_lease_s)
+        commit = to_commit(request, decision, snapshot, lease_s=request.lease_s or self._default_lease_s).model_copy(
+            update={"body_hash": body_hash(request)}
+        )
         pending = to_reply(decision, snapshot=snapshot, request=to_domain(request))
         token = self._tally.assume(
             ledger_key(request), held, shared=decision.sharing == "shared", crossing=crossing(decision)
         )
         return Prepared(decision=decision, commit=commit, pending=pending, token=token)
+
+    def prepare_direct(
+        self,
+        request: PlaceRequest,
+        decision: Decision,
+        snapshot: FleetSnapshot,
+        held: Mapping[str, int],
+        *,
+        body: str,
+        decision_ms: float,
+    ) -> Prepared | None:
+        """A placed decision ready for the direct path (docs/PLACEMENT.md, "One durable step"): the ledger's
+        commit is the only durable step, so it carries the placement's record (the request and the reply it
+        would give) and the request's hash, and holds a short first lease until the caller renews or an engine
+        reports. None when the record is too large to keep with the commit (the intent path takes it)."""
+        lease_s = request.lease_s or self._default_lease_s
+        first_s = min(lease_s, self._first_lease_s or lease_s)
+        pending = to_reply(decision, snapshot=snapshot, request=to_domain(request)).model_copy(
+            update={"model": request.model}
+        )
+        record = PlacementRecord(
+            request=request, reply=pending, lease_s=lease_s, decision_ms=round(decision_ms, 3)
+        ).model_dump(mode="json", exclude_none=True)
+        if len(json.dumps(record, separators=(",", ":"))) > RECORD_MAX_BYTES:
+            return None
+        commit = to_commit(request, decision, snapshot, lease_s=first_s).model_copy(
+            update={"body_hash": body, "record": record}
+        )
+        token = self._tally.assume(
+            ledger_key(request), held, shared=decision.sharing == "shared", crossing=crossing(decision)
+        )
+        return Prepared(decision=decision, commit=commit, pending=pending, token=token)
+
+    async def send_direct(
+        self, request: PlaceRequest, prepared: Prepared, attempt: int
+    ) -> BaseModel | Stale | Ordinary:
+        """Send a direct commit and answer from what the ledger said: placed (a repeat of the request id:
+        the first commit's reply, from its record), refused, or ``Stale`` (decide again on the fresher
+        figures). Nothing is written here: placement's records follow from the LEDGER event."""
+        started_ms = self._timer()
+        committed = await self._reserve(prepared.commit, prepared.token)
+        if isinstance(committed, RpcError):
+            return ledger_silent(committed)
+        allocation_id = _committed(committed)
+        if allocation_id is not None:
+            assert isinstance(committed, CommitReply)
+            self._after_commit()
+            self._metrics.count(prepared.decision)
+            reply = prepared.pending
+            note = f"reserved in the ledger after {attempt} attempt(s)"
+            kept = PlacementRecord.read(committed.record) if committed.duplicate else None
+            if committed.duplicate:
+                if kept is None:  # placed on the intent path: its stored decision answers
+                    return ORDINARY
+                note = "the ledger already held this request id (an earlier attempt's answer was lost)"
+                reply = kept.reply
+            reply = reply.model_copy(update={"allocation_id": allocation_id, "explanation": [*reply.explanation, note]})
+            self._placed(request, reply, kept.lease_s if kept is not None else request.lease_s or self._default_lease_s)
+            self._finished((self._timer() - started_ms) / 1000)
+            return reply
+        error = _ledger_error(committed)
+        fresher = _fresh_view(committed)
+        # A conflict without figures is not a stale view (the request id was used for another request).
+        if error.code not in (ErrorCode.CONFLICT, ErrorCode.NO_CAPACITY) or not fresher:
+            return rejected(error.code, f"ledger: {error.message}")
+        return Stale({balance.id: balance_to_domain(None, balance) for balance in fresher})
 
     async def written(self, prepared: Prepared, write: Awaitable[T]) -> T:
         """Write the intent that goes with a prepared commit (before it is sent); its assumption is
@@ -147,9 +221,11 @@ class Committer:
             self._after_commit()
             self._metrics.count(prepared.decision)
             note = f"reserved in the ledger after {attempt} attempt(s)"
+            pending = prepared.pending
             if committed.duplicate:
                 note = "the ledger already held this request id (an earlier attempt's answer was lost)"
-            pending = prepared.pending
+                kept = PlacementRecord.read(committed.record)
+                pending = kept.reply if kept is not None else pending  # the first commit's accelerators
             reply = pending.model_copy(
                 update={"allocation_id": allocation_id, "explanation": [*pending.explanation, note]}
             )

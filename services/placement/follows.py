@@ -56,7 +56,14 @@ def _allocation(name: str) -> FoldFactory:
 
 
 def _engine_status(ctx: Any) -> Fold:
-    return lambda payload, _meta: ctx.admission.on_engine_status(payload)
+    """An engine's report: admission's figures for its replica, and (the first from one of the replica's
+    nodes) the end of the replica's first lease."""
+
+    def fold(payload: Any, _meta: EventMeta) -> None:
+        ctx.admission.on_engine_status(payload)
+        ctx.handlers.first_leases.engine_reported(payload.replica_id, payload.node)
+
+    return fold
 
 
 def _reservation(ctx: Any) -> Fold:

@@ -21,6 +21,7 @@ from services.placement.admission import AdmissionHandlers
 from services.placement.attempts import Ownership, Queueing
 from services.placement.commit import Committer
 from services.placement.deciding import Decider, View
+from services.placement.first_lease import FirstLeases
 from services.placement.intents import Intents
 from services.placement.lifecycle import Lifecycle
 from services.placement.metrics import PlacementMetrics
@@ -30,6 +31,7 @@ from services.placement.reclaim import Reclaimer
 from services.placement.reconcile import Reconciler
 from services.placement.store import DecisionStore
 from services.placement.tally import QuotaTally
+from shared.contracts.placement import PlaceReply, PlaceRequest
 from shared.domain.quotas import Quotas
 from shared.domain.reservations import ReservationBook
 from shared.infra.clock import Clock, MonotonicMs
@@ -50,6 +52,7 @@ class PlacementHandlers:
     tally: QuotaTally
     decider: Decider
     ids: KeyedLocks  # one lock per (tenant, request id) in this process: requests with one id take turns
+    first_leases: FirstLeases  # replicas on their first lease, until a renew or an engine's report
 
     @classmethod
     def build(
@@ -75,11 +78,16 @@ class PlacementHandlers:
         metrics: PlacementMetrics | None = None,
         reservations_current: Callable[[float], Awaitable[str | None]] | None = None,
         quotas: Quotas | None = None,
+        first_lease_s: int | None = None,
+        direct: bool = True,
     ) -> PlacementHandlers:
         """The use cases over one view, store, unit of work and RPC client. ``reservations``: the book
         the read model folds; ``holds``: does the view still count an allocation; ``throttled``: nodes the
         rebalancer throttles; ``reservations_current``: read-your-writes (waits, at most the seconds given,
-        until the book holds every reservation in the stream; None once it does, else why not)."""
+        until the book holds every reservation in the stream; None once it does, else why not);
+        ``first_lease_s``: a new replica's first lease on the direct path (None: the whole lease at once);
+        ``direct``: False sends every placement down the intent path (its intent written before the commit and
+        its outcome after it), the path queued requests and records too large for the commit take anyway."""
         log = log or logging.getLogger("hetsched.placement")
         metrics = metrics or PlacementMetrics.create(ServiceMetrics("placement"))
         queueing = queueing or Queueing()
@@ -90,6 +98,16 @@ class PlacementHandlers:
         intents = Intents(
             store=store, uow=uow, ownership=ownership, queueing=queueing, tally=tally, admission=admission
         )
+        first_leases = FirstLeases(store=store, uow=uow, rpc=rpc, log=log)
+
+        def placed(request: PlaceRequest, reply: PlaceReply, lease_s: int) -> None:
+            """A direct placement answered: admission may route to it, and it is on its first lease."""
+            if admission is not None:
+                admission.on_placed(request.tenant, reply)
+            if first_lease_s is not None and lease_s > first_lease_s and reply.allocation_id is not None:
+                nodes = [p.node for p in reply.placements]
+                first_leases.add(reply.allocation_id, tenant=request.tenant, lease_s=lease_s, nodes=nodes)
+
         committer = Committer(
             rpc=rpc,
             intents=intents,
@@ -98,6 +116,8 @@ class PlacementHandlers:
             metrics=metrics,
             default_lease_s=default_lease_s,
             after_commit=after_commit,
+            first_lease_s=first_lease_s,
+            placed=placed,
         )
         reclaimer = Reclaimer(
             view=view,
@@ -122,6 +142,7 @@ class PlacementHandlers:
             metrics=metrics,
             max_attempts=max_attempts,
             poll_s=poll_s,
+            direct=direct,
         )
         queue = PlacementQueue(
             view=view,
@@ -141,9 +162,19 @@ class PlacementHandlers:
         return cls(
             placing=placing,
             queue=queue,
-            lifecycle=Lifecycle(store=store, uow=uow, rpc=rpc, tally=tally, admission=admission, freed=queue.wake),
+            lifecycle=Lifecycle(
+                store=store,
+                uow=uow,
+                rpc=rpc,
+                tally=tally,
+                admission=admission,
+                freed=queue.wake,
+                first_leases=first_leases,
+                first_lease_s=first_lease_s,
+            ),
             reconciler=Reconciler(store=store, uow=uow, rpc=rpc, ownership=ownership, clock=clock, log=log),
             tally=tally,
             decider=decider,
             ids=ids,
+            first_leases=first_leases,
         )

@@ -10,8 +10,11 @@ from collections.abc import Callable
 from pydantic import BaseModel
 
 from services.placement.admission import AdmissionHandlers
+from services.placement.first_lease import FirstLeases
+from services.placement.intents import emit
 from services.placement.ledger_calls import ask_ledger
-from services.placement.mapping import placement_request_id
+from services.placement.mapping import body_hash, placement_request_id
+from services.placement.records import PlacementRecord
 from services.placement.store import DecisionStore
 from services.placement.tally import QuotaTally
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected
@@ -49,6 +52,8 @@ class Lifecycle:
         tally: QuotaTally,
         admission: AdmissionHandlers | None,
         freed: Callable[[], None],
+        first_leases: FirstLeases | None = None,
+        first_lease_s: int | None = None,
     ) -> None:
         self._store = store
         self._uow = uow
@@ -56,6 +61,8 @@ class Lifecycle:
         self._tally = tally
         self._admission = admission
         self._freed = freed  # capacity may have freed: the queue's wake
+        self._first_leases = first_leases
+        self._first_lease_s = first_lease_s
 
     async def release(self, request: ReleaseRequest) -> BaseModel:
         if self._admission is not None and self._admission.is_admission(request.allocation_id):
@@ -71,17 +78,9 @@ class Lifecycle:
             return released
         if released.status != "released":
             return _refused(released.error)
-
-        async def work(uow: UnitOfWork) -> None:
-            await self._store.mark_released(session=uow.session, allocation_id=request.allocation_id)
-            uow.emit(
-                Context.PLACEMENT,
-                PlacementEventName.PLACEMENT_RELEASED,
-                PlacementReleasedEvent(allocation_id=request.allocation_id, tenant=request.tenant),
-                tenant=request.tenant,
-            )
-
-        await self._uow.run_grouped(work)
+        # The ledger's release is the only durable step: the decision learns it ended, and
+        # `placement_released` is announced, from `allocation_released` (in the ledger's order, so after
+        # the decision a placement's `allocation_committed` recorded).
         self._ended(request.allocation_id)
         return ReleaseReply(status="released")
 
@@ -99,6 +98,8 @@ class Lifecycle:
             return renewed
         if renewed.status != "renewed":
             return _refused(renewed.error)
+        if self._first_leases is not None:  # the caller's first renew: its own lease from now on
+            self._first_leases.forget(request.allocation_id)
         lease = renewed.lease_expires_at
         if lease is not None:  # the replica's lease end as `placement.replicas` lists it
 
@@ -113,7 +114,9 @@ class Lifecycle:
     # -- LEDGER events (a durable consumer: what the ledger did to placement's allocations) -------------
 
     async def on_allocation_committed(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
-        """Remember placement's replica allocations, so the reconciler can find those no decision owns."""
+        """Remember placement's replica allocations, so the reconciler can find those no decision owns. One
+        committed on the direct path carries its record: its decision is recorded and announced here,
+        off the placement's critical path (the same transaction, so the reconciler sees both at once)."""
         request_id = placement_request_id(payload.request_id)
         if payload.kind != "replica" or request_id is None:
             return
@@ -124,6 +127,32 @@ class Lifecycle:
             request_id=request_id,
             now=uow.now,
         )
+        kept = PlacementRecord.read(payload.record)
+        if kept is None:  # the intent path records its own decisions
+            return
+        reply = kept.reply.model_copy(update={"allocation_id": payload.allocation_id})
+        first = self._first_lease_s is not None and kept.lease_s > self._first_lease_s
+        if not await self._store.record_placed(
+            session=uow.session,
+            tenant=payload.tenant,
+            request_id=request_id,
+            body_hash=payload_body_hash(kept),
+            reply=reply,
+            lease_expires_at=payload.lease_expires_at,
+            lease_s=kept.lease_s if first else None,
+            now=uow.now,
+        ):
+            return
+        emit(uow, kept.request, reply, PlacementEventName.PLACEMENT_DECIDED, kept.decision_ms, 1)
+        nodes = [p.node for p in reply.placements]
+
+        def remember() -> None:
+            if self._admission is not None:
+                self._admission.on_placed(payload.tenant, reply)
+            if first and self._first_leases is not None:
+                self._first_leases.add(payload.allocation_id, tenant=payload.tenant, lease_s=kept.lease_s, nodes=nodes)
+
+        uow.after_commit(remember)
 
     async def on_allocation_expired(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
         """A replica whose lease ran out is announced as ended (as a release is), for those who follow
@@ -142,15 +171,25 @@ class Lifecycle:
         self._freed()
 
     async def on_allocation_released(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
-        await self._store.mark_ended(
+        """A released replica is announced as ended, for those who follow where replicas are."""
+        tenant = await self._store.mark_ended(
             session=uow.session, allocation_id=payload.allocation_id, status=IntentState.RELEASED, now=uow.now
         )
+        if tenant is not None:
+            uow.emit(
+                Context.PLACEMENT,
+                PlacementEventName.PLACEMENT_RELEASED,
+                PlacementReleasedEvent(allocation_id=payload.allocation_id, tenant=tenant),
+                tenant=tenant,
+            )
         self._ended(payload.allocation_id)
         self._freed()
 
     def _ended(self, allocation_id: str) -> None:
         """An allocation ended: its tenant no longer holds it, nor admission its replica or hold."""
         self._tally.holdings.end(allocation_id)
+        if self._first_leases is not None:
+            self._first_leases.forget(allocation_id)
         if self._admission is not None:
             self._admission.on_allocation_ended(allocation_id)
 
@@ -158,3 +197,8 @@ class Lifecycle:
 def _refused(error: ErrorBody | None) -> Rejected:
     """A ledger reply that says no in its own model (a deprecated shape): passed on as ``Rejected``."""
     return Rejected(error=error or ErrorBody(code=ErrorCode.INTERNAL, message="the ledger refused without a reason"))
+
+
+def payload_body_hash(kept: PlacementRecord) -> str:
+    """The body hash of a direct placement's request, as the intent path records it."""
+    return body_hash(kept.request)

@@ -28,7 +28,7 @@ from services.placement.attempts import (
     caller_gone,
     too_late_to_commit,
 )
-from services.placement.commit import Committer
+from services.placement.commit import Committer, Prepared
 from services.placement.deciding import Decider, View
 from services.placement.intents import Intents
 from services.placement.mapping import body_hash, held_bytes, may_queue, to_reply
@@ -66,6 +66,7 @@ class Placing:
         metrics: PlacementMetrics,
         max_attempts: int = MAX_ATTEMPTS,
         poll_s: float = WAIT_POLL_S,
+        direct: bool = True,
     ) -> None:
         self._view = view
         self._decider = decider
@@ -78,6 +79,7 @@ class Placing:
         self._metrics = metrics
         self._max_attempts = max_attempts
         self._poll_s = poll_s
+        self._direct = direct  # False: every placement takes the intent path (three durable steps)
 
     async def place(self, request: PlaceRequest) -> BaseModel:
         if deadline.expired():
@@ -144,6 +146,13 @@ class Placing:
         over = self._tally.over(request, held)
         if over is not None:  # refused with nothing recorded, unless the id has an answer of its own already
             return ORDINARY if await self._intents.lock(request) is not None else self._tally.refuse(over)
+        direct = (
+            self._committer.prepare_direct(request, decision, snapshot, held, body=body, decision_ms=decision_ms)
+            if self._direct
+            else None
+        )
+        if direct is not None:
+            return await self._place_direct(request, direct, body, decision_ms)
         prepared = self._committer.prepare(request, decision, snapshot, held)
         insert = self._intents.insert_committing(request, body, prepared.commit, prepared.pending)
         claim = await self._committer.written(prepared, insert)
@@ -153,6 +162,39 @@ class Placing:
         if isinstance(outcome, Stale):  # the ordinary loop decides again on the fresher figures
             outcome = await self.attempt(request, claim, fresher=outcome.fresher, decision_ms=decision_ms, first=2)
         return ORDINARY if isinstance(outcome, Lost) else outcome
+
+    async def _place_direct(
+        self, request: PlaceRequest, prepared: Prepared, body: str, decision_ms: float
+    ) -> BaseModel | Ordinary:
+        """The direct path (docs/PLACEMENT.md, "One durable step"): the ledger's commit, carrying the
+        placement's record, is the only durable step before the answer; a conflict decides again on the
+        ledger's fresher figures. ``ORDINARY`` (nothing reserved) when a new decision would not place, or
+        the request id belongs to the intent path."""
+        fresher: dict[str, AcceleratorCapacity] = {}
+        for attempt in range(1, self._max_attempts + 1):
+            outcome = await self._committer.send_direct(request, prepared, attempt)
+            if not isinstance(outcome, Stale):
+                return outcome
+            fresher.update(outcome.fresher)
+            snapshot = overlay(self._view.snapshot, fresher)
+            decision, elapsed_ms = self._decider.decide(snapshot, request)
+            decision_ms += elapsed_ms
+            if not decision.placed:  # the ordinary path records the refusal, or queues it
+                return ORDINARY
+            if deadline.expired():
+                return caller_gone()
+            if self._committer.too_late():
+                return too_late_to_commit(self._committer.margin_s)
+            held = held_bytes(snapshot, decision)
+            if self._tally.over(request, held) is not None:
+                return ORDINARY
+            again = self._committer.prepare_direct(
+                request, decision, snapshot, held, body=body, decision_ms=decision_ms
+            )
+            if again is None:
+                return ORDINARY
+            prepared = again
+        return rejected(ErrorCode.CONFLICT, f"the fleet kept changing under {self._max_attempts} attempts; retry")
 
     async def attempt(
         self,

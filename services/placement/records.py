@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 from shared.contracts.ledger import CommitRequest
 from shared.contracts.placement import PlaceReply, PlaceRequest
 from shared.domain.placement.ownership import Intent
@@ -107,3 +109,25 @@ class PlacedReplica:
     reply: Mapping[str, Any]
     lease_expires_at: datetime | None
     placed_at: datetime
+
+
+class PlacementRecord(BaseModel):
+    """What a direct placement keeps with its ledger commit (``CommitRequest.record``): the request, the reply
+    it gave (without the allocation id, which the ledger assigns), the lease asked for (the commit holds a
+    short first lease) and how long deciding took. A repeat of the commit returns it; ``allocation_committed``
+    carries it, and placement's records follow from it."""
+
+    request: PlaceRequest
+    reply: PlaceReply
+    lease_s: int
+    decision_ms: float = 0.0
+
+    @classmethod
+    def read(cls, data: Mapping[str, Any] | None) -> PlacementRecord | None:
+        """The record a commit kept, or None when it kept none (or one this version cannot read)."""
+        if not data:
+            return None
+        try:
+            return cls.model_validate(data)
+        except ValidationError:
+            return None

@@ -62,6 +62,21 @@ _ALLOCATION_SEEN = text(
     "VALUES (:allocation_id, :tenant, :request_id, 'active', :now) ON CONFLICT DO NOTHING"
 )
 
+# A placement committed on the one-durable-step path, recorded from its `allocation_committed` (the ledger's
+# record of it): a new row, or one that was waiting (queued, committing, rejected) for the same request id.
+# Nothing changes for a row already placed or ended: RETURNING says whether this event placed it.
+_RECORD_PLACED = text(
+    f"INSERT INTO {DECISIONS.fullname} AS d (tenant, request_id, status, body_hash, attempt, allocation_id, reply, "
+    "lease_expires_at, lease_s, created_at, updated_at) "
+    "VALUES (:tenant, :request_id, 'placed', :body_hash, 1, :allocation_id, CAST(:reply AS jsonb), :lease_expires_at, "
+    ":lease_s, :now, :now) "
+    "ON CONFLICT (tenant, request_id) DO UPDATE SET status = 'placed', allocation_id = EXCLUDED.allocation_id, "
+    "reply = EXCLUDED.reply, lease_expires_at = EXCLUDED.lease_expires_at, lease_s = EXCLUDED.lease_s, "
+    "claimed_until = NULL, updated_at = EXCLUDED.updated_at "
+    f"WHERE d.status IN ('{IntentState.COMMITTING.value}', '{IntentState.QUEUED.value}', "
+    f"'{IntentState.REJECTED.value}', '{IntentState.ABANDONED.value}') "
+    "RETURNING d.attempt"
+)
 
 # One lock per tenant's queue (its hash), held to the end of the transaction: the per-tenant cap.
 _LOCK_TENANT_QUEUE = text("SELECT pg_advisory_xact_lock(hashtextextended('placement.queue:' || :tenant, 0))")
@@ -308,13 +323,59 @@ class DecisionStore:
         )
         return str(tenant) if tenant is not None else None
 
+    async def record_placed(
+        self,
+        *,
+        session: AsyncSession,
+        tenant: str,
+        request_id: str,
+        body_hash: str | None,
+        reply: PlaceReply,
+        lease_expires_at: datetime | None,
+        lease_s: int | None,
+        now: datetime,
+    ) -> bool:
+        """A placement the ledger committed with its record (the one-durable-step path), written from its
+        event: False when the request id's decision is placed or ended already (nothing to announce). A
+        queued request it places leaves the queue."""
+        recorded = await session.execute(
+            _RECORD_PLACED,
+            {
+                "tenant": tenant,
+                "request_id": request_id,
+                "body_hash": body_hash,
+                "allocation_id": reply.allocation_id,
+                "reply": reply.model_dump_json(),
+                "lease_expires_at": lease_expires_at,
+                "lease_s": lease_s,
+                "now": now,
+            },
+        )
+        if recorded.scalar_one_or_none() is None:
+            return False
+        await self.dequeue(session=session, tenant=tenant, request_id=request_id)
+        return True
+
+    async def first_leases(self, *, session: AsyncSession) -> list[tuple[str, str, int, list[str]]]:
+        """The placed replicas still on their first lease: (allocation id, tenant, the lease asked for, nodes)."""
+        rows = await session.execute(
+            select(DECISIONS.c.allocation_id, DECISIONS.c.tenant, DECISIONS.c.lease_s, DECISIONS.c.reply).where(
+                DECISIONS.c.status == IntentState.PLACED.value, DECISIONS.c.lease_s.is_not(None)
+            )
+        )
+        out: list[tuple[str, str, int, list[str]]] = []
+        for allocation_id, tenant, lease_s, reply in rows:
+            nodes = [p.get("node") for p in (reply or {}).get("placements") or [] if isinstance(p, dict)]
+            out.append((allocation_id, tenant, int(lease_s), [n for n in nodes if isinstance(n, str)]))
+        return out
+
     async def lease_renewed(self, *, session: AsyncSession, allocation_id: str, lease_expires_at: datetime) -> None:
         """A placed replica's lease, as the ledger answered its renewal (nothing for an id no placed decision
         holds: an admission's KV hold)."""
         await session.execute(
             update(DECISIONS)
             .where(DECISIONS.c.allocation_id == allocation_id, DECISIONS.c.status == IntentState.PLACED.value)
-            .values(lease_expires_at=lease_expires_at)
+            .values(lease_expires_at=lease_expires_at, lease_s=None)
         )
 
     # -- the placed replicas, listed (`placement.replicas`) ---------------------------------------------------

@@ -56,6 +56,9 @@ class DecisionRow(SQLModel, table=True):
     )
     # placed: when its lease ends unless renewed (the ledger's answer to the commit, then to each renewal)
     lease_expires_at: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=True), nullable=True))
+    # placed with a short first lease: the lease its caller asked for, until a renew or its engine's first
+    # report extends the allocation to it (then null)
+    lease_s: int | None = Field(default=None, sa_column=Column(Integer, nullable=True))
 
 
 class LedgerAllocationRow(SQLModel, table=True):

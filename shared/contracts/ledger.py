@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -43,6 +44,9 @@ ALLOCATION_EXPIRED = LedgerEventName.ALLOCATION_EXPIRED
 ALLOCATIONS_FLAGGED = LedgerEventName.ALLOCATIONS_FLAGGED
 CAPACITY_CHANGED = LedgerEventName.CAPACITY_CHANGED
 DRIFT_DETECTED = LedgerEventName.DRIFT_DETECTED
+
+RECORD_MAX_BYTES = 32_768
+"""The largest `CommitRequest.record` (compact JSON) the ledger keeps with an allocation."""
 
 LedgerEvent = LedgerEventName  # deprecated alias (issue 24): use LedgerEventName (for one release)
 
@@ -202,11 +206,36 @@ class CommitRequest(Request):
         "because they changed is a `conflict` (retry with the fresh view in `error.details`).",
         examples=[{"dgx-h100-01/gpu0": 0}],
     )
+    body_hash: str | None = Field(
+        default=None,
+        max_length=128,
+        description="The caller's hash of the request this commit serves. A repeat of the `request_id` with the same "
+        "`body_hash` is answered with the first allocation (`duplicate`) whatever shares it asks for (the caller "
+        "decided again); with another `body_hash` it is refused `conflict`. Without one, a repeat must ask for the "
+        "same shares.",
+        examples=["9f2c..."],
+    )
+    record: dict[str, Any] | None = Field(
+        default=None,
+        max_length=64,
+        description="What the caller decided, kept with the allocation: carried by `allocation_committed` and "
+        f"returned by a repeat of this commit (`CommitReply.record`). A JSON object of at most 64 keys and "
+        f"{RECORD_MAX_BYTES} bytes. "
+        "Placement keeps its request and reply here, so this commit is the placement's only durable step.",
+        examples=[None],
+    )
 
     @field_validator("lease_expires_at")
     @classmethod
     def _utc(cls, value: datetime | None) -> datetime | None:
         return as_utc(value)
+
+    @field_validator("record")
+    @classmethod
+    def _small(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and len(json.dumps(value, separators=(",", ":"))) > RECORD_MAX_BYTES:
+            raise ValueError(f"record is larger than {RECORD_MAX_BYTES} bytes")
+        return value
 
     @model_validator(mode="after")
     def _no_parent(self) -> CommitRequest:
@@ -238,6 +267,9 @@ class CommitReply(Contract):
     lease_expires_at: datetime | None = Field(default=None, description="Lease end (UTC).")
     view: list[AcceleratorBalance] = Field(default_factory=list, description="The accelerators after the commit.")
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
+    record: dict[str, Any] | None = Field(
+        default=None, description="A `duplicate`'s: the `record` its first commit kept (null when it kept none)."
+    )
 
 
 class CommitBatchRequest(Request):
@@ -368,6 +400,11 @@ class AllocationEvent(Contract):
     )
     cluster: str | None = Field(
         default=None, description="Cluster of its accelerators (null when unknown, e.g. a TPU pod).", examples=["c1"]
+    )
+    record: dict[str, Any] | None = Field(
+        default=None,
+        description="`allocation_committed`: the caller's record kept with the commit (`CommitRequest.record`; "
+        "placement's request and reply); null otherwise.",
     )
 
 

@@ -576,6 +576,14 @@ class PlacementSettings(Section):
         gt=0,
         description="Lease of a placed replica when the request names none (renew with `placement.renew`).",
     )
+    first_lease_s: int = Field(
+        default=60,
+        gt=0,
+        description="A newly placed replica's first lease: the ledger holds it this long (or its own lease, if "
+        "shorter) until the caller's first `placement.renew` or its engine's first status report extends it to the "
+        "lease it asked for. A placement whose caller never learnt of it (the answer was lost and no retry came) "
+        'frees its accelerators after this (docs/PLACEMENT.md, "One durable step").',
+    )
     refresh_ms: int = Field(
         default=0,
         ge=0,

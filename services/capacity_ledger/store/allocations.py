@@ -46,7 +46,7 @@ async def existing_allocations(
     rows = (
         await session.execute(
             text(
-                "SELECT a.id, a.tenant, a.request_id, a.lease_expires_at, a.state, "
+                "SELECT a.id, a.tenant, a.request_id, a.lease_expires_at, a.state, a.body_hash, a.record, "
                 "COALESCE(json_agg(json_build_array(s.accelerator_id, s.weights, s.kv, s.activation, s.workspace)) "
                 "FILTER (WHERE s.accelerator_id IS NOT NULL), '[]') AS shares "
                 "FROM ledger.allocations a LEFT JOIN ledger.shares s ON s.allocation_id = a.id "
@@ -65,6 +65,8 @@ async def existing_allocations(
             lease_expires_at=r["lease_expires_at"],
             shares=tuple((s[0], share_of(s[1], s[2], s[3], s[4])) for s in shares),
             state=r["state"],
+            body_hash=r["body_hash"],
+            record=json.loads(r["record"]) if isinstance(r["record"], str) else r["record"],
         )
     return out
 
@@ -93,6 +95,8 @@ async def insert_allocations(*, session: AsyncSession, allocations: Sequence[New
                     "lease_expires_at": a.lease_expires_at.isoformat(),
                     "flagged": False,
                     "created_at": a.created_at.isoformat(),
+                    "record": dict(a.intent.record) if a.intent.record is not None else None,
+                    "body_hash": a.intent.body_hash,
                 }
                 for a in allocations
             ]
@@ -134,9 +138,9 @@ INSERT_COMMITS = """
 WITH a AS (
     INSERT INTO ledger.allocations (id, request_id, tenant, kind, parent_id, state, preemptible, priority,
                                     lease_expires_at, flagged, created_at, sharing, cross_domain_bytes_per_s,
-                                    cluster)
+                                    cluster, record, body_hash)
     SELECT id, request_id, tenant, kind, parent_id, state, preemptible, priority, lease_expires_at, flagged,
-           created_at, sharing, cross_domain_bytes_per_s, cluster
+           created_at, sharing, cross_domain_bytes_per_s, cluster, record, body_hash
     FROM json_populate_recordset(NULL::ledger.allocations, $1::json)
     RETURNING 1
 ), s AS (

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.errors import ErrorCode
@@ -50,6 +50,10 @@ class CommitIntent:
     expected: Mapping[str, int] | None = None
     sharing: Sharing = EXCLUSIVE  # a replica's: may it sit with other replicas (see ``sharing``)
     cross_domain_bytes_per_s: int = 0  # a replica's TP traffic across NVLink domains
+    # The caller's hash of its request: a repeat of the request id with the same hash is the same commit
+    # whatever shares it asks for (the caller decided again), one with another hash is refused.
+    body_hash: str | None = None
+    record: Mapping[str, Any] | None = None  # the caller's, kept with the allocation (opaque to the rules)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -74,6 +78,8 @@ class ExistingAllocation:
     lease_expires_at: datetime
     shares: tuple[tuple[str, MemoryShare], ...]
     state: str = "active"  # or `released` / `expired`: an ended allocation is never answered as committed
+    body_hash: str | None = None
+    record: Mapping[str, Any] | None = None  # the caller's record, returned with a repeat
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +97,7 @@ class Duplicate:
     allocation_id: str
     lease_expires_at: datetime
     view: tuple[AcceleratorCapacity, ...]
+    record: Mapping[str, Any] | None = None  # what the first commit's caller kept with it
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,10 +261,13 @@ def _duplicate(
 ) -> Outcome:
     if row is None:  # not stored: an earlier commit of this same batch has the key
         return Refused(ErrorCode.INVALID_REQUEST, "request_id appears twice in this batch")
-    if not same_shares(row.shares, intent.shares):
+    if intent.body_hash is not None and row.body_hash is not None:
+        if intent.body_hash != row.body_hash:
+            return Refused(ErrorCode.CONFLICT, "request_id was already used for a different request")
+    elif not same_shares(row.shares, intent.shares):
         return Refused(ErrorCode.INVALID_REQUEST, "request_id was already used for different shares")
     if row.state != "active":  # a retry must not learn of a reservation that no longer holds anything
         return Refused(
             ErrorCode.CONFLICT, f"request_id was committed as {row.id}, which was {row.state}; use a new request_id"
         )
-    return Duplicate(row.id, row.lease_expires_at, view_of(view, ids))
+    return Duplicate(row.id, row.lease_expires_at, view_of(view, ids), row.record)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -18,8 +19,10 @@ from services.placement.handlers import PlacementHandlers
 from services.placement.records import PlacedAllocation, QueuedRequest, SeenAllocation, StoredIntent, Turn
 from services.placement.store import DecisionStore
 from shared.contracts.base import ErrorBody, ErrorCode, Rejected, rejected
+from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import (
     AcceleratorBalance,
+    AllocationEvent,
     CommitReply,
     CommitRequest,
     LedgerReleaseReply,
@@ -37,6 +40,7 @@ from shared.domain.placement.view import FleetView, LedgerMirror
 from shared.domain.quotas import Quotas
 from shared.infra import deadline
 from shared.infra.rpc import RpcError
+from shared.infra.uow import UnitOfWork
 from tests.fakes import NOW, Answer, FakeRpc, FakeUnitOfWork
 from tests.unit.placement.builders import models, node, skus, tpu_pod
 
@@ -183,6 +187,51 @@ class FakeStore(DecisionStore):
         for row in self.rows.values():
             if row["allocation_id"] == allocation_id and row["status"] == "placed":
                 row["lease_expires_at"] = lease_expires_at
+                row["lease_s"] = None
+
+    async def record_placed(
+        self,
+        *,
+        session: Any,
+        tenant: str,
+        request_id: str,
+        body_hash: str | None,
+        reply: PlaceReply,
+        lease_expires_at: datetime | None,
+        lease_s: int | None,
+        now: datetime,
+    ) -> bool:
+        row = self.rows.get((tenant, request_id))
+        if row is not None and row["status"] not in ("committing", "queued", "rejected", "abandoned"):
+            return False
+        if row is None:
+            await self.insert(
+                session=session,
+                tenant=tenant,
+                request_id=request_id,
+                body_hash=body_hash or "",
+                claimed_until=now,
+                now=now,
+            )
+            row = self.rows[(tenant, request_id)]
+        row.update(
+            status="placed",
+            reply=reply,
+            allocation_id=reply.allocation_id,
+            lease_expires_at=lease_expires_at,
+            lease_s=lease_s,
+            claimed_until=None,
+            updated_at=now,
+        )
+        self.queue.pop((tenant, request_id), None)
+        return True
+
+    async def first_leases(self, *, session: Any) -> list[tuple[str, str, int, list[str]]]:
+        return [
+            (r["allocation_id"], r["tenant"], r["lease_s"], [p.node for p in r["reply"].placements])
+            for r in self.rows.values()
+            if r["status"] == "placed" and r.get("lease_s") is not None
+        ]
 
     async def settle(
         self,
@@ -348,6 +397,8 @@ class Rig:
         timer: FakeTimer | None = None,
         quotas: Quotas | None = None,
         reservations_current: Callable[[float], Awaitable[str | None]] | None = None,
+        direct: bool = False,
+        first_lease_s: int | None = None,
     ) -> None:
         self.rpc = rpc
         self.view = view or fleet_view()
@@ -368,6 +419,10 @@ class Rig:
             queueing=queueing,
             quotas=quotas,
             reservations_current=reservations_current,
+            # By default the intent path (its intent written before the commit, its outcome after): what
+            # queued requests take, and what these tests pin down. test_direct.py covers the direct path.
+            direct=direct,
+            first_lease_s=first_lease_s,
         )
 
     def reserved(self) -> dict[str, int]:
@@ -574,12 +629,31 @@ async def test_explain_reserves_nothing() -> None:
 # -- release / renew ---------------------------------------------------------------------------------
 
 
-async def test_release_goes_through_the_ledger_and_announces_it() -> None:
-    rig = Rig(FakeRpc(ledger_release=[LedgerReleaseReply(status="released")]))
+async def test_release_goes_through_the_ledger_and_the_ledgers_event_announces_it() -> None:
+    rig = Rig(FakeRpc(ledger_commit=[committed("al-1")], ledger_release=[LedgerReleaseReply(status="released")]))
+    await rig.handlers.placing.place(place())
     reply = await rig.handlers.lifecycle.release(ReleaseRequest(allocation_id="al-1", tenant="acme"))
     assert reply.model_dump()["status"] == "released"
     assert rig.rpc.requests(Rpc.LEDGER_RELEASE) == [LedgerReleaseRequest(allocation_id="al-1", tenant="acme")]
-    assert rig.uow.names() == ["placement_released"] and rig.store.released == ["al-1"]
+    # The ledger's release is the only durable step: nothing is written or announced until its event.
+    assert rig.uow.names() == ["placement_decided"] and rig.store.rows[("acme", "r-1")]["status"] == "placed"
+    payload = AllocationEvent(
+        allocation_id="al-1", request_id="placement/r-1", tenant="acme", kind="replica", shares=[]
+    )
+    envelope = EventEnvelope(
+        event_id=uuid.uuid4(),
+        type="hetsched.ledger.allocation_released",
+        source="capacity-ledger",
+        occurred_at=NOW,
+        payload=payload.model_dump(mode="json"),
+    )
+
+    async def work(uow: UnitOfWork) -> None:
+        await rig.handlers.lifecycle.on_allocation_released(uow=uow, event=envelope, payload=payload)
+
+    await rig.uow.run(work)
+    assert rig.uow.names() == ["placement_decided", "placement_released"]
+    assert rig.store.rows[("acme", "r-1")]["status"] == "released"
 
 
 async def test_a_refused_release_changes_nothing() -> None:

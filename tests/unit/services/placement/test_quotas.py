@@ -136,6 +136,7 @@ async def test_a_restarted_placement_counts_the_placed_decisions_it_finds() -> N
         ownership=Ownership(claim_s=5, grace_s=60),
         clock=lambda: rig.now,
         quotas=quotas,
+        direct=False,
     )
     await restarted.tally.start()
     assert restarted.tally.holdings.held("acme") == 8
