@@ -136,6 +136,7 @@ class Committer:
         *,
         body: str,
         decision_ms: float,
+        attempt: int = 1,
     ) -> Prepared | None:
         """A placed decision ready for the direct path (docs/PLACEMENT.md, "One durable step"): the ledger's
         commit is the only durable step, so it carries the placement's record (the request and the reply it
@@ -143,11 +144,11 @@ class Committer:
         reports. None when the record is too large to keep with the commit (the intent path takes it)."""
         lease_s = request.lease_s or self._default_lease_s
         first_s = min(lease_s, self._first_lease_s or lease_s)
-        pending = to_reply(decision, snapshot=snapshot, request=to_domain(request)).model_copy(
-            update={"model": request.model}
-        )
+        decided = to_reply(decision, snapshot=snapshot, request=to_domain(request))
+        note = f"reserved in the ledger after {attempt} attempt(s)"
+        pending = decided.model_copy(update={"model": request.model, "explanation": [*decided.explanation, note]})
         record = PlacementRecord(
-            request=request, reply=pending, lease_s=lease_s, decision_ms=round(decision_ms, 3)
+            request=request, reply=pending, lease_s=lease_s, decision_ms=round(decision_ms, 3), attempts=attempt
         ).model_dump(mode="json", exclude_none=True)
         if len(json.dumps(record, separators=(",", ":"))) > RECORD_MAX_BYTES:
             return None
@@ -159,9 +160,7 @@ class Committer:
         )
         return Prepared(decision=decision, commit=commit, pending=pending, token=token)
 
-    async def send_direct(
-        self, request: PlaceRequest, prepared: Prepared, attempt: int
-    ) -> BaseModel | Stale | Ordinary:
+    async def send_direct(self, request: PlaceRequest, prepared: Prepared) -> BaseModel | Stale | Ordinary:
         """Send a direct commit and answer from what the ledger said: placed (a repeat of the request id:
         the first commit's reply, from its record), refused, or ``Stale`` (decide again on the fresher
         figures). Nothing is written here: placement's records follow from the LEDGER event."""
@@ -175,14 +174,12 @@ class Committer:
             self._after_commit()
             self._metrics.count(prepared.decision)
             reply = prepared.pending
-            note = f"reserved in the ledger after {attempt} attempt(s)"
             kept = PlacementRecord.read(committed.record) if committed.duplicate else None
-            if committed.duplicate:
+            if committed.duplicate:  # a repeat of the request id: the first commit's answer, word for word
                 if kept is None:  # placed on the intent path: its stored decision answers
                     return ORDINARY
-                note = "the ledger already held this request id (an earlier attempt's answer was lost)"
                 reply = kept.reply
-            reply = reply.model_copy(update={"allocation_id": allocation_id, "explanation": [*reply.explanation, note]})
+            reply = reply.model_copy(update={"allocation_id": allocation_id})
             self._placed(request, reply, kept.lease_s if kept is not None else request.lease_s or self._default_lease_s)
             self._finished((self._timer() - started_ms) / 1000)
             return reply

@@ -143,7 +143,7 @@ class Lifecycle:
             now=uow.now,
         ):
             return
-        emit(uow, kept.request, reply, PlacementEventName.PLACEMENT_DECIDED, kept.decision_ms, 1)
+        emit(uow, kept.request, reply, PlacementEventName.PLACEMENT_DECIDED, kept.decision_ms, kept.attempts)
         nodes = [p.node for p in reply.placements]
 
         def remember() -> None:

@@ -172,7 +172,7 @@ class Placing:
         the request id belongs to the intent path."""
         fresher: dict[str, AcceleratorCapacity] = {}
         for attempt in range(1, self._max_attempts + 1):
-            outcome = await self._committer.send_direct(request, prepared, attempt)
+            outcome = await self._committer.send_direct(request, prepared)
             if not isinstance(outcome, Stale):
                 return outcome
             fresher.update(outcome.fresher)
@@ -189,7 +189,7 @@ class Placing:
             if self._tally.over(request, held) is not None:
                 return ORDINARY
             again = self._committer.prepare_direct(
-                request, decision, snapshot, held, body=body, decision_ms=decision_ms
+                request, decision, snapshot, held, body=body, decision_ms=decision_ms, attempt=attempt + 1
             )
             if again is None:
                 return ORDINARY

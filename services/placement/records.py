@@ -114,13 +114,14 @@ class PlacedReplica:
 class PlacementRecord(BaseModel):
     """What a direct placement keeps with its ledger commit (``CommitRequest.record``): the request, the reply
     it gave (without the allocation id, which the ledger assigns), the lease asked for (the commit holds a
-    short first lease) and how long deciding took. A repeat of the commit returns it; ``allocation_committed``
-    carries it, and placement's records follow from it."""
+    short first lease), how long deciding took and in how many attempts. A repeat of the commit returns it;
+    ``allocation_committed`` carries it, and placement's records follow from it."""
 
     request: PlaceRequest
     reply: PlaceReply
     lease_s: int
     decision_ms: float = 0.0
+    attempts: int = 1  # the attempt whose commit this is (each conflict decides again)
 
     @classmethod
     def read(cls, data: Mapping[str, Any] | None) -> PlacementRecord | None:

@@ -139,24 +139,90 @@ async def test_a_retry_after_placement_died_mid_commit_answers_the_same_allocati
         stack.stop_placement()
 
 
-async def test_the_reconciler_releases_an_allocation_whose_owner_never_retries(stack: Stack) -> None:
-    orphan = await crash_after_commit(stack, "po-orphan-1", HETSCHED_RPC_TIMEOUT_MS="2000")
-    await stack.start_placement(HETSCHED_PLACEMENT_INTENT_GRACE_S="1", HETSCHED_PLACEMENT_RECONCILE_PERIOD_S="0.3")
+async def test_an_allocation_whose_owner_never_retries_ends_with_its_first_lease(stack: Stack) -> None:
+    # The ledger's commit is the placement's only durable step, and it holds a short first lease: with no
+    # retry, no renew and no engine report, the accelerators come back when it runs out.
+    orphan = await crash_after_commit(
+        stack, "po-orphan-1", HETSCHED_RPC_TIMEOUT_MS="2000", HETSCHED_PLACEMENT_FIRST_LEASE_S="12"
+    )
+    committed = await stack.ledger_events("allocation_committed", "placement/po-orphan-1")
+    assert committed[0]["payload"]["record"]["lease_s"] == 3600  # what it asked for, kept with the commit
+    expired = await wait_for(
+        lambda: stack.ledger_events("allocation_expired", "placement/po-orphan-1"),
+        30,
+        what="the orphan's first lease ran out",
+    )
+    assert [e["payload"]["allocation_id"] for e in expired] == [orphan]
+    assert orphan not in await stack.active_allocations()
+    await stack.start_placement()
     try:
-        # Up to the durable consumer's ack wait (30 s): the dead process may have taken the
-        # allocation_committed event without acknowledging it, and it is redelivered only then.
-        released = await wait_for(
-            lambda: stack.ledger_events("allocation_released", "placement/po-orphan-1"),
-            50,
-            what="the reconciler released the orphaned allocation",
-        )
-        assert [e["payload"]["allocation_id"] for e in released] == [orphan]
-        assert orphan not in await stack.active_allocations()
-        # The owner that comes back too late gets a typed refusal, never the released allocation.
+        # The owner that comes back too late gets a typed refusal, never the ended allocation.
         late = await stack.place("po-orphan-1", **LARGE)
         assert late["status"] == "rejected" and late["error"]["code"] == "conflict", late
     finally:
         stack.stop_placement()
+
+
+async def test_killed_under_load_every_request_is_recovered_by_its_retry_or_freed(stack: Stack) -> None:
+    """Placement SIGKILLed during 50 placements a second: a request retried with its id gets the one
+    allocation the ledger holds for it (or a new one, if its commit never landed); one never retried leaves
+    nothing held once its first lease ran out. No request id ever has two allocations."""
+    # A first lease long enough for the retries to come after the restart, short enough to wait out.
+    env = {"HETSCHED_PLACEMENT_FIRST_LEASE_S": "20", "HETSCHED_RPC_TIMEOUT_MS": "2000"}
+    proc = await stack.start_placement(**env)
+    ids = [f"po-load-{n}" for n in range(100)]
+    answers: dict[str, dict[str, Any]] = {}
+
+    async def one(rid: str) -> None:
+        try:
+            answers[rid] = await stack.place(rid, timeout=3)
+        except (TimeoutError, nats.errors.NoRespondersError):
+            pass
+
+    tasks = []
+    for n, rid in enumerate(ids):
+        tasks.append(asyncio.create_task(one(rid)))
+        if n == 40:
+            proc.kill()  # SIGKILL, mid-stream
+        await asyncio.sleep(0.02)
+    await asyncio.gather(*tasks)
+    stack.processes.procs.pop(PLACEMENT)
+    proc.wait()
+    unanswered = [rid for rid in ids if answers.get(rid, {}).get("status") != "placed"]
+    assert answers and unanswered, "the kill should have left some requests without an answer"
+    retried, abandoned = unanswered[::2], unanswered[1::2]
+    await stack.start_placement(**env)
+    try:
+        again = {rid: await stack.place(rid) for rid in retried}
+    finally:
+        stack.stop_placement()
+    events = {rid: await stack.ledger_events("allocation_committed", f"placement/{rid}") for rid in ids}
+    for rid in ids:
+        assert len(events[rid]) <= 1, (rid, events[rid])  # never two allocations for one request id
+    for rid, reply in again.items():
+        if events[rid] or reply["status"] == "placed":  # its commit landed before the kill, or on the retry
+            assert reply["status"] == "placed", reply
+            assert [e["payload"]["allocation_id"] for e in events[rid]] == [reply["allocation_id"]], (rid, reply)
+        else:  # nothing was reserved for it and the demo fleet is full now: it waits, holding nothing
+            assert reply["status"] in ("queued", "rejected"), reply
+    assert any(events[rid] for rid in retried), "no retried request had a commit to recover"
+    for rid, reply in answers.items():
+        if reply.get("status") == "placed":
+            assert [e["payload"]["allocation_id"] for e in events[rid]] == [reply["allocation_id"]]
+    # Nothing is held for the requests no one retried once their first lease has run out (20 s, swept).
+    held_by_abandoned = {e["payload"]["allocation_id"] for rid in abandoned for e in events[rid]}
+
+    async def freed() -> bool:
+        return not held_by_abandoned & await stack.active_allocations()
+
+    await wait_for(freed, 45, what="the abandoned requests' allocations ended with their first lease")
+    # No one renews any of them: the whole run's replicas end with their first lease (the fleet is shared).
+    mine = {e["payload"]["allocation_id"] for rid in ids for e in events[rid]}
+
+    async def all_freed() -> bool:
+        return not mine & await stack.active_allocations()
+
+    await wait_for(all_freed, 45, what="every replica of the run ended with its first lease")
 
 
 # -- rows 10, 11, 12: one request id, one outcome ----------------------------------------------------------
