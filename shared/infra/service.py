@@ -12,7 +12,9 @@ See docs/SERVICE.md.
 from __future__ import annotations
 
 import asyncio
+import cProfile
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -366,6 +368,7 @@ def run_service(bootstrap: Callable[[Settings], tuple[FastStream, Runtime]], *, 
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     loop.set_exception_handler(_quiet_after_refusal(runtime))
+    profiler = _profiler(settings)
     try:
         loop.run_until_complete(app.run())
     except NatsRefused as refused:  # at the first connection: nothing else started
@@ -378,8 +381,21 @@ def run_service(bootstrap: Callable[[Settings], tuple[FastStream, Runtime]], *, 
         runtime.log.debug("stopping after NATS refused this process", exc_info=True)
     finally:
         _close_loop(loop)
+        if profiler is not None and settings.kit.profile_dir is not None:
+            profiler.disable()
+            settings.kit.profile_dir.mkdir(parents=True, exist_ok=True)
+            profiler.dump_stats(settings.kit.profile_dir / f"{name}-{os.getpid()}.prof")
     if runtime.refused is not None:
         raise SystemExit(REFUSED_EXIT)
+
+
+def _profiler(settings: Settings) -> cProfile.Profile | None:
+    """``HETSCHED_PROFILE_DIR``: the whole run profiled (a diagnostic; the profile is written at the end)."""
+    if settings.kit.profile_dir is None:
+        return None
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
 
 
 def _quiet_after_refusal(runtime: Runtime) -> Callable[[asyncio.AbstractEventLoop, dict[str, Any]], None]:

@@ -162,6 +162,12 @@ class KitSettings(Section):
     log_format: str = Field(
         default="json", pattern=r"^(json|text)$", description="`json` (one object per line) or `text`."
     )
+    profile_dir: Path | None = Field(
+        default=None,
+        description="Diagnostics: when set, each service process profiles its whole run (`cProfile`) and "
+        "writes `<dir>/<service>-<pid>.prof` when it stops (read it with `python -m pstats`). Costs CPU; "
+        "unset in production.",
+    )
     request_timeout_ms: int = Field(default=5000, gt=0, description="Timeout of CLI requests over NATS.")
     nats_nkey_seed_file: Path | None = Field(
         default=None,

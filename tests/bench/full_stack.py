@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import math
 import os
+import pstats
 import random
 import signal
 import subprocess
@@ -84,12 +86,14 @@ LEDGER = "capacity-ledger"  # the ledger's service name in `hetsched status --js
 class FullStack:
     """`hetsched up` as a subprocess, the echo beside it, and an operator's NATS connection."""
 
-    def __init__(self, workdir: Path, fleet: dict[str, Any]) -> None:
+    def __init__(self, workdir: Path, fleet: dict[str, Any], profile_dir: Path | None = None) -> None:
         self.workdir = workdir
         self.data_dir = workdir / "data"
         self.fleet_file = workdir / "fleet.yaml"
         self.fleet_file.write_text(yaml.safe_dump(fleet))
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("HETSCHED_")}  # embedded servers
+        if profile_dir is not None:  # every service profiles its whole run (HETSCHED_PROFILE_DIR)
+            self.env["HETSCHED_PROFILE_DIR"] = str(profile_dir.resolve())
         self.up: subprocess.Popen[bytes] | None = None
         self.echo: subprocess.Popen[str] | None = None
         self.echo_subject = f"bench.echo.{uuid.uuid4().hex[:10]}"
@@ -870,7 +874,7 @@ async def bench(args: argparse.Namespace) -> list[Run]:
     fleet, gpus = bench_fleet(args.nodes)
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="hetsched-full-stack-") as tmp:
-        stack = FullStack(Path(tmp), fleet)
+        stack = FullStack(Path(tmp), fleet, profile_dir=args.profile)
         engines = Engines(stack)
         try:
             started = time.monotonic()
@@ -896,7 +900,23 @@ async def bench(args: argparse.Namespace) -> list[Run]:
         finally:
             engines.stop()
             await stack.stop()
+    if args.profile is not None:
+        print_profiles(args.profile)
     return runs
+
+
+PROFILE_TOP = 18
+
+
+def print_profiles(directory: Path) -> None:
+    """Each service's profile (``HETSCHED_PROFILE_DIR``: the whole run, start-up included), its functions
+    with the most time of their own first."""
+    for path in sorted(directory.glob("*.prof")):
+        out = io.StringIO()
+        stats = pstats.Stats(str(path), stream=out)
+        stats.sort_stats("tottime").print_stats(PROFILE_TOP)
+        body = out.getvalue()
+        say(f"== profile {path.name} ==\n" + body[body.find("   ncalls") :])
 
 
 REST_WINDOW_S = 2.0
@@ -986,6 +1006,9 @@ if __name__ == "__main__":
     parser.add_argument("--new-tenants", action="store_true", help="route: a new tenant per request")
     parser.add_argument("--hold-s", type=positive, default=1.0, help="place: seconds before a replica is released")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document")
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="profile every service into this directory and print the top"
+    )
     try:
         asyncio.run(_main(parser.parse_args()))
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -17,6 +17,7 @@ OLD_FLAT_NAMES = 124  # the flat Settings before issue 24: every one of its vari
 ADDED_SINCE = {
     "HETSCHED_REBALANCE_DRAIN_TIMEOUT_S": "rebalancer.drain_timeout_s",
     "HETSCHED_PLACEMENT_FIRST_LEASE_S": "placement.first_lease_s",
+    "HETSCHED_PROFILE_DIR": "kit.profile_dir",
 }  # variables added after it
 
 
