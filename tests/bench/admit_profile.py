@@ -1,6 +1,6 @@
 """Profile: the CPU one `placement.admit` and the `placement.release` of its admission cost in placement.
 
-    python -m tests.bench.admit_profile [--calls 5000] [--rounds 5] [--profile] [--top 25]
+    python -m tests.bench.admit_profile [--rate 1000] [--calls 5000] [--rounds 5] [--profile] [--top 25]
     python -m tests.bench.admit_profile --wire [--rate 1000] [--seconds 10] [--profile]
 
 The state is the full-stack benchmark's admit run (``tests.bench.full_stack``): 24 llama3.1-8b replicas
@@ -10,13 +10,15 @@ figures, renewed every second), placement's default admission policy, fair queue
 soon as it is answered. The bodies are the benchmark's, byte for byte.
 
 Without ``--wire``: each call goes through the request path's typed ``dispatch`` (the JSON body parsed
-and checked, the contract validated, the handler, the reply serialised) in this process, with no bus;
-it prints the process CPU per admit and per release, and with ``--profile`` cProfile's heaviest
-functions. ``--wire``: the same handlers behind the kit's ``RequestServer`` on the NATS at ``--nats``
-(127.0.0.1:4222 by default; a prefix of its own), offered open loop at ``--rate`` by a client in another
-process (plain JSON, as the benchmark's); it prints this process's CPU per call (admits and releases
-together: everything the service does for them, the bus client's work included) and the client's
-p50/p99. Nothing is asserted.
+and checked, the contract validated, the handler, the reply serialised) in this process, with no bus,
+the admission queue's loop running beside it; placement's clock moves 1/``--rate`` s per admission (the
+tenants' buckets and the engines' reports see that rate, however fast the loop runs: under cProfile or
+valgrind too). It prints the process CPU per admit and per release (the best of ``--rounds`` and the
+median), and with ``--profile`` cProfile's heaviest functions. ``--wire``: the same handlers behind the
+kit's ``RequestServer`` on the NATS at ``--nats`` (127.0.0.1:4222 by default; a prefix of its own),
+offered open loop at ``--rate`` by a client in another process (plain JSON, as the benchmark's); it
+prints this process's CPU per call (admits and releases together: everything the service does for them,
+the bus client's work included) and the client's p50/p99. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hetsched.engine_sim import EngineLoad
@@ -80,7 +83,7 @@ class Placement:
     rng: random.Random
 
     @classmethod
-    def build(cls) -> Placement:
+    def build(cls, timer: Callable[[], float] = monotonic_ms) -> Placement:
         settings = Settings()
         p = settings.placement
         models = load_models(settings.kit.model_catalog)
@@ -119,7 +122,7 @@ class Placement:
                 ttl_s=p.admit_queue_ttl_s,
                 weights=p.admit_tenant_weights,
             ),
-            timer=monotonic_ms,
+            timer=timer,
             log=logging.getLogger("admit-profile"),
         )
         # The release of an admission never reaches the store, the ledger or the tally.
@@ -157,10 +160,34 @@ def _release_body(reply: bytes, i: int) -> bytes:
     return json.dumps({"allocation_id": answer["allocation_id"], "tenant": f"t{i % TENANTS}"}).encode()
 
 
-async def handler_run(calls: int, rounds: int, *, profile: bool, top: int) -> None:
-    placement = Placement.build()
+class SimulatedClock:
+    """Placement's monotonic clock in the in-process runs: it moves 1/rate s per admission, so the tenants'
+    token buckets, the engines' reports (every simulated second) and the leases see the offered rate
+    whatever the speed of the loop (a run under cProfile or valgrind is the same run)."""
+
+    def __init__(self) -> None:
+        self.ms = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.ms
+
+
+async def handler_run(calls: int, rounds: int, rate: float, *, profile: bool, top: int) -> None:
+    clock = SimulatedClock()
+    placement = Placement.build(timer=clock)
     looping = asyncio.create_task(placement.admission.serve_queue())  # the service's admission-queue loop
+    step_ms = 1000 / rate
+    next_report = clock.ms + 1000
+
+    def tick() -> None:
+        nonlocal next_report
+        clock.ms += step_ms
+        if clock.ms >= next_report:  # the engines report every second
+            placement.report()
+            next_report += 1000
+
     for i in range(200):  # warm up: caches, first-call costs
+        tick()
         await _release(placement, _release_body(await _admit(placement, _body(i, "warm")), i))
     profiler = cProfile.Profile() if profile else None
     if profiler is not None:
@@ -169,11 +196,8 @@ async def handler_run(calls: int, rounds: int, *, profile: bool, top: int) -> No
     releases: list[float] = []
     for r in range(rounds):
         admit_s = release_s = 0.0
-        reported = time.monotonic()
         for i in range(r * calls, (r + 1) * calls):
-            if time.monotonic() - reported >= 1.0:  # the engines report every second
-                placement.report()
-                reported = time.monotonic()
+            tick()
             raw = _body(i)
             started = time.process_time()
             reply = await _admit(placement, raw)
@@ -193,8 +217,8 @@ async def handler_run(calls: int, rounds: int, *, profile: bool, top: int) -> No
         profiler.disable()
     looping.cancel()
     print(
-        f"handler path (dispatch + handler, no bus), {rounds} rounds of {calls:,} admits and releases, "
-        f"CPU per call, best round (median):\n"
+        f"handler path (dispatch + handler, no bus), {rounds} rounds of {calls:,} admits and releases at "
+        f"{rate:g}/s of placement's clock, CPU per call, best round (median):\n"
         f"  admit {min(admits):.1f} us ({statistics.median(admits):.1f}), "
         f"release {min(releases):.1f} us ({statistics.median(releases):.1f})"
         f"{' (under cProfile: inflated)' if profiler is not None else ''}"
@@ -275,7 +299,8 @@ async def wire_run(url: str, rate: float, seconds: float, *, profile: bool, top:
         f"(client send lag at most {result['lag_ms']:.1f} ms)\n"
         f"  placement side: {cpu:.2f} CPU-s = {cpu / max(1, served) * 1e6:.0f} us per call (admit or release), "
         f"{cpu / max(1, result['admits']) * 1e6:.0f} us per admission (admit + release)"
-        f"{' (under cProfile: inflated)' if profiler is not None else ''}"
+        f"{' (under cProfile: inflated)' if profiler is not None else ''}\n"
+        f"  client side: {result['cpu_s']:.2f} CPU-s = {result['cpu_s'] / max(1, served) * 1e6:.0f} us per call"
     )
     if profiler is not None:
         _print_profile(profiler, top)
@@ -307,6 +332,7 @@ async def client_run(url: str, prefix: str, rate: float, seconds: float) -> None
 
     await asyncio.gather(*(one(i, False) for i in range(200)))
     print("go", flush=True)
+    cpu = time.process_time()
     total = int(rate * seconds)
     begin = time.perf_counter()
     lag = 0.0
@@ -330,6 +356,7 @@ async def client_run(url: str, prefix: str, rate: float, seconds: float) -> None
                 "p50_ms": nearest_rank(ordered, 0.5),
                 "p99_ms": nearest_rank(ordered, 0.99),
                 "lag_ms": lag,
+                "cpu_s": time.process_time() - cpu,
             }
         ),
         flush=True,
@@ -359,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.wire:
         asyncio.run(wire_run(args.nats, args.rate, args.seconds, profile=args.profile, top=args.top))
     else:
-        asyncio.run(handler_run(args.calls, args.rounds, profile=args.profile, top=args.top))
+        asyncio.run(handler_run(args.calls, args.rounds, args.rate, profile=args.profile, top=args.top))
 
 
 if __name__ == "__main__":
