@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import secrets
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -63,6 +63,7 @@ DRAIN_PERIOD_S = 0.1
 """How often the fair queue is retried while it holds requests (besides on every release and report)."""
 DONE_KEPT = 50_000
 """Answers kept for requests admitted from the queue (or already answered) for a repeat of the request id."""
+_RELEASED = ReleaseReply(status="released")  # frozen: one reply for every release
 _IGNORED = "; failed_replica_id ignored: this tenant holds no admission on that replica"
 
 
@@ -156,14 +157,15 @@ class AdmissionHandlers:
             if not self._could_fit(selection):
                 return self._no_capacity(request, selection, ignored)
             return self._enqueue(key, waiting, now_ms, "every replica is full")
-        self._queue.offer(key, waiting, tenant=request.tenant, now_ms=now_ms)
-        if len(self._queue) > 1:  # others wait: it takes its turn in the fair order (in-profile tenants first)
+        # Nothing waits: served at once, charged to its tenant's share and bucket as if queued and popped.
+        if not self._queue.serve_now(request.tenant, now_ms):
+            # Others wait: it takes its turn in the fair order (in-profile tenants first).
+            self._queue.offer(key, waiting, tenant=request.tenant, now_ms=now_ms)
             await self.drain()
             done = self._done.get(key)
             if done is not None:
                 return done
             return self._queued(key, "waiting its turn (fair queueing between tenants)", ignored)
-        self._queue.pop(now_ms)  # alone: served at once, charged to its tenant's share and bucket
         reply = await self._hold(waiting, selection)
         if reply is None:  # every replica refused the hold: wait for one to free
             return self._enqueue(key, waiting, now_ms, "every replica's KV pool is full")
@@ -219,7 +221,7 @@ class AdmissionHandlers:
             if replica is None:
                 continue
             hold = Hold(
-                allocation_id=f"adm-{uuid.uuid4().hex}",
+                allocation_id=f"adm-{secrets.token_hex(16)}",  # 128 random bits, as a uuid4 has
                 replica_id=replica.replica_id,
                 requester=request.tenant,
                 request_id=request.request_id,
@@ -397,8 +399,9 @@ class AdmissionHandlers:
             return no_allocation(allocation_id)
         self._book.ended(allocation_id)
         self._done.pop(_key(hold.requester, hold.request_id), None)
-        self._wake.set()
-        return ReleaseReply(status="released")
+        if len(self._queue):  # capacity freed for those waiting (nobody waits: the queue's loop sleeps on)
+            self._wake.set()
+        return _RELEASED
 
     def renew_hold(self, allocation_id: str, tenant: str, lease_s: int) -> RenewReply | Rejected:
         """Extend an admission's lease in memory (a long generation); refused as ``release_hold`` is."""

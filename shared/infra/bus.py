@@ -215,6 +215,15 @@ def _problem(data: object) -> str | None:
     return None
 
 
+def _plainly_sound(raw: bytes) -> bool:
+    """Whether a body that parsed as an object cannot hold what ``_problem`` refuses, read off its bytes
+    without walking it. With no zero byte it was UTF-8 (JSON's punctuation in UTF-16 or 32 has zero bytes),
+    so a NUL in a string or a name is the escape ``\\u0000`` (JSON holds no raw control character);
+    nesting deeper than MAX_DEPTH takes more than MAX_DEPTH brackets. Brackets or a backslash inside
+    strings only make it say no: then ``_problem`` walks the body."""
+    return b"\x00" not in raw and b"\\u0000" not in raw and raw.count(b"{") + raw.count(b"[") <= MAX_DEPTH
+
+
 async def dispatch(
     raw: bytes,
     model: type[RequestT],
@@ -247,7 +256,7 @@ async def dispatch(
         return _refuse(f"body is not valid JSON: {str(exc)[:PART_MAX]}")
     if not isinstance(data, dict):
         return _refuse("body must be a JSON object")
-    problem = _problem(data)
+    problem = None if _plainly_sound(raw) else _problem(data)
     if problem is not None:
         return _refuse(problem, request_id=data.get("request_id"))
     if "version" in data:

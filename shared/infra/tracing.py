@@ -15,7 +15,7 @@ caller's trace on.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 
 from opentelemetry import context as otel_context
@@ -103,26 +103,37 @@ def headers_of(value: str | None) -> dict[str, str]:
     return {TRACEPARENT: value} if value else {}
 
 
-@contextmanager
+_NO_SPAN: AbstractContextManager[None] = nullcontext()  # reusable: entering it does nothing
+
+
 def span(
     name: str,
     *,
     kind: SpanKind,
     parent: Context | None = None,
     attributes: Attributes | None = None,
-) -> Iterator[None]:
+) -> AbstractContextManager[None]:
     """Run the body inside a ``kind`` span named ``name``, child of ``parent`` (else of the current
-    context). Without an exporter no span is made: ``parent``, when given, just becomes current."""
+    context). Without an exporter no span is made: ``parent``, when given, just becomes current, and
+    without one either nothing is done at all (every request without a trace takes that path)."""
     tracer = _tracer
     if tracer is None:
-        if parent is None:
-            yield
-            return
-        token = otel_context.attach(parent)
-        try:
-            yield
-        finally:
-            otel_context.detach(token)
-        return
+        return _NO_SPAN if parent is None else _current(parent)
+    return _recorded(tracer, name, kind, parent, attributes)
+
+
+@contextmanager
+def _current(parent: Context) -> Iterator[None]:
+    token = otel_context.attach(parent)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+@contextmanager
+def _recorded(
+    tracer: Tracer, name: str, kind: SpanKind, parent: Context | None, attributes: Attributes | None
+) -> Iterator[None]:
     with tracer.start_as_current_span(name, context=parent, kind=kind, attributes=attributes):
         yield

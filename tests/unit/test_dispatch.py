@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from shared.contracts.base import ECHO_MAX, MAX_LEASE_S, NAME_MAX, Request, echo
@@ -21,7 +23,7 @@ from shared.contracts.registry import RPCS
 from shared.contracts.subjects import Context, Rpc, Subjects, names_scope, token, untoken
 from shared.domain.ledger import MAX_LEASE_S as DOMAIN_MAX_LEASE_S
 from shared.infra import deadline
-from shared.infra.bus import MAX_DEPTH, dispatch
+from shared.infra.bus import MAX_DEPTH, _plainly_sound, _problem, dispatch
 from shared.infra.requests import Endpoint, RequestServer
 from shared.infra.rpc import RpcClient, RpcError
 
@@ -138,6 +140,55 @@ async def test_a_nul_in_any_string_is_an_invalid_request(body: bytes) -> None:
 async def test_a_raw_nul_byte_is_an_invalid_request() -> None:
     reply = await refused(b'{"name": "a\x00b"}')
     assert reply["error"]["code"] == "invalid_request"
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "utf-8-sig"])
+async def test_a_nul_or_deep_nesting_is_found_in_every_encoding_json_reads(encoding: str) -> None:
+    for text, why in (
+        ('{"name": "a\\u0000b"}', "NUL"),
+        ('{"name": "a", "tags": [{"k\\u0000": 1}]}', "NUL"),
+        ('{"name": "a", "tags": [' + "[" * MAX_DEPTH + "1" + "]" * MAX_DEPTH + "]}", "nested"),
+    ):
+        reply = await refused(text.encode(encoding))
+        assert reply["error"]["code"] == "invalid_request" and why in reply["error"]["message"], (encoding, text)
+    ok = json.loads(await dispatch('{"name": "a\\\\u0000", "tags": ["[{"]}'.encode(encoding), Thing, answer))
+    assert ok == {"status": "ok", "name": "a\\u0000"}  # an escaped backslash, then text: no NUL
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='ab\x00\\[]{}"u0'),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet="k\x00[", max_size=3), inner, max_size=3)
+    ),
+    max_leaves=80,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    body=st.dictionaries(st.text(alphabet="k\x00", max_size=3), json_values, max_size=4),
+    ensure_ascii=st.booleans(),
+    encoding=st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-32"]),
+)
+def test_a_body_passed_on_its_bytes_alone_holds_nothing_the_walk_refuses(
+    body: dict[str, Any], ensure_ascii: bool, encoding: str
+) -> None:
+    """``dispatch`` walks a body for NULs and deep nesting only when its bytes do not already rule them
+    out: whatever the body and its encoding, one passed on its bytes is one the walk finds nothing in."""
+    raw = json.dumps(body, ensure_ascii=ensure_ascii).encode(encoding)
+    parsed = json.loads(raw)
+    if _plainly_sound(raw):
+        assert _problem(parsed) is None
+    if _has_nul(parsed):
+        assert not _plainly_sound(raw) and _problem(parsed) is not None
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    return isinstance(value, list) and any(_has_nul(v) for v in value)
 
 
 # -- length limits and leases in the contracts ----------------------------------------------------

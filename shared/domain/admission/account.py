@@ -43,19 +43,23 @@ class EngineReport:
 
 @dataclass
 class ReplicaAccount:
-    """The in-flight grants of one replica with ``pool_bytes`` of KV, reconciled with its engine's reports."""
+    """The in-flight grants of one replica with ``pool_bytes`` of KV, reconciled with its engine's reports.
+
+    ``grants`` and ``unreported`` are read-only to callers (the methods keep the unreported bytes as a
+    running total, so a grant's check costs the same whatever the replica holds); a new account may be
+    given them, and ``unreported`` is then cut to the ids ``grants`` holds."""
 
     pool_bytes: int
     grants: dict[str, InFlight] = field(default_factory=dict)
     last_report: EngineReport | None = None
     unreported: set[str] = field(default_factory=set)  # admission ids granted since the last report
+    _unreported_bytes: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.pool_bytes < 0:
             raise ValueError(f"pool_bytes: expected >= 0, got {self.pool_bytes}")
-
-    def _unreported(self) -> list[InFlight]:
-        return [self.grants[a] for a in self.unreported if a in self.grants]
+        self.unreported = {a for a in self.unreported if a in self.grants}
+        self._unreported_bytes = sum(self.grants[a].nbytes for a in self.unreported)
 
     @property
     def reported_bytes(self) -> int:
@@ -64,16 +68,16 @@ class ReplicaAccount:
     @property
     def unreported_bytes(self) -> int:
         """KV of the grants made since the last report (all of them before any report)."""
-        return sum(g.nbytes for g in self._unreported())
+        return self._unreported_bytes
 
     @property
     def unreported_count(self) -> int:
         """Requests granted since the last report: they wait in the engine's queue too, until it reports."""
-        return len(self._unreported())
+        return len(self.unreported)
 
     @property
     def estimate_bytes(self) -> int:
-        return self.reported_bytes + self.unreported_bytes
+        return self.reported_bytes + self._unreported_bytes
 
     def fits(self, nbytes: int) -> bool:
         return self.estimate_bytes + nbytes <= self.pool_bytes
@@ -89,12 +93,16 @@ class ReplicaAccount:
             return False
         self.grants[grant.admission_id] = grant
         self.unreported.add(grant.admission_id)
+        self._unreported_bytes += grant.nbytes
         return True
 
     def release(self, admission_id: str) -> InFlight | None:
         """Drop a grant (idempotent): the grant, or None when it is not (or no longer) here."""
-        self.unreported.discard(admission_id)
-        return self.grants.pop(admission_id, None)
+        grant = self.grants.pop(admission_id, None)
+        if grant is not None and admission_id in self.unreported:
+            self.unreported.discard(admission_id)
+            self._unreported_bytes -= grant.nbytes
+        return grant
 
     def renew(self, admission_id: str, expires_at_ms: float) -> InFlight | None:
         grant = self.grants.get(admission_id)
@@ -110,8 +118,7 @@ class ReplicaAccount:
         """Drop the grants whose lease ended (their requests ended without a release); those dropped."""
         gone = [g for g in self.grants.values() if g.expires_at_ms <= now_ms]
         for g in gone:
-            del self.grants[g.admission_id]
-            self.unreported.discard(g.admission_id)
+            self.release(g.admission_id)
         return gone
 
     def report(self, report: EngineReport) -> None:
@@ -121,6 +128,7 @@ class ReplicaAccount:
             return
         self.last_report = report
         self.unreported.clear()
+        self._unreported_bytes = 0
 
     def holders(self, tenant: str) -> int:
         """How many of ``tenant``'s requests are in flight here."""

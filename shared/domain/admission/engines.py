@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 
 from shared.domain.memory import cache_bytes, compute_dtype
 from shared.domain.models import Architecture, ModelSpec
@@ -59,9 +60,11 @@ class ReplicaStatus:
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ValueError(f"{self.replica_id}: tp: expected >= 1, got {self.tp}")
-        for name in ("queue_depth", "kv_used_bytes", "kv_total_bytes", "held_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{self.replica_id}: {name}: expected >= 0, got {getattr(self, name)}")
+        # One comparison on the path every admission takes; which figure is wrong only when one is.
+        if min(self.queue_depth, self.kv_used_bytes, self.kv_total_bytes, self.held_bytes) < 0:
+            for name in ("queue_depth", "kv_used_bytes", "kv_total_bytes", "held_bytes"):
+                if getattr(self, name) < 0:
+                    raise ValueError(f"{self.replica_id}: {name}: expected >= 0, got {getattr(self, name)}")
 
     @property
     def kv_use(self) -> float:
@@ -85,11 +88,13 @@ def request_kv_bytes(spec: ModelSpec, *, input_tokens: int, output_tokens: int, 
     for name, value in (("input_tokens", input_tokens), ("output_tokens", output_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}: expected an integer >= 0, got {value!r}")
+    return _sequence_bytes(spec, input_tokens + output_tokens, tp)
+
+
+@lru_cache(maxsize=4096)
+def _sequence_bytes(spec: ModelSpec, seq_len: int, tp: int) -> int:
+    """One sequence's cache on the fullest rank; remembered, since requests of a model repeat a few sizes
+    (admission asks for every request)."""
     return cache_bytes(
-        spec,
-        seq_len=input_tokens + output_tokens,
-        batch=1,
-        kv_dtype=spec.kv_dtype,
-        state_dtype=compute_dtype(spec.dtype),
-        tp=tp,
+        spec, seq_len=seq_len, batch=1, kv_dtype=spec.kv_dtype, state_dtype=compute_dtype(spec.dtype), tp=tp
     )

@@ -151,6 +151,28 @@ class FairQueue(Generic[T]):
         assert position is not None
         return position
 
+    def serve_now(self, tenant: str, now_ms: float, cost: float = 1.0) -> bool:
+        """Serve an item of ``tenant`` on arrival, while nothing is queued: charged exactly as ``offer``
+        then ``pop`` would charge it (its tenant's bucket and finish tag, the virtual time), without
+        queueing it. False, with nothing charged, when items are queued: it must take its turn (``offer``)."""
+        if self._entries:
+            return False
+        if not cost > 0:
+            raise ValueError(f"cost: expected > 0, got {cost}")
+        self._tick(now_ms)
+        self._seq += 1  # as offer's entry would have taken
+        start = max(self._virtual_time, self._last_finish.get(tenant, 0.0))  # the floor offer sets is the vt
+        finish = start + cost / self.weight(tenant)
+        bucket = self._bucket(tenant)
+        tokens = self._tokens_for(cost)
+        available = bucket.peek(now_ms)
+        bucket.take(now_ms, available if available + _EPSILON < tokens else tokens)
+        self._virtual_time = max(self._virtual_time, start)
+        self._last_finish[tenant] = finish
+        self._virtual_time = max(self._virtual_time, *self._last_finish.values())  # the queue is empty again
+        self._forget_idle(now_ms)
+        return True
+
     def position(self, key: str) -> int | None:
         """1-based position of ``key`` in the order successive pops would serve the queue at the last
         time seen, if every item could be served (an estimate: arrivals, refills and ``can_serve`` change it)."""

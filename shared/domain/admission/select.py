@@ -28,6 +28,7 @@ from shared.domain.models import ModelSpec
 
 FAILOVER_ORDER: Final = (Engine.MOE, Engine.TRANSFORMER, Engine.SSM, Engine.HYBRID)
 """The product brief's graceful degradation, MoE -> Transformer -> SSM; hybrid after SSM."""
+_FAILOVER_RANK: Final = MappingProxyType({engine: index for index, engine in enumerate(FAILOVER_ORDER)})
 
 
 class Hint(StrEnum):
@@ -54,6 +55,8 @@ class Exclusion(StrEnum):
     CONTEXT = "context"  # input + output exceed the model's max_context
     KV_FULL = "kv_full"
 
+
+_HINTS: Final = frozenset(Hint)
 
 # The hint's engines; the product brief's SSM engine serves hybrids too.
 _HINT_ENGINES: Final[Mapping[Hint, frozenset[Engine]]] = MappingProxyType(
@@ -101,7 +104,7 @@ class AdmitAsk:
             raise ValueError(f"tokens: expected >= 0, got input {self.input_tokens}, output {self.output_tokens}")
         if self.ttft_ms is not None and self.ttft_ms <= 0:
             raise ValueError(f"ttft_ms: expected > 0, got {self.ttft_ms}")
-        if self.hint not in frozenset(Hint):
+        if self.hint not in _HINTS:
             raise ValueError(f"hint: expected one of {', '.join(Hint)}, got {self.hint!r}")
 
 
@@ -138,19 +141,23 @@ def least_cost(replica: ReplicaStatus, *, need_bytes: int, ttft_ms: float | None
     decides whether it fits, not what it costs); the SLO term only with a TTFT SLO.
     """
     del need_bytes  # the brief's pressure term is the replica's present use
+    p50 = replica.latency_p50_ms
     cost = policy.queue_weight * replica.queue_depth
-    cost += policy.kv_weight * max(0.0, replica.kv_use - policy.kv_pressure)
-    cost += replica.latency_p50_ms
-    if ttft_ms is not None:
-        cost += policy.slo_weight * max(0.0, replica.latency_p50_ms - ttft_ms)
+    pressure = replica.kv_use - policy.kv_pressure
+    if pressure > 0:  # max(0, ...): a term that is 0 adds nothing
+        cost += policy.kv_weight * pressure
+    cost += p50
+    if ttft_ms is not None and p50 > ttft_ms:
+        cost += policy.slo_weight * (p50 - ttft_ms)
     return cost
 
 
 def failover_order(candidates: Sequence[Candidate]) -> tuple[Candidate, ...]:
     """Candidates by engine (MoE, transformer, SSM, hybrid), then lowest p50 latency, then replica id."""
-    rank = {engine: index for index, engine in enumerate(FAILOVER_ORDER)}
     return tuple(
-        sorted(candidates, key=lambda c: (rank[c.replica.engine], c.replica.latency_p50_ms, c.replica.replica_id))
+        sorted(
+            candidates, key=lambda c: (_FAILOVER_RANK[c.replica.engine], c.replica.latency_p50_ms, c.replica.replica_id)
+        )
     )
 
 
@@ -218,27 +225,28 @@ def select(
     candidates: list[Candidate] = []
     excluded: dict[str, str] = {}
     tiers = _tiers(rule, ask)
+    strict, ttft_ms, tokens = rule is Rule.STRICT_SLO, ask.ttft_ms, ask.input_tokens + ask.output_tokens
     needs: dict[tuple[str, int], int] = {}  # the replicas of one model and TP degree need the same bytes
     for replica in replicas:
         spec = specs.get(replica.model)
         need = 0
-        if spec is not None and ask.input_tokens + ask.output_tokens <= spec.max_context:
+        if spec is not None and tokens <= spec.max_context:
             key = (replica.model, replica.tp)
-            if key not in needs:
-                needs[key] = request_kv_bytes(
+            need = needs.get(key, -1)
+            if need < 0:
+                need = needs[key] = request_kv_bytes(
                     spec, input_tokens=ask.input_tokens, output_tokens=ask.output_tokens, tp=replica.tp
                 )
-            need = needs[key]
         why = _exclusion(replica, spec, ask, need, now_ms, policy)
         if why is not None:
             excluded[replica.replica_id] = why.value
             continue
-        cost = least_cost(replica, need_bytes=need, ttft_ms=ask.ttft_ms, policy=policy)
-        if rule is Rule.STRICT_SLO:
-            preferred = ask.ttft_ms is not None and replica.latency_p50_ms <= ask.ttft_ms
+        cost = least_cost(replica, need_bytes=need, ttft_ms=ttft_ms, policy=policy)
+        if strict:
+            preferred = ttft_ms is not None and replica.latency_p50_ms <= ttft_ms
         else:
             preferred = replica.engine in tiers
-        candidates.append(Candidate(replica=replica, need_bytes=need, cost=cost, preferred=preferred))
+        candidates.append(Candidate(replica, need, cost, preferred))
 
     if rule is Rule.STRICT_SLO:
         # The fastest that meets the SLO is the fastest of all whenever any meets it.

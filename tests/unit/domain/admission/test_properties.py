@@ -1,5 +1,6 @@
 """Invariants under random operation sequences (hypothesis): the pool never over-commits and keeps
-guarantees, the fair queue's positions are the order it serves, selection accounts for every replica."""
+guarantees, the fair queue's positions are the order it serves (and serving on arrival charges what
+queueing would), selection accounts for every replica."""
 
 from __future__ import annotations
 
@@ -74,6 +75,66 @@ def test_positions_are_the_order_successive_pops_serve(
     while (popped := queue.pop(0)) is not None:
         served.append(popped[0])
     assert served == expected
+
+
+def _charged(queue: FairQueue[int]) -> tuple[object, ...]:
+    """What a fair queue has charged its tenants: its virtual time, finish tags, buckets, arrival count."""
+    buckets = {t: (b.tokens, b.updated_ms) for t, b in queue._buckets.items()}
+    return (queue._virtual_time, queue._last_finish, buckets, queue._seq, queue._now_ms, queue._floor)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["arrive", "arrive", "arrive", "offer", "pop", "remove", "expire"]),
+            st.sampled_from("abc"),
+            st.sampled_from([0.5, 1.0, 2.0]),
+            st.sampled_from([0.0, 0.0, 1.0, 5.0, 40.0]),  # ms before the operation
+        ),
+        max_size=60,
+    ),
+    weights=st.fixed_dictionaries({"a": st.sampled_from([1.0, 2.0]), "b": st.sampled_from([0.5, 1.0])}),
+    rate_per_s=st.sampled_from([0.0, 50.0, 200.0]),
+    burst=st.sampled_from([0.0, 1.0, 2.0, 5.0]),
+)
+def test_serving_on_arrival_charges_what_offer_then_pop_charges(
+    ops: list[tuple[str, str, float, float]], weights: dict[str, float], rate_per_s: float, burst: float
+) -> None:
+    """Admission serves a request at once when nothing waits (``serve_now``): the same tenants' shares and
+    buckets as offering it and popping it at once, so the order every later request is served in is the
+    same. Two queues take the same operations, one arriving by ``offer`` + ``pop``, one by ``serve_now``."""
+    queued: FairQueue[int] = FairQueue(rate_per_s=rate_per_s, burst=burst, ttl_ms=100, weights=weights)
+    served: FairQueue[int] = FairQueue(rate_per_s=rate_per_s, burst=burst, ttl_ms=100, weights=weights)
+    now = 0.0
+    for i, (op, tenant, cost, wait_ms) in enumerate(ops):
+        now += wait_ms
+        key = f"k{i}"
+        if op == "arrive":
+            at_once = served.serve_now(tenant, now, cost)
+            assert at_once == (len(queued) == 0)
+            queued.offer(key, i, tenant=tenant, now_ms=now, cost=cost)
+            if at_once:
+                assert queued.pop(now) == (key, i)
+            else:
+                served.offer(key, i, tenant=tenant, now_ms=now, cost=cost)
+        elif op == "offer":
+            assert queued.offer(key, i, tenant=tenant, now_ms=now, cost=cost) == served.offer(
+                key, i, tenant=tenant, now_ms=now, cost=cost
+            )
+        elif op == "pop":
+            assert queued.pop(now) == served.pop(now)
+        elif op == "remove" and len(queued):
+            first = next(iter(queued))
+            assert queued.remove(first) == served.remove(first)
+        elif op == "expire":
+            assert queued.expire(now) == served.expire(now)
+        assert _charged(queued) == _charged(served)
+        assert [queued.position(k) for k in queued] == [served.position(k) for k in served]
+    order = []
+    while (popped := queued.pop(now)) is not None:
+        order.append(popped)
+    assert order == [served.pop(now) for _ in order] and len(served) == 0
 
 
 replicas = st.builds(

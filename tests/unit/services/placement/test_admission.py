@@ -9,10 +9,12 @@ import logging
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from services.placement.admission import AdmissionHandlers, Fairness
-from services.placement.replicas import Replica, ReplicaBook, replica_of
+from services.placement.replicas import Hold, Replica, ReplicaBook, replica_of
 from shared.contracts.base import ErrorCode, Rejected
 from shared.contracts.ledger import no_allocation
 from shared.contracts.placement import (
@@ -469,3 +471,89 @@ def test_an_engine_report_counts_only_from_the_replicas_own_node_compared_exactl
         forged = _status(tf, healthy=False, queue_depth=999)
         assert not book.report(forged.model_copy(update={"node": node}), now_ms=1), node
     assert book.status(tf).healthy and book.status(tf).queue_depth == 1
+
+
+# -- the book's estimate against a fake engine, and the queue's wake-up ---------------------------------
+
+POOL = 1000  # the replica's KV bytes, as its engine reports them (no scaling)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(  # report intervals
+        st.tuples(
+            st.integers(0, 1200),  # the engine's own use (more than the pool: the report says full)
+            st.integers(0, 8),  # its own queue
+            st.lists(st.tuples(st.integers(1, 400), st.booleans()), max_size=10),  # arrivals: size, picked up late
+            st.lists(st.integers(0, 50), max_size=6),  # releases
+        ),
+        min_size=1,
+        max_size=15,
+    )
+)
+def test_the_books_estimate_lets_no_grant_past_the_pool_beyond_what_the_last_report_missed(
+    intervals: list[tuple[int, int, list[tuple[int, bool]], list[int]]],
+) -> None:
+    """The account's property (tests/unit/domain/admission/test_account.py) through the book, as admission
+    uses it: engine reports as events, grants as holds, releases as ended holds. Each grant is decided on the
+    last report plus the grants since it, the replica's status shows those grants (held bytes, queue), and
+    a grant never takes what the engine holds past its pool by more than what the last report missed."""
+    replica = dataclasses.replace(_replica("r-1", "llama3.1-8b", "n1"), kv_pool={"n1/gpu0": POOL})
+    book = ReplicaBook(models=MODELS)
+    book.add(replica)
+    live: dict[str, int] = {}
+    late: set[str] = set()
+    serial = 0
+    for step, (own, queue, arrivals, releases) in enumerate(intervals):
+        held = own + sum(n for a, n in live.items() if a not in late)
+        status = _status(replica, queue_depth=queue, kv_used_bytes=min(held, POOL), kv_total_bytes=POOL)
+        assert book.report(status, now_ms=step * 1000)
+        reported = min(held, POOL)
+        missed, late = {a for a in late if a in live}, set()
+        since: set[str] = set()
+        for nbytes, picked_late in arrivals:
+            serial += 1
+            hold = Hold(f"adm-{serial}", replica.replica_id, "acme", f"q{serial}", nbytes, granted_at_ms=step * 1000)
+            expected = reported + sum(live[a] for a in since) + nbytes <= POOL
+            assert book.admit(replica, hold) == expected
+            if expected:
+                live[hold.allocation_id] = nbytes
+                since.add(hold.allocation_id)
+                if picked_late:
+                    late.add(hold.allocation_id)
+                assert own + sum(live.values()) <= POOL + sum(live[a] for a in missed if a in live)
+            seen = book.status(replica)
+            assert (seen.kv_used_bytes, seen.held_bytes) == (reported, sum(live[a] for a in since))
+            assert seen.queue_depth == queue + len(since)
+        for index in releases:
+            if live:
+                allocation_id = sorted(live)[index % len(live)]
+                del live[allocation_id]
+                since.discard(allocation_id)
+                assert book.ended(allocation_id) is not None and book.ended(allocation_id) is None
+        assert book.status(replica).held_bytes == sum(live[a] for a in since)
+
+
+async def test_a_release_lets_a_waiting_request_in_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing fits: the request waits in the queue. A release wakes the queue's loop, which admits it
+    without waiting for its periodic pass (made an hour long here)."""
+    monkeypatch.setattr("services.placement.admission.DRAIN_PERIOD_S", 3600.0)
+    tf = _replica("r-tf", "llama3.1-8b", "n1", kv_gb=10)
+    handlers, _ledger, _clock, book = _stack(tf)
+    handlers.on_engine_status(_status(tf, queue_depth=0))
+    loop = asyncio.create_task(handlers.serve_queue())
+    try:
+        first = await handlers.admit(_ask("big-1", model="llama3.1-8b", tokens=60_000))  # 7.9 GB of 10
+        waiting = await handlers.admit(_ask("big-2", model="llama3.1-8b", tokens=60_000))
+        assert isinstance(first, AdmitReply) and first.status == "admitted" and first.allocation_id
+        assert isinstance(waiting, AdmitReply) and waiting.status == "queued"
+        await asyncio.sleep(0.05)
+        assert handlers.queue_depths() == {"acme": 1}  # still waiting: only a release (or a report) wakes it
+        assert isinstance(handlers.release_hold(first.allocation_id, "acme"), ReleaseReply)
+        for _ in range(100):
+            if not handlers.queue_depths():
+                break
+            await asyncio.sleep(0.01)
+        assert handlers.queue_depths() == {} and [h.request_id for h in book.holds.values()] == ["big-2"]
+    finally:
+        loop.cancel()
