@@ -286,6 +286,11 @@ async def measure(
         pg = backends_cpu(pids) - pg0
         statements, commits = sql.statements - statements0, sql.commits - commits0
         verbs = {k: v - verbs0.get(k, 0) for k, v in sql.by_verb.items() if v - verbs0.get(k, 0)}
+    nc = await nats.connect(servers.nats_url)  # the streams' size caps are reserved on the server's store
+    for info in await nc.jetstream().streams_info():
+        if info.config.name and info.config.name.startswith(stream_prefix):
+            await nc.jetstream().delete_stream(info.config.name)
+    await nc.close()
     n = len(timed)
     lines = [
         f"{package}: {n} events ({len(mine)} of names it handles), {placements} placements, {wall:.1f} s; "
@@ -363,13 +368,15 @@ async def bench(args: argparse.Namespace) -> None:
                 say(f"{len(events)} events kept in {events_file}")
             fleet_file = workdir / "fleet.yaml"
             fleet_file.write_text(yaml.safe_dump(bench_fleet(args.nodes)[0]))
-            database = f"hetsched_cost_{servers.run_id}"
-            await servers.create_database(database)
-            await asyncio.to_thread(upgrade, servers.database_url(database), role_password=SecretStr(ROLE_PASSWORD))
-            try:
-                figures: dict[str, list[float]] = {}
-                for _ in range(args.repeat):
-                    for package in args.services.split(","):
+            figures: dict[str, list[float]] = {}
+            for _ in range(args.repeat):
+                for package in args.services.split(","):
+                    # A fresh database each time: the same events again would find their ids in the inbox.
+                    database = f"hetsched_cost_{uuid.uuid4().hex[:10]}"
+                    await servers.create_database(database)
+                    try:
+                        url = servers.database_url(database)
+                        await asyncio.to_thread(upgrade, url, role_password=SecretStr(ROLE_PASSWORD))
                         lines, per_placement = await measure(
                             package,
                             servers=servers,
@@ -380,14 +387,14 @@ async def bench(args: argparse.Namespace) -> None:
                             rate=args.rate,
                             profile=args.profile == package,
                         )
-                        print(lines, flush=True)
-                        figures.setdefault(package, []).append(per_placement)
-                print(
-                    "median CPU per placement (ms): "
-                    + ", ".join(f"{package} {statistics.median(values):.2f}" for package, values in figures.items())
-                )
-            finally:
-                await servers.drop_database(database)
+                    finally:
+                        await servers.drop_database(database)
+                    print(lines, flush=True)
+                    figures.setdefault(package, []).append(per_placement)
+            print(
+                "median CPU per placement (ms): "
+                + ", ".join(f"{package} {statistics.median(values):.2f}" for package, values in figures.items())
+            )
         finally:
             server.stop()
 
