@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -113,12 +113,18 @@ class RoutingStore:
 
     async def add_replica(self, *, session: AsyncSession, replica: StoredReplica) -> None:
         """Record a replica; one already recorded (a redelivered event) stays as it is."""
-        stmt = insert(REPLICAS).values(
-            allocation_id=replica.allocation_id, region=replica.region, model=replica.model, sku=replica.sku
-        )
-        await session.execute(stmt.on_conflict_do_nothing(index_elements=[REPLICAS.c.allocation_id]))
+        params = {"allocation_id": replica.allocation_id, "region": replica.region, "model": replica.model}
+        await session.execute(_ADD_REPLICA, params | {"sku": replica.sku})
 
     async def remove_replicas(self, *, session: AsyncSession, allocation_ids: Iterable[str]) -> None:
         ids = list(allocation_ids)
         if ids:
-            await session.execute(delete(REPLICAS).where(REPLICAS.c.allocation_id.in_(ids)))
+            await session.execute(_REMOVE_REPLICAS, {"ids": ids})
+
+
+# One per placement and per release (the consumer's hot path): built once, not per call.
+_ADD_REPLICA = text(
+    f"INSERT INTO {REPLICAS.fullname} (allocation_id, region, model, sku) "
+    "VALUES (:allocation_id, :region, :model, :sku) ON CONFLICT (allocation_id) DO NOTHING"
+)
+_REMOVE_REPLICAS = text(f"DELETE FROM {REPLICAS.fullname} WHERE allocation_id = ANY(CAST(:ids AS text[]))")

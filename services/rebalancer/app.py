@@ -74,6 +74,7 @@ SERVICE = ServiceDefinition(
                 PlacementEventName.PLACEMENT_DECIDED: lambda ctx: ctx.handlers.on_placement_decided,
                 PlacementEventName.PLACEMENT_RELEASED: lambda ctx: ctx.handlers.on_placement_released,
             },
+            together=True,  # one per placement and release: a batch per transaction (the handlers only write rows)
         ),
         # Bytes per GPU of each allocation (drift).
         Consumer(

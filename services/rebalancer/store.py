@@ -3,11 +3,12 @@ typed results (contract models and the read model's ``Allocation``)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -26,6 +27,18 @@ ACTIONS = ActionRow.__table__  # type: ignore[attr-defined]
 THROTTLES = ThrottleRow.__table__  # type: ignore[attr-defined]
 
 ACTIONS_KEPT = 500
+
+# One per placement, release, commit and end (the consumers' hot path): built once, not per call.
+_PUT_REPLICA = text(
+    f"INSERT INTO {REPLICAS.fullname} (allocation_id, tenant, body) "
+    "VALUES (:allocation_id, :tenant, CAST(:body AS jsonb)) ON CONFLICT (allocation_id) DO NOTHING"
+)
+_DROP_REPLICA = text(f"DELETE FROM {REPLICAS.fullname} WHERE allocation_id = :allocation_id")
+_PUT_ALLOCATION = text(
+    f"INSERT INTO {ALLOCATIONS.fullname} (allocation_id, kind, parent_id, bytes) "
+    "VALUES (:allocation_id, :kind, :parent_id, CAST(:bytes AS jsonb)) ON CONFLICT (allocation_id) DO NOTHING"
+)
+_DROP_ALLOCATION = text(f"DELETE FROM {ALLOCATIONS.fullname} WHERE allocation_id = :allocation_id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,24 +71,23 @@ class RebalanceStore:
     async def put_replica(
         self, *, session: AsyncSession, allocation_id: str, tenant: str, event: PlacementEvent
     ) -> None:
-        body = event.model_dump(mode="json")
-        stmt = insert(REPLICAS).values(allocation_id=allocation_id, tenant=tenant, body=body)
-        await session.execute(stmt.on_conflict_do_nothing(index_elements=[REPLICAS.c.allocation_id]))
+        params = {"allocation_id": allocation_id, "tenant": tenant, "body": event.model_dump_json()}
+        await session.execute(_PUT_REPLICA, params)
 
     async def drop_replica(self, *, session: AsyncSession, allocation_id: str) -> None:
-        await session.execute(delete(REPLICAS).where(REPLICAS.c.allocation_id == allocation_id))
+        await session.execute(_DROP_REPLICA, {"allocation_id": allocation_id})
 
     async def put_allocation(self, *, session: AsyncSession, allocation: Allocation) -> None:
-        stmt = insert(ALLOCATIONS).values(
-            allocation_id=allocation.allocation_id,
-            kind=allocation.kind,
-            parent_id=allocation.parent_id,
-            bytes=allocation.bytes,
-        )
-        await session.execute(stmt.on_conflict_do_nothing(index_elements=[ALLOCATIONS.c.allocation_id]))
+        params = {
+            "allocation_id": allocation.allocation_id,
+            "kind": allocation.kind,
+            "parent_id": allocation.parent_id,
+            "bytes": json.dumps(allocation.bytes),
+        }
+        await session.execute(_PUT_ALLOCATION, params)
 
     async def drop_allocation(self, *, session: AsyncSession, allocation_id: str) -> None:
-        await session.execute(delete(ALLOCATIONS).where(ALLOCATIONS.c.allocation_id == allocation_id))
+        await session.execute(_DROP_ALLOCATION, {"allocation_id": allocation_id})
 
     async def put_node(self, *, session: AsyncSession, event: NodeProfileEvent) -> None:
         body = event.model_dump(mode="json")

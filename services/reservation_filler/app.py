@@ -95,6 +95,8 @@ SERVICE = ServiceDefinition(
             },
             # Requests' KV holds live inside a replica's allocation: they change nobody's use.
             skip=lambda payload: payload.kind == "request",
+            # One per placement and release: a batch per transaction (the handlers write rows and events only).
+            together=True,
         ),
     ),
     loops=(

@@ -3,6 +3,7 @@ keyword-only parameters, domain values out."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 
@@ -47,6 +48,27 @@ def _use(row: object) -> Use:
         bytes={k: int(v) for k, v in row.bytes.items()},  # type: ignore[attr-defined]
         since=row.since,  # type: ignore[attr-defined]
     )
+
+
+# The reservations on an allocation's accelerators come back with its write (an allocation event is one
+# statement: most touch no reservation).
+_HELD_ON = (
+    f"ARRAY(SELECT DISTINCT h.reservation_id FROM {HOLDS.fullname} h "
+    "WHERE h.accelerator = ANY(CAST(:accelerators AS text[])) ORDER BY 1) AS reservations"
+)
+_ADD_USE = text(
+    f"WITH added AS (INSERT INTO {USES.fullname} (allocation_id, tenant, preemptible, bytes, since) "
+    "VALUES (:allocation_id, :tenant, :preemptible, CAST(:bytes AS jsonb), :since) "
+    "ON CONFLICT (allocation_id) DO NOTHING RETURNING allocation_id) "
+    f"SELECT {_HELD_ON} FROM added"
+)
+_REMOVE_USE = text(
+    f"WITH gone AS (DELETE FROM {USES.fullname} WHERE allocation_id = :allocation_id "
+    "RETURNING allocation_id, tenant, preemptible, bytes, since) "
+    "SELECT gone.allocation_id, gone.tenant, gone.preemptible, gone.bytes, gone.since, "
+    f"ARRAY(SELECT DISTINCT h.reservation_id FROM {HOLDS.fullname} h "
+    "WHERE h.accelerator IN (SELECT jsonb_object_keys(gone.bytes)) ORDER BY 1) AS reservations FROM gone"
+).columns(USES.c.allocation_id, USES.c.tenant, USES.c.preemptible, USES.c.bytes, USES.c.since)
 
 
 def _unsent() -> list[ColumnElement[bool]]:
@@ -102,20 +124,6 @@ class ReservationStore:
             .order_by(RESERVATIONS.c.reservation_id)
         )
         return [_reservation(b) for b in (await session.execute(stmt)).scalars()]
-
-    async def reservations_on(
-        self, *, session: AsyncSession, accelerators: Iterable[str], lock: bool = True
-    ) -> list[Reservation]:
-        """The active reservations holding any of ``accelerators``, locked in id order."""
-        ids = (
-            await session.execute(
-                select(HOLDS.c.reservation_id).where(HOLDS.c.accelerator.in_(sorted(set(accelerators)))).distinct()
-            )
-        ).scalars()
-        wanted = list(ids)
-        if not wanted:
-            return []
-        return await self.load_many(session=session, ids=wanted, lock=lock)
 
     async def add(
         self, *, session: AsyncSession, reservation: Reservation, request_id: str | None, now: datetime
@@ -197,25 +205,29 @@ class ReservationStore:
 
     # -- uses (from LEDGER events) ------------------------------------------------------------------
 
-    async def add_use(self, *, session: AsyncSession, use: Use) -> bool:
-        """Record a live allocation; False when it was recorded before."""
-        done = await session.execute(
-            insert(USES)
-            .values(
-                allocation_id=use.allocation_id,
-                tenant=use.tenant,
-                preemptible=use.preemptible,
-                bytes=dict(use.bytes),
-                since=use.since,
+    async def add_use(self, *, session: AsyncSession, use: Use) -> tuple[str, ...] | None:
+        """Record a live allocation; the reservations holding any of its accelerators (ids, sorted), or None
+        when it was recorded before. One statement: one round trip per allocation event."""
+        row = (
+            await session.execute(
+                _ADD_USE,
+                {
+                    "allocation_id": use.allocation_id,
+                    "tenant": use.tenant,
+                    "preemptible": use.preemptible,
+                    "bytes": json.dumps(dict(use.bytes)),
+                    "since": use.since,
+                    "accelerators": sorted(use.accelerators),
+                },
             )
-            .on_conflict_do_nothing(index_elements=[USES.c.allocation_id])
-            .returning(USES.c.allocation_id)
-        )
-        return done.scalar_one_or_none() is not None
+        ).first()
+        return None if row is None else tuple(row.reservations)
 
-    async def remove_use(self, *, session: AsyncSession, allocation_id: str) -> Use | None:
-        row = (await session.execute(delete(USES).where(USES.c.allocation_id == allocation_id).returning(USES))).first()
-        return None if row is None else _use(row)
+    async def remove_use(self, *, session: AsyncSession, allocation_id: str) -> tuple[Use, tuple[str, ...]] | None:
+        """Forget a live allocation: it and the reservations holding any of its accelerators (ids, sorted), or
+        None when it was not recorded. One statement."""
+        row = (await session.execute(_REMOVE_USE, {"allocation_id": allocation_id})).first()
+        return None if row is None else (_use(row), tuple(row.reservations))
 
     async def uses_on(self, *, session: AsyncSession, accelerators: Iterable[str]) -> list[Use]:
         """The live allocations holding bytes on any of ``accelerators``."""

@@ -31,22 +31,26 @@ class UseHandlers:
             bytes={s.accelerator_id: s.total_bytes for s in payload.shares},
             since=event.occurred_at,
         )
-        if not await self._store.add_use(session=uow.session, use=use):
-            return
-        await self._touched(uow, use.accelerators, allocation_id=use.allocation_id)
+        reservations = await self._store.add_use(session=uow.session, use=use)
+        if reservations:  # None: recorded before; empty: on no reservation's accelerators
+            await self._touched(uow, reservations, allocation_id=use.allocation_id)
 
     async def on_allocation_ended(self, *, uow: UnitOfWork, event: EventEnvelope, payload: AllocationEvent) -> None:
         """Released or expired (a preempted borrower's included): the capacity comes back."""
-        use = await self._store.remove_use(session=uow.session, allocation_id=payload.allocation_id)
-        if use is None:
+        removed = await self._store.remove_use(session=uow.session, allocation_id=payload.allocation_id)
+        if removed is None:
+            return
+        use, reservations = removed
+        if not reservations:
             return
         reason = "expired" if event.type.endswith("expired") else "released"
-        await self._touched(uow, use.accelerators, allocation_id=use.allocation_id, reason=reason)
+        await self._touched(uow, reservations, allocation_id=use.allocation_id, reason=reason)
 
     async def _touched(
-        self, uow: UnitOfWork, accelerators: Iterable[str], *, allocation_id: str, reason: str | None = None
+        self, uow: UnitOfWork, reservation_ids: Iterable[str], *, allocation_id: str, reason: str | None = None
     ) -> None:
-        for reservation in await self._store.reservations_on(session=uow.session, accelerators=accelerators):
+        """Refresh the active reservations ``reservation_ids`` (locked in id order) after a change of use."""
+        for reservation in await self._store.load_many(session=uow.session, ids=reservation_ids, lock=True):
             uses = await self._store.uses_on(session=uow.session, accelerators=reservation.accelerators)
             after = refresh(reservation, uses, now=uow.now, policy=self._policy)
             name = event_name(reservation, after, allocation_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from nats.aio.msg import Msg
@@ -32,7 +32,7 @@ from shared.contracts.envelope import EventEnvelope
 from shared.contracts.streams import StreamSpec
 from shared.contracts.subjects import Context
 from shared.infra import tracing
-from shared.infra.inbox import claim
+from shared.infra.inbox import claim, claim_many
 from shared.infra.trust import EventReader, summarise
 from shared.infra.uow import EventTooLarge, UnitOfWork, UnitOfWorkFactory, committed_on
 
@@ -302,6 +302,132 @@ async def dispatch(
     return reply
 
 
+class BatchFailed(Exception):
+    """An event of a batch applied together raised: its position in the batch and what it raised (an
+    ``UnappliableEvent`` for a message the trust check refused)."""
+
+    def __init__(self, position: int, error: Exception) -> None:
+        super().__init__(f"event {position} of the batch failed: {type(error).__name__}: {error}")
+        self.position = position
+        self.error = error
+
+
+class EventApplier:
+    """``consume``'s result: applies one context's events by name, each event id once (see ``consume``).
+
+    Called with one message (``await applier(raw, subject)``), or ``batch`` for several in one open
+    transaction: every message is checked first, the events to apply are claimed in the inbox with one
+    statement, then their handlers run in stream order."""
+
+    def __init__(
+        self,
+        *,
+        uow: UnitOfWorkFactory,
+        schema: str,
+        consumer: str,
+        context: Context,
+        handlers: dict[str, TypedEventHandler],
+        publisher: str | None = None,
+        skip: Callable[[Any], bool] | None = None,
+    ) -> None:
+        self._uow = uow
+        self._schema = schema
+        self._consumer = consumer
+        self._handlers = handlers
+        self._skip = skip
+        self._reader = EventReader(context, publisher=publisher)
+
+    def _open(self, raw: bytes, subject: str | None) -> tuple[EventEnvelope, Any, TypedEventHandler] | None:
+        """The event, its payload and its handler; None for an event this consumer has nothing to do with."""
+        event, name = self._reader.envelope(raw)
+        handler = self._handlers.get(name)
+        if handler is None:
+            return None
+        payload = self._reader.payload(event, name, subject)
+        if self._skip is not None and self._skip(payload):
+            return None
+        return event, payload, handler
+
+    async def __call__(self, raw: bytes, subject: str | None = None, session: AsyncSession | None = None) -> None:
+        opened = self._open(raw, subject)
+        if opened is None:
+            return
+        event, payload, handler = opened
+        if session is not None:  # part of a batch's transaction: the caller commits (and wakes the relay)
+            if await claim(session=session, schema=self._schema, consumer=self._consumer, event_id=event.event_id):
+                await self._traced(event, payload, handler, session)
+            return
+        emitted = False
+        async with self._uow.sessions() as own, own.begin():
+            if await claim(session=own, schema=self._schema, consumer=self._consumer, event_id=event.event_id):
+                emitted = await self._traced(event, payload, handler, own)
+        if emitted:
+            self._uow.wake()
+        committed_on(own)  # memory follows only what committed
+
+    async def batch(self, messages: Sequence[tuple[bytes, str | None]], session: AsyncSession) -> bool:
+        """Apply ``messages`` (body, subject) in the caller's open transaction, in order; whether their
+        handlers emitted events (the caller wakes the relay once it committed). Raises ``BatchFailed`` at the
+        first message in order that cannot be applied (the trust check refused it, or its handler raised):
+        the caller rolls the transaction back."""
+        opened: list[tuple[int, EventEnvelope, Any, TypedEventHandler]] = []
+        refused: BatchFailed | None = None
+        for position, (raw, subject) in enumerate(messages):
+            try:
+                one = self._open(raw, subject)
+            except Exception as exc:  # the events before it still go first: a handler there may fail earlier
+                refused = BatchFailed(position, exc)
+                break
+            if one is not None:
+                opened.append((position, *one))
+        emitted = False
+        if opened:
+            claimed = await claim_many(
+                session=session,
+                schema=self._schema,
+                consumer=self._consumer,
+                event_ids=[event.event_id for _, event, _, _ in opened],
+            )
+            for position, event, payload, handler in opened:
+                if event.event_id not in claimed:  # applied before, or earlier in this batch
+                    continue
+                claimed.discard(event.event_id)
+                try:
+                    emitted = await self._traced(event, payload, handler, session) or emitted
+                except Exception as exc:
+                    raise BatchFailed(position, exc) from exc
+        if refused is not None:
+            raise refused
+        return emitted
+
+    async def _traced(
+        self, event: EventEnvelope, payload: Any, handler: TypedEventHandler, session: AsyncSession
+    ) -> bool:
+        """Run the handler in the event's trace (a CONSUMER span when spans are exported); whether it emitted."""
+        parent = tracing.from_traceparent(event.traceparent)
+        if parent is None:  # an event no request caused (a sweep, an agent's report): no trace to continue
+            return await self._run(event, payload, handler, session)
+        attributes = {
+            "messaging.system": "nats",
+            "messaging.operation.type": "process",
+            "messaging.consumer.group.name": self._consumer,
+            "messaging.message.id": str(event.event_id),
+        }
+        with tracing.span(event.type, kind=SpanKind.CONSUMER, parent=parent, attributes=attributes):
+            return await self._run(event, payload, handler, session)
+
+    async def _run(self, event: EventEnvelope, payload: Any, handler: TypedEventHandler, session: AsyncSession) -> bool:
+        emitted = False
+
+        async def work(unit: UnitOfWork) -> None:
+            nonlocal emitted
+            await handler(uow=unit, event=event, payload=payload)
+            emitted = bool(unit.events)
+
+        await self._uow.run(work, session=session)
+        return emitted
+
+
 def consume(
     *,
     uow: UnitOfWorkFactory,
@@ -311,10 +437,11 @@ def consume(
     handlers: dict[str, TypedEventHandler],
     publisher: str | None = None,
     skip: Callable[[Any], bool] | None = None,
-) -> Callable[..., Awaitable[None]]:
+) -> EventApplier:
     """Apply one context's events by name, each event id once, with its effects and their events in
     one transaction; the payload reaches the handler as its contract model (``EVENTS``). Given an open
-    ``session``, the event joins that transaction instead (a batch of events applied together).
+    ``session``, the event joins that transaction instead (a batch of events applied together; or
+    ``EventApplier.batch``, which claims a batch's events in one statement).
 
     Nothing on the bus is trusted: a message that is not an envelope, whose ``type`` is not of this
     context, whose ``source`` is not the context's publisher (``publisher``, by default
@@ -328,50 +455,6 @@ def consume(
     CONSUMER span named after its type when spans are exported (``shared.infra.tracing``), and the
     events its handler emits carry the trace on.
     """
-    reader = EventReader(context, publisher=publisher)
-
-    async def on_message(raw: bytes, subject: str | None = None, session: AsyncSession | None = None) -> None:
-        event, name = reader.envelope(raw)
-        handler = handlers.get(name)
-        if handler is None:
-            return
-        payload = reader.payload(event, name, subject)
-        if skip is not None and skip(payload):
-            return
-        parent = tracing.from_traceparent(event.traceparent)
-        if parent is None:  # an event no request caused (a sweep, an agent's report): no trace to continue
-            await _apply(event, payload, handler, session)
-            return
-        attributes = {
-            "messaging.system": "nats",
-            "messaging.operation.type": "process",
-            "messaging.consumer.group.name": consumer,
-            "messaging.message.id": str(event.event_id),
-        }
-        with tracing.span(event.type, kind=SpanKind.CONSUMER, parent=parent, attributes=attributes):
-            await _apply(event, payload, handler, session)
-
-    async def _apply(
-        event: EventEnvelope, payload: Any, handler: TypedEventHandler, session: AsyncSession | None
-    ) -> None:
-        emitted = False
-
-        async def work(unit: UnitOfWork) -> None:
-            nonlocal emitted
-            await handler(uow=unit, event=event, payload=payload)
-            emitted = bool(unit.events)
-
-        async def claimed(open_session: AsyncSession) -> None:
-            if await claim(session=open_session, schema=schema, consumer=consumer, event_id=event.event_id):
-                await uow.run(work, session=open_session)
-
-        if session is not None:  # part of a batch's transaction: the caller commits (and wakes the relay)
-            await claimed(session)
-            return
-        async with uow.sessions() as own, own.begin():
-            await claimed(own)
-        if emitted:
-            uow.wake()
-        committed_on(own)  # memory follows only what committed
-
-    return on_message
+    return EventApplier(
+        uow=uow, schema=schema, consumer=consumer, context=context, handlers=handlers, publisher=publisher, skip=skip
+    )

@@ -6,21 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError, ServiceUnavailableError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from shared.contracts.permissions import NODE_SCOPED_EVENTS
 from shared.contracts.streams import stream_name
-from shared.contracts.subjects import Context
-from shared.infra.bus import consume
+from shared.contracts.subjects import Context, Subjects
+from shared.infra.bus import BatchFailed, consume
 from shared.infra.deadletter import UnappliableEvent, dead_letter, redelivery_delay_s
 from shared.infra.definition import Consumer, durable_name
 from shared.infra.runtime import Runtime
@@ -70,11 +73,17 @@ class EventLoop:
     health check ``consumers`` says so.
     """
 
-    subject: str
+    subject: str  # the filter subject: the one event name it handles, or every event of its context
     stream: str
     durable: str
     apply: Callable[..., Awaitable[None]]  # (data, subject, session=None): ``bus.consume``'s handler
     together: bool = False  # ``Consumer.together``
+    # One filter subject per event name it handles, used instead of ``subject`` where the server takes several
+    # (NATS >= 2.10): the server then delivers none of the context's other events.
+    filters: tuple[str, ...] = ()
+    # ``EventApplier.batch``: a fetched batch in one open transaction, its events claimed in one statement;
+    # without it a batch applied together calls ``apply`` once per event.
+    apply_batch: Callable[[Sequence[tuple[bytes, str | None]], AsyncSession], Awaitable[bool]] | None = None
     deadletter_subject: str = ""
     max_deliveries: int = 5
     backoff_s: float = 0.5
@@ -152,16 +161,14 @@ class EventLoop:
 
     async def _subscribe(self, runtime: Runtime) -> Any:
         """The durable pull subscription, once its stream exists (its owner or the operator creates it:
-        a service started before them waits, saying so once)."""
+        a service started before them waits, saying so once). The durable is created with its filter, or,
+        made before with another filter (a release that filtered less), updated to it in place: it goes on
+        from its own ack floor, so no event is lost or applied again."""
         said = False
         while True:
             try:
-                return await runtime.jetstream.pull_subscribe(
-                    self.subject,
-                    durable=self.durable,
-                    stream=self.stream,
-                    config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL),
-                )
+                await self._ensure(runtime)
+                return await runtime.jetstream.pull_subscribe_bind(durable=self.durable, stream=self.stream)
             except (NotFoundError, NatsTimeoutError, ServiceUnavailableError, NoRespondersError) as exc:
                 _stop_if_cancelled()
                 if not said:
@@ -171,6 +178,47 @@ class EventLoop:
                     )
                     said = True
                 await asyncio.sleep(EVENT_FETCH_TIMEOUT_S)
+
+    def config(self, nats: NatsClient) -> ConsumerConfig:
+        """The durable's configuration: every event name it handles as a filter subject of its own where the
+        server takes several (NATS >= 2.10), else ``subject``."""
+        several = list(self.filters) if len(self.filters) > 1 and multi_filter(nats) else None
+        return ConsumerConfig(
+            name=self.durable,
+            durable_name=self.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            filter_subject=None if several else self.subject,
+            filter_subjects=several,
+        )
+
+    async def _ensure(self, runtime: Runtime) -> None:
+        """Create the durable, or update the filter of one that has another (several processes may do either
+        at once: the server answers the same config with the consumer as it is)."""
+        js = runtime.jetstream
+        wanted = self.config(runtime.nats)
+        try:
+            info = await js.consumer_info(self.stream, self.durable)
+        except NotFoundError:  # no such consumer (or no stream yet: creating it says so)
+            await js.add_consumer(self.stream, wanted)
+            return
+        has = filters_of(info.config)
+        if has == filters_of(wanted):
+            return
+        extra = {"durable": self.durable, "stream": self.stream, "from": list(has), "to": list(filters_of(wanted))}
+        try:
+            await js.add_consumer(
+                self.stream,
+                dataclasses.replace(
+                    info.config, filter_subject=wanted.filter_subject, filter_subjects=wanted.filter_subjects
+                ),
+            )
+        except APIError as exc:  # a server that cannot: the durable keeps its filter (unhandled names are skipped)
+            runtime.log.warning(
+                "could not update an event consumer's filter; it keeps its own", extra=extra | {"error": str(exc)[:300]}
+            )
+            return
+        runtime.log.info("event consumer's filter updated", extra=extra)
 
     async def apply_in_order(self, runtime: Runtime, messages: list[Msg]) -> None:
         """Apply a fetched batch in order: together in one transaction while that works, else one by one."""
@@ -237,31 +285,37 @@ class EventLoop:
         the exception of the event that failed after them (its handler ran once, as one by one), or None
         with 0 applied when the transaction failed otherwise (the caller then applies one by one)."""
         uow = runtime.uow
-        failed_at: int | None = None
-        failure: Exception | None = None
         try:
             async with uow.sessions() as session, session.begin():
-                for position, message in enumerate(messages):
-                    try:
-                        await self.apply(message.data, message.subject, session=session)
-                    except Exception as exc:
-                        failed_at, failure = position, exc
-                        raise
-        except Exception:
-            if failed_at is None or failure is None:
-                return 0, None
-            if failed_at == 0:
-                return 0, failure
+                emitted = await self._batch(messages, session)
+        except BatchFailed as failed:
+            if failed.position == 0:
+                return 0, failed.error
             # The events before the failing one were fine: apply them together again, then report it.
-            applied, again = await self._apply_together(runtime, messages[:failed_at])
-            return (applied, failure) if again is None and applied == failed_at else (0, None)
-        uow.wake()
+            applied, again = await self._apply_together(runtime, messages[: failed.position])
+            return (applied, failed.error) if again is None and applied == failed.position else (0, None)
+        except Exception:
+            return 0, None
+        if emitted:
+            uow.wake()
         committed_on(session)  # memory follows only what committed (a rolled-back batch changed none)
         for message in messages:
             self.failures.pop(message.metadata.sequence.stream, None)
             with contextlib.suppress(Exception):  # NATS away: redelivered after the ack wait, the inbox skips it
                 await message.ack()
         return len(messages), None
+
+    async def _batch(self, messages: list[Msg], session: AsyncSession) -> bool:
+        """``messages`` in ``session``'s transaction; whether they emitted events (True when not known).
+        Raises ``BatchFailed`` naming the first that failed."""
+        if self.apply_batch is not None:
+            return await self.apply_batch([(message.data, message.subject) for message in messages], session)
+        for position, message in enumerate(messages):
+            try:
+                await self.apply(message.data, message.subject, session=session)
+            except Exception as exc:
+                raise BatchFailed(position, exc) from exc
+        return True
 
     async def _retry_later(self, messages: list[Msg], *, failures: int) -> None:
         """Nak ``messages`` (the failing one first, the rest of its batch in order) and wait the delay out."""
@@ -319,16 +373,39 @@ def consumers_check(loops: list[EventLoop]) -> str:
     return "recovering: " + "; ".join(parts)
 
 
+def multi_filter(nats: NatsClient) -> bool:
+    """Whether the server takes several filter subjects per consumer (NATS >= 2.10)."""
+    version = nats.connected_server_version
+    return (version.major, version.minor) >= (2, 10)
+
+
+def filters_of(config: ConsumerConfig) -> tuple[str, ...]:
+    """A consumer's filter subjects, sorted (one, several, or none: the whole stream)."""
+    if config.filter_subjects:
+        return tuple(sorted(config.filter_subjects))
+    return (config.filter_subject,) if config.filter_subject else ()
+
+
 def event_loop(
-    runtime: Runtime, *, subject: str, context: Context, durable: str, apply: Any, together: bool = False
+    runtime: Runtime,
+    *,
+    subject: str,
+    context: Context,
+    durable: str,
+    apply: Any,
+    together: bool = False,
+    filters: tuple[str, ...] = (),
+    apply_batch: Any = None,
 ) -> EventLoop:
     settings = runtime.settings
     return EventLoop(
         subject=subject,
+        filters=filters,
         together=together,
         stream=stream_name(context, stream_prefix=settings.kit.stream_prefix),
         durable=durable,
         apply=apply,
+        apply_batch=apply_batch,
         deadletter_subject=runtime.subjects.deadletter(context, durable),
         max_deliveries=settings.kit.event_max_deliveries,
         backoff_s=settings.kit.event_redelivery_backoff_ms / 1000,
@@ -336,14 +413,18 @@ def event_loop(
     )
 
 
+def filter_subjects(subjects: Subjects, context: Context, names: Iterable[str]) -> tuple[str, ...]:
+    """The subject of each event name, sorted; a node-scoped event's with the node token after it
+    (``Subjects.event``)."""
+    scoped = NODE_SCOPED_EVENTS.get(context, ())
+    return tuple(
+        sorted(subjects.event(context, name) + (".*" if name in scoped else "") for name in dict.fromkeys(names))
+    )
+
+
 def subscribe_consumer(runtime: Runtime, consumer: Consumer, ctx: Any) -> EventLoop:
     handlers = {name: factory(ctx) for name, factory in consumer.on.items()}
-    subject = runtime.subjects.events_of(consumer.context)
-    if len(handlers) == 1:
-        name = next(iter(handlers))
-        subject = runtime.subjects.event(consumer.context, name)
-        if name in NODE_SCOPED_EVENTS.get(consumer.context, ()):
-            subject += ".*"  # one subject per node
+    filters = filter_subjects(runtime.subjects, consumer.context, handlers)
     apply = consume(
         uow=runtime.uow,
         schema=runtime.schema,
@@ -354,9 +435,12 @@ def subscribe_consumer(runtime: Runtime, consumer: Consumer, ctx: Any) -> EventL
     )
     return event_loop(
         runtime,
-        subject=subject,
+        # one name: its subject, as ever; several: each its own where the server can (``filters``)
+        subject=filters[0] if len(filters) == 1 else runtime.subjects.events_of(consumer.context),
+        filters=filters if len(filters) > 1 else (),
         context=consumer.context,
         durable=durable_name(runtime.settings, runtime.schema, consumer.durable),
         apply=apply,
+        apply_batch=apply.batch,
         together=consumer.together,
     )

@@ -49,11 +49,14 @@ class Consumer:
 
     ``on`` maps event names to handler factories; each handler is called as
     ``handler(uow=..., event=envelope, payload=<the contract model of that event>)`` inside the
-    transaction that records the event as processed. Events of other names are acknowledged and
-    skipped. One consumer per context keeps the context's order (a node lost, then recovered).
+    transaction that records the event as processed. The durable filters exactly those names (one filter
+    subject per name where the server takes several, NATS >= 2.10), so the server delivers no other event
+    of the context; on an older server, events of other names are acknowledged and skipped. One consumer
+    per context keeps the context's order (a node lost, then recovered).
 
-    ``together=True`` applies each fetched batch in one transaction (one commit for many events, for a
-    consumer on a hot path). Each event's effects still happen once (the inbox), but a handler may then
+    ``together=True`` applies each fetched batch in one transaction (one commit for many events, and one
+    inbox statement claiming them, for a consumer on a hot path). Each event's effects still happen once
+    (the inbox), but a handler may then
     run more than once for one event: when a later event of its batch fails, the batch rolls back and
     the events before the failing one are applied again. Only for handlers whose work is their
     transaction (no effect outside it that must not repeat).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from functools import cache
 
 from sqlalchemy import TextClause, text
@@ -19,6 +20,24 @@ async def claim(*, session: AsyncSession, schema: str, consumer: str, event_id: 
     """
     result = await session.execute(_claim_statement(schema), {"consumer": consumer, "event_id": event_id})
     return result.first() is not None
+
+
+async def claim_many(
+    *, session: AsyncSession, schema: str, consumer: str, event_ids: Sequence[uuid.UUID]
+) -> set[uuid.UUID]:
+    """``claim`` for several events in one statement (a batch applied together): the ids not processed
+    before, each once however often it is given."""
+    result = await session.execute(_claim_many_statement(schema), {"consumer": consumer, "event_ids": list(event_ids)})
+    return set(result.scalars())
+
+
+@cache
+def _claim_many_statement(schema: str) -> TextClause:
+    return text(
+        f"INSERT INTO {inbox_table(schema).fullname} (consumer, event_id) "
+        "SELECT :consumer, id FROM unnest(CAST(:event_ids AS uuid[])) AS id "
+        "ON CONFLICT DO NOTHING RETURNING event_id"
+    )
 
 
 @cache

@@ -86,6 +86,9 @@ def test_a_service_operates_its_own_durables_and_deletes_none(service: str) -> N
             f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
             f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
             f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.{SUBJECTS.events_of(context)}",
+            # one filter subject per event name it handles (no filter in the subject) or one name's
+            f"$JS.API.CONSUMER.CREATE.{stream}.{durable}",
+            f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.{SUBJECTS.event(context, 'some_event')}",
             f"$JS.ACK.{stream}.{durable}.1.5.5.1700000000.0",
         ):
             assert may_publish(perms, subject), (service, subject)

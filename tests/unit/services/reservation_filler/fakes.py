@@ -62,12 +62,6 @@ class FakeReservationStore(ReservationStore):
     async def load_ticking(self, *, session: Any) -> list[Reservation]:
         return [r for r in await self.load_many(session=session) if r.preemptions or r.backoff]
 
-    async def reservations_on(
-        self, *, session: Any, accelerators: Iterable[str], lock: bool = True
-    ) -> list[Reservation]:
-        ids = {self.holds[acc] for acc in accelerators if acc in self.holds}
-        return await self.load_many(session=session, ids=ids) if ids else []
-
     async def add(self, *, session: Any, reservation: Reservation, request_id: str | None, now: datetime) -> None:
         clash = [acc for acc in reservation.accelerators if acc in self.holds]
         if clash:
@@ -95,14 +89,18 @@ class FakeReservationStore(ReservationStore):
         wanted = None if ids is None else set(ids)
         return {k: s for k, s in self.slots.items() if wanted is None or k in wanted}
 
-    async def add_use(self, *, session: Any, use: Use) -> bool:
+    async def add_use(self, *, session: Any, use: Use) -> tuple[str, ...] | None:
         if use.allocation_id in self.uses:
-            return False
+            return None
         self.uses[use.allocation_id] = use
-        return True
+        return self._held_on(use.accelerators)
 
-    async def remove_use(self, *, session: Any, allocation_id: str) -> Use | None:
-        return self.uses.pop(allocation_id, None)
+    async def remove_use(self, *, session: Any, allocation_id: str) -> tuple[Use, tuple[str, ...]] | None:
+        use = self.uses.pop(allocation_id, None)
+        return None if use is None else (use, self._held_on(use.accelerators))
+
+    def _held_on(self, accelerators: Iterable[str]) -> tuple[str, ...]:
+        return tuple(sorted({self.holds[acc] for acc in accelerators if acc in self.holds}))
 
     async def uses_on(self, *, session: Any, accelerators: Iterable[str]) -> list[Use]:
         keys = set(accelerators)
