@@ -21,18 +21,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import asyncpg
 from pydantic import BaseModel
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.subjects import Context, Subjects
 from shared.infra import tracing
 from shared.infra.clock import Clock, system_clock
 from shared.infra.grouping import Grouped
-from shared.infra.outbox import DEFAULT_EVENT_MAX_BYTES, check_event_size, enqueue_many
+from shared.infra.outbox import DEFAULT_EVENT_MAX_BYTES, check_event_size, enqueue_many, enqueue_on_driver
 from shared.infra.outbox import EventTooLarge as EventTooLarge  # handlers catch it from here
 
 T = TypeVar("T")
@@ -53,11 +54,11 @@ def sqlstate(exc: DBAPIError) -> str | None:
     return getattr(getattr(orig, "__cause__", None), "sqlstate", None) or getattr(orig, "sqlstate", None)
 
 
-@dataclass
-class UnitOfWork:
-    """One open transaction: its session, the time it started and the events it will publish."""
+@dataclass(kw_only=True)
+class Effects:
+    """What a unit of work does besides its statements: the time it started, the events it will publish
+    and the changes of memory that follow its commit."""
 
-    session: AsyncSession
     now: datetime
     subjects: Subjects
     source: str
@@ -103,6 +104,21 @@ class UnitOfWork:
         check_event_size(event, limit=self.max_event_bytes)
         self.events.append((self.subjects.event(context, str(name)), event))
         return event
+
+
+@dataclass(kw_only=True)
+class UnitOfWork(Effects):
+    """One open transaction on a SQLAlchemy session (``UnitOfWorkFactory.run``)."""
+
+    session: AsyncSession
+
+
+@dataclass(kw_only=True)
+class DriverUnitOfWork(Effects):
+    """One open transaction straight on its asyncpg connection (``UnitOfWorkFactory.run_on_driver``):
+    statements are ``await uow.connection.execute(sql, *args)`` with ``$1``-style parameters."""
+
+    connection: Any
 
 
 class UnitOfWorkFactory:
@@ -169,6 +185,44 @@ class UnitOfWorkFactory:
                 return result
             except DBAPIError as exc:
                 if sqlstate(exc) not in RETRYABLE_SQLSTATES or attempt == self._attempts - 1:
+                    raise
+                await asyncio.sleep(0.002 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    async def run_on_driver(self, work: Callable[[DriverUnitOfWork], Awaitable[T]]) -> T:
+        """``run`` with the statements straight on the pooled connection's asyncpg driver, no SQLAlchemy
+        session: for a hot path's short write whose few statements cost less than the session's own
+        machinery (measured on a 2-core machine: about 0.75 ms of CPU for a one-statement transaction
+        through the session, 0.4 ms through this). The same guarantees: one transaction with its events,
+        retried from scratch when Postgres asks, ``after_commit`` changes once it committed, the relay
+        woken when it emitted any. A connection the driver found broken is dropped from the pool.
+        """
+        engine: AsyncEngine = self.sessions.kw["bind"]
+        for attempt in range(self._attempts):
+            try:
+                async with engine.connect() as connection:
+                    driver: Any = (await connection.get_raw_connection()).driver_connection
+                    try:
+                        async with driver.transaction():
+                            uow = DriverUnitOfWork(
+                                connection=driver,
+                                now=self.clock(),
+                                subjects=self.subjects,
+                                source=self.source,
+                                max_event_bytes=self.max_event_bytes,
+                            )
+                            result = await work(uow)
+                            await enqueue_on_driver(connection=driver, schema=self.schema, events=uow.events)
+                    except BaseException:
+                        if driver.is_closed():
+                            await connection.invalidate()
+                        raise
+                if uow.events:
+                    self.wake()
+                run_committed(uow.committed)
+                return result
+            except asyncpg.PostgresError as exc:
+                if exc.sqlstate not in RETRYABLE_SQLSTATES or attempt == self._attempts - 1:
                     raise
                 await asyncio.sleep(0.002 * (attempt + 1))
         raise AssertionError("unreachable")
@@ -255,6 +309,7 @@ class _GroupCommit:
                 events.extend(unit.events)
                 committed.extend(unit.committed)
             await enqueue_many(session=session, schema=factory.schema, events=events)
-        factory.wake()
+        if events:  # a relay pass is a transaction of its own: only when there is something to publish
+            factory.wake()
         run_committed(committed)
         return results
