@@ -49,10 +49,12 @@ class FakeUnitOfWork:
 
     run_grouped = run  # a group shares a transaction; alone, each work is its own
 
-    async def run_on_driver(self, work: Callable[[DriverUnitOfWork], Awaitable[T]]) -> T:
+    async def run_on_driver(self, work: Callable[[DriverUnitOfWork], Awaitable[T]], *, transaction: bool = True) -> T:
         """``run`` for a work on the asyncpg connection (there is none: ``uow.connection`` is None)."""
         self.runs += 1
-        uow = DriverUnitOfWork(connection=None, now=self.clock(), subjects=Subjects("t"), source=self.source)
+        uow = DriverUnitOfWork(
+            connection=None, transaction=transaction, now=self.clock(), subjects=Subjects("t"), source=self.source
+        )
         result = await work(uow)
         if self.fail_next is not None:
             failure, self.fail_next = self.fail_next, None

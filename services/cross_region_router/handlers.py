@@ -127,6 +127,7 @@ class RoutingHandlers:
         flush_s: float = 0.5,
         regions_changed: Callable[[], Mapping[str, Region] | None] = lambda: None,
         metrics: RouterMetrics | None = None,
+        write_spacing_s: float = 0.0,
     ) -> None:
         self._metrics = metrics
         self._regions_changed = regions_changed
@@ -151,7 +152,7 @@ class RoutingHandlers:
         # Group commit of the routes' writes; lanes start in a context of their own (each request's trace
         # travels in its write).
         self._writes: Grouped[_Write, None] = Grouped(
-            self._write, max_group=WRITE_GROUP_MAX, lanes=WRITE_LANES, fresh_context=True
+            self._write, max_group=WRITE_GROUP_MAX, lanes=WRITE_LANES, fresh_context=True, spacing_s=write_spacing_s
         )
         self._loaded = False
 
@@ -321,8 +322,8 @@ class RoutingHandlers:
         return moved
 
     async def _write(self, writes: list[_Write]) -> list[None]:
-        """The regions of the requests routed meanwhile, with their ``route_switched`` events, in one
-        transaction of one statement (group commit, straight on the driver: ``run_on_driver``); memory
+        """The regions of the requests routed meanwhile in one statement, with their ``route_switched``
+        events in the same transaction (group commit, straight on the driver: ``run_on_driver``); memory
         follows once it committed. Each request holds its tenant's turn, so a tenant is in a group at most
         once."""
 
@@ -346,7 +347,8 @@ class RoutingHandlers:
                     )
                 uow.after_commit(partial(self._routed, w.tenant, w.tenant_route, w.session_key, w.region))
 
-        await self._uow.run_on_driver(work)
+        # Without a switch to announce, the one statement is its own transaction (no BEGIN and COMMIT).
+        await self._uow.run_on_driver(work, transaction=any(w.switched is not None for w in writes))
         return [None] * len(writes)
 
     def _routed(

@@ -764,6 +764,14 @@ class RoutingSettings(Section):
         description="How often the router writes its traffic counts (affinity) to Postgres; a crash loses at most "
         "this much of them.",
     )
+    write_spacing_ms: float = Field(
+        default=2.0,
+        ge=0,
+        le=1000,
+        description="The router starts a transaction writing tenants' and sessions' regions at most once per this "
+        "long: under load the routes of that time share one (less CPU for the router and Postgres per request), "
+        "each answered up to this much later; 0: each transaction starts at once.",
+    )
 
     @field_validator("weights", mode="before")
     @classmethod

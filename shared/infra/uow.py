@@ -116,9 +116,16 @@ class UnitOfWork(Effects):
 @dataclass(kw_only=True)
 class DriverUnitOfWork(Effects):
     """One open transaction straight on its asyncpg connection (``UnitOfWorkFactory.run_on_driver``):
-    statements are ``await uow.connection.execute(sql, *args)`` with ``$1``-style parameters."""
+    statements are ``await uow.connection.execute(sql, *args)`` with ``$1``-style parameters. Without a
+    transaction (``transaction=False``) the work's one statement is its own, and it may emit no event."""
 
     connection: Any
+    transaction: bool = True
+
+    def emit(self, context: Context, name: StrEnum | str, payload: BaseModel, **meta: Any) -> EventEnvelope:
+        if not self.transaction:
+            raise RuntimeError("an event needs the transaction of its state change: run_on_driver(transaction=True)")
+        return super().emit(context, name, payload, **meta)
 
 
 class UnitOfWorkFactory:
@@ -189,30 +196,37 @@ class UnitOfWorkFactory:
                 await asyncio.sleep(0.002 * (attempt + 1))
         raise AssertionError("unreachable")
 
-    async def run_on_driver(self, work: Callable[[DriverUnitOfWork], Awaitable[T]]) -> T:
+    async def run_on_driver(self, work: Callable[[DriverUnitOfWork], Awaitable[T]], *, transaction: bool = True) -> T:
         """``run`` with the statements straight on the pooled connection's asyncpg driver, no SQLAlchemy
         session: for a hot path's short write whose few statements cost less than the session's own
         machinery (measured on a 2-core machine: about 0.75 ms of CPU for a one-statement transaction
         through the session, 0.4 ms through this). The same guarantees: one transaction with its events,
         retried from scratch when Postgres asks, ``after_commit`` changes once it committed, the relay
         woken when it emitted any. A connection the driver found broken is dropped from the pool.
+
+        ``transaction=False`` is for a work of exactly one statement and no event: that statement is its
+        own transaction, which spares the BEGIN and COMMIT round trips (about half the CPU again).
         """
         engine: AsyncEngine = self.sessions.kw["bind"]
         for attempt in range(self._attempts):
             try:
                 async with engine.connect() as connection:
                     driver: Any = (await connection.get_raw_connection()).driver_connection
+                    uow = DriverUnitOfWork(
+                        connection=driver,
+                        transaction=transaction,
+                        now=self.clock(),
+                        subjects=self.subjects,
+                        source=self.source,
+                        max_event_bytes=self.max_event_bytes,
+                    )
                     try:
-                        async with driver.transaction():
-                            uow = DriverUnitOfWork(
-                                connection=driver,
-                                now=self.clock(),
-                                subjects=self.subjects,
-                                source=self.source,
-                                max_event_bytes=self.max_event_bytes,
-                            )
+                        if not transaction:
                             result = await work(uow)
-                            await enqueue_on_driver(connection=driver, schema=self.schema, events=uow.events)
+                        else:
+                            async with driver.transaction():
+                                result = await work(uow)
+                                await enqueue_on_driver(connection=driver, schema=self.schema, events=uow.events)
                     except BaseException:
                         if driver.is_closed():
                             await connection.invalidate()

@@ -1,7 +1,8 @@
 """Profile: the router's CPU per `route.select`, in one process, on a real Postgres.
 
     python -m tests.bench.route_profile [--requests 5000] [--rate 500] [--replicas 24] [--tenants 50]
-                                        [--scenario sessions|new-tenants|steady|all] [--profile N]
+                                        [--scenario echo|sessions|new-tenants|steady|all]
+                                        [--profile N] [--sort cumulative|tottime]
 
 The cross-region router's handlers as its ``wire`` builds them (the shipped regions and models files,
 the default route policy, its metrics), over a fresh migrated database of the servers tests use, with
@@ -10,7 +11,9 @@ the default route policy, its metrics), over a fresh migrated database of the se
 server serves one from NATS: its deadline header read, the trace context extracted, the body parsed and
 validated, the handler run, the reply encoded; requests are offered open loop at --rate (a slow answer
 does not slow the offer), so the router's group commit groups what it would group on the wire. The NATS
-round trip is not in it: this measures what the router's own process spends per request.
+round trip is not in it: this measures what the router's own process spends per request. Beside the
+requests run what runs in the service: the outbox relay (woken by commits that emitted events, else
+polling) and the traffic flush loop.
 
 Scenarios, as in `tests.bench.full_stack --scenario route`:
 
@@ -20,10 +23,12 @@ Scenarios, as in `tests.bench.full_stack --scenario route`:
 - echo: the sessions scenario's requests answered at once by a handler of its own: what the request
   server's wrapper (deadline, parse, validation, reply) and this harness cost, to subtract.
 
-Prints, per scenario, the process CPU per request (``time.process_time``, harness included, the loop that
-offers the requests being a small part of it), the in-process latency p50/p99 and the rows written.
-``--profile N`` prints the N costliest functions of a cProfile run of each scenario (cumulative time;
-profiling slows everything, so its run is separate from the timed one). Asserts nothing.
+Prints, per scenario, the process CPU per request (``time.process_time``: this harness's own share is
+in it, which the echo scenario shows), the in-process latency p50/p99, the rows written and in how many
+write transactions. ``--profile N`` prints the N costliest functions of a cProfile run of each scenario
+(by ``--sort``; profiling slows everything, so its run is separate from the timed one). Settings come from
+the environment as the service's do (``HETSCHED_ROUTE_WRITE_SPACING_MS=0`` compares write spacings).
+Asserts nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ import pstats
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +55,7 @@ from services.cross_region_router.metrics import RouterMetrics
 from services.cross_region_router.store import RoutingStore, StoredReplica
 from services.cross_region_router.tables import SCHEMA
 from shared.contracts.routing import RouteSelectReply, RouteSelectRequest
+from shared.contracts.subjects import Subjects
 from shared.domain.routing import AffinityRule, RoutePolicy
 from shared.infra import deadline
 from shared.infra.bus import ensure_streams
@@ -64,12 +69,11 @@ from shared.infra.requests import Endpoint, RequestServer
 from shared.infra.retention import stream_specs_for
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings
-from shared.infra.uow import UnitOfWorkFactory
+from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 from tests.servers import ROLE_PASSWORD, find_servers
 
 REGIONS = ("us-west-1", "us-east-1", "eu-west-1")  # tests.bench.full_stack's
 MODEL = "llama3.1-8b"
-SORT = "cumulative"
 
 
 class _Msg:
@@ -127,8 +131,13 @@ class Harness:
             application_name=application_name(SCHEMA),
         )
         self.sessions = make_sessions(self.engine)
+        self.relay: OutboxRelay | None = None  # once NATS is connected (``start``)
         self.uow = UnitOfWorkFactory(
-            sessions=self.sessions, schema=SCHEMA, source="cross-region-router", subjects=_subjects(settings)
+            sessions=self.sessions,
+            schema=SCHEMA,
+            source="cross-region-router",
+            subjects=Subjects(settings.kit.subject_prefix),
+            wake=lambda: self.relay.wake() if self.relay is not None else None,
         )
         self.handlers = self._handlers()
         self.server = RequestServer(default_deadline_ms=settings.kit.request_deadline_ms)
@@ -140,14 +149,13 @@ class Harness:
         echo = Endpoint("bench.echo", "q", RouteSelectRequest, _echo, settings.kit.request_workers)
         self.server.add(echo)
         self.echo = self.server._callback(echo, _Connection())  # type: ignore[arg-type]
-        self.relay: OutboxRelay | None = None
         self.tasks: list[asyncio.Task[None]] = []
 
     async def start(self, nc: Any) -> None:
         """What runs beside the requests in the service: the outbox relay (woken by commits that emitted
         events, else polling) and the traffic flush loop."""
         js = nc.jetstream()
-        await ensure_streams(js, stream_specs_for(self.settings, subjects=_subjects(self.settings)))
+        await ensure_streams(js, stream_specs_for(self.settings, subjects=self.uow.subjects))
         self.relay = OutboxRelay(
             sessions=self.sessions,
             js=js,
@@ -155,14 +163,6 @@ class Harness:
             batch=self.settings.kit.outbox_batch,
             poll_ms=self.settings.kit.outbox_poll_ms,
         )
-        self.uow = UnitOfWorkFactory(
-            sessions=self.sessions,
-            schema=SCHEMA,
-            source="cross-region-router",
-            subjects=_subjects(self.settings),
-            wake=self.relay.wake,
-        )
-        self.handlers._uow = self.uow  # the relay exists only now: the handlers write through its wake
         self.tasks = [asyncio.create_task(self.relay.run()), asyncio.create_task(self.handlers.flush())]
 
     async def stop(self) -> None:
@@ -187,7 +187,7 @@ class Harness:
 
         return RoutingHandlers(
             uow=self.uow,
-            rpc=RpcClient(no_nats, _subjects(settings)),
+            rpc=RpcClient(no_nats, self.uow.subjects),
             store=RoutingStore(),
             clock=system_clock,
             regions=load_regions(settings.kit.regions_file),
@@ -196,13 +196,18 @@ class Harness:
             policy=policy,
             flush_s=settings.routing.flush_ms / 1000,
             metrics=RouterMetrics(ServiceMetrics("cross-region-router")),
+            write_spacing_s=settings.routing.write_spacing_ms / 1000,
         )
 
     async def seed(self, replicas: int) -> None:
         store = RoutingStore()
-        for i in range(replicas):
-            replica = StoredReplica(f"replica-{i}", REGIONS[i % len(REGIONS)], MODEL, "H100-SXM-80GB")
-            await self.uow.run(lambda uow, replica=replica: store.add_replica(session=uow.session, replica=replica))
+
+        async def add(uow: UnitOfWork) -> None:
+            for i in range(replicas):
+                replica = StoredReplica(f"replica-{i}", REGIONS[i % len(REGIONS)], MODEL, "H100-SXM-80GB")
+                await store.add_replica(session=uow.session, replica=replica)
+
+        await self.uow.run(add)
         await self.handlers.start()
 
     async def counts(self) -> tuple[int, int]:
@@ -265,12 +270,6 @@ class Harness:
         )
 
 
-def _subjects(settings: Settings) -> Any:
-    from shared.contracts.subjects import Subjects
-
-    return Subjects(settings.kit.subject_prefix)
-
-
 def bodies_of(scenario: str, label: str, count: int, tenants: int) -> list[bytes]:
     """Request bodies as tests.bench.full_stack's route run sends them."""
 
@@ -293,15 +292,14 @@ def bodies_of(scenario: str, label: str, count: int, tenants: int) -> list[bytes
     return [body(i) for i in range(count)]
 
 
-def print_profile(profile: cProfile.Profile, top: int) -> None:
+def print_profile(profile: cProfile.Profile, top: int, sort: str) -> None:
     out = io.StringIO()
-    stats = pstats.Stats(profile, stream=out)
-    stats.sort_stats(SORT).print_stats(top)
+    pstats.Stats(profile, stream=out).sort_stats(sort).print_stats(top)
     print(out.getvalue())
 
 
 async def measure(
-    harness: Harness, scenarios: list[str], *, requests: int, rate: float, tenants: int, top: int
+    harness: Harness, scenarios: list[str], *, requests: int, rate: float, tenants: int, top: int, sort: str
 ) -> None:
     # The steady state's sessions, routed once beforehand (untimed), and a warm-up of every code path.
     await harness.offer(bodies_of("steady", "warm", tenants * 20, tenants), rate)
@@ -315,7 +313,7 @@ async def measure(
             profile.enable()
             await harness.offer(bodies, rate, echo=scenario == "echo")
             profile.disable()
-            print_profile(profile, top)
+            print_profile(profile, top, sort)
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -341,7 +339,13 @@ async def _main(args: argparse.Namespace) -> None:
                 await harness.seed(args.replicas)
                 await harness.start(nc)
                 await measure(
-                    harness, scenarios, requests=args.requests, rate=args.rate, tenants=args.tenants, top=args.profile
+                    harness,
+                    scenarios,
+                    requests=args.requests,
+                    rate=args.rate,
+                    tenants=args.tenants,
+                    top=args.profile,
+                    sort=args.sort,
                 )
             finally:
                 await harness.stop()
@@ -353,7 +357,7 @@ async def _main(args: argparse.Namespace) -> None:
             servers.stop()
 
 
-def main(argv: list[str] | None = None, *, run: Callable[..., Any] = asyncio.run) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--rate", type=float, default=500.0)
@@ -361,7 +365,8 @@ def main(argv: list[str] | None = None, *, run: Callable[..., Any] = asyncio.run
     parser.add_argument("--tenants", type=int, default=50)
     parser.add_argument("--scenario", choices=["echo", "sessions", "new-tenants", "steady", "all"], default="all")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest functions")
-    run(_main(parser.parse_args(argv)))
+    parser.add_argument("--sort", choices=["cumulative", "tottime"], default="cumulative")
+    asyncio.run(_main(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

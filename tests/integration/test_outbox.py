@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from pydantic import BaseModel
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -30,6 +31,10 @@ from shared.infra.uow import DriverUnitOfWork, UnitOfWork, UnitOfWorkFactory
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 SCHEMA = "ledger"
+
+
+class _Probe(BaseModel):
+    k: int
 
 
 class RelayCrash(Exception):
@@ -321,7 +326,7 @@ async def test_a_unit_of_work_on_the_driver_commits_its_statements_and_events_to
     )
     table = outbox_table(SCHEMA)
     changes: list[str] = []
-    ids = [uuid.uuid4() for _ in range(4)]
+    ids = [uuid.uuid4() for _ in range(5)]
     events = [_event() for _ in ids]
     attempts: list[int] = []
 
@@ -366,5 +371,16 @@ async def test_a_unit_of_work_on_the_driver_commits_its_statements_and_events_to
 
     assert await factory.run_on_driver(work_for(3, emit=False)) == 3
     assert wakes == [1, 1], "no event: no wake"
+
+    # Without a transaction: the one statement is its own, and an event (which needs one) is refused.
+    assert await factory.run_on_driver(work_for(4, emit=False), transaction=False) == 4
+    assert (await stored())[0] == {ids[0], ids[2], ids[3], ids[4]}
+    assert changes[-1] == "done 4"
+
+    async def announces(uow: DriverUnitOfWork) -> None:
+        uow.emit(Context.LEDGER, "probe", _Probe(k=1))
+
+    with pytest.raises(RuntimeError, match="needs the transaction"):
+        await factory.run_on_driver(announces, transaction=False)
     async with sessions() as session, session.begin():
         await session.execute(table.delete().where(table.c.event_id.in_([e.event_id for e in events])))

@@ -14,7 +14,10 @@ from shared.domain.routing import Weights
 from shared.infra.settings import KitSettings, PlacementSettings, Settings, env_vars, load_settings
 
 OLD_FLAT_NAMES = 124  # the flat Settings before issue 24: every one of its variables is still read
-ADDED_SINCE = {"HETSCHED_REBALANCE_DRAIN_TIMEOUT_S": "rebalancer.drain_timeout_s"}  # variables added after it
+ADDED_SINCE = {  # variables added after it
+    "HETSCHED_REBALANCE_DRAIN_TIMEOUT_S": "rebalancer.drain_timeout_s",
+    "HETSCHED_ROUTE_WRITE_SPACING_MS": "routing.write_spacing_ms",
+}
 
 
 @pytest.fixture(autouse=True)
