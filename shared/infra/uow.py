@@ -204,8 +204,9 @@ class UnitOfWorkFactory:
         retried from scratch when Postgres asks, ``after_commit`` changes once it committed, the relay
         woken when it emitted any. A connection the driver found broken is dropped from the pool.
 
-        ``transaction=False`` is for a work of exactly one statement and no event: that statement is its
-        own transaction, which spares the BEGIN and COMMIT round trips (about half the CPU again).
+        ``transaction=False`` is for a work of exactly one statement and no event (``emit`` refuses): that
+        statement is its own transaction, which spares the BEGIN and COMMIT round trips (the router's write
+        of its routes: about 0.45 ms of CPU instead of 0.85, measured the same way).
         """
         engine: AsyncEngine = self.sessions.kw["bind"]
         for attempt in range(self._attempts):
