@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.subjects import Rpc, Subjects
 from shared.infra.rpc import RpcClient
-from shared.infra.uow import UnitOfWork, run_committed
+from shared.infra.uow import DriverUnitOfWork, UnitOfWork, run_committed
 
 T = TypeVar("T")
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -48,6 +48,20 @@ class FakeUnitOfWork:
         return result
 
     run_grouped = run  # a group shares a transaction; alone, each work is its own
+
+    async def run_on_driver(self, work: Callable[[DriverUnitOfWork], Awaitable[T]], *, transaction: bool = True) -> T:
+        """``run`` for a work on the asyncpg connection (there is none: ``uow.connection`` is None)."""
+        self.runs += 1
+        uow = DriverUnitOfWork(
+            connection=None, transaction=transaction, now=self.clock(), subjects=Subjects("t"), source=self.source
+        )
+        result = await work(uow)
+        if self.fail_next is not None:
+            failure, self.fail_next = self.fail_next, None
+            raise failure
+        self.events.extend(event for _subject, event in uow.events)
+        run_committed(uow.committed)
+        return result
 
     async def read(self, work: Callable[[Any], Awaitable[T]]) -> T:
         return await work(None)

@@ -47,6 +47,7 @@ def wire(runtime: Runtime) -> Ctx:
         flush_s=settings.routing.flush_ms / 1000,
         regions_changed=watch_regions(settings.kit.regions_file),
         metrics=RouterMetrics(runtime.metrics),
+        write_spacing_s=settings.routing.write_spacing_ms / 1000,
     )
     return Ctx(handlers=handlers)
 

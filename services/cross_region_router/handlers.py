@@ -21,13 +21,15 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 
 from pydantic import BaseModel
 
 from services.cross_region_router.metrics import RouterMetrics
 from services.cross_region_router.readmodel import ReplicaRegions
-from services.cross_region_router.store import RoutingStore, StoredReplica
+from services.cross_region_router.store import RoutingStore, StoredReplica, StoredTenant
 from shared.contracts.base import ErrorCode, Rejected, rejected
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.placement import AdmitReply, AdmitRequest, PlacementEvent, PlacementReleasedEvent, Slo
@@ -60,14 +62,19 @@ from shared.domain.routing import (
     day_of,
     next_tenant_route,
 )
+from shared.infra import tracing
 from shared.infra.clock import Clock
+from shared.infra.grouping import Grouped
 from shared.infra.locks import KeyedLocks
 from shared.infra.rpc import RpcClient, RpcError
-from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
+from shared.infra.uow import DriverUnitOfWork, UnitOfWork, UnitOfWorkFactory
 
 SESSION_KEPT_S = 86400.0
 """A session not seen for this long is forgotten (its next message routes like a new one)."""
 ADMIT_TIMEOUT_S = 2.0
+WRITE_LANES = 2
+"""Transactions writing routes at once: the requests that come meanwhile wait and go together in the next."""
+WRITE_GROUP_MAX = 256
 
 
 def _cost(terms: CostTerms, policy: RoutePolicy) -> RouteCost:
@@ -89,6 +96,21 @@ def _at(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, UTC)
 
 
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """What one routed request leaves to write: its tenant's new route (None: unchanged), its session's key
+    when the session moved to ``region`` (None: unchanged), the ``route_switched`` event of a switch, and the
+    trace that event continues."""
+
+    tenant: str
+    tenant_route: TenantRoute | None
+    session_key: tuple[str, str] | None
+    region: str
+    switched: RouteSwitchedEvent | None
+    request_id: str
+    trace: str | None
+
+
 class RoutingHandlers:
     def __init__(
         self,
@@ -105,6 +127,7 @@ class RoutingHandlers:
         flush_s: float = 0.5,
         regions_changed: Callable[[], Mapping[str, Region] | None] = lambda: None,
         metrics: RouterMetrics | None = None,
+        write_spacing_s: float = 0.0,
     ) -> None:
         self._metrics = metrics
         self._regions_changed = regions_changed
@@ -126,7 +149,17 @@ class RoutingHandlers:
         self._pending: Counter[tuple[str, str, int]] = Counter()
         self._replicas = ReplicaRegions()
         self._tenants_busy = KeyedLocks()  # one route at a time per tenant: its damping sees the last switch
+        # Group commit of the routes' writes; lanes start in a context of their own (each request's trace
+        # travels in its write).
+        self._writes: Grouped[_Write, None] = Grouped(
+            self._write, max_group=WRITE_GROUP_MAX, lanes=WRITE_LANES, fresh_context=True, spacing_s=write_spacing_s
+        )
         self._loaded = False
+
+    @property
+    def write_groups(self) -> int:
+        """Transactions that wrote routed requests' regions so far (each for one or more requests)."""
+        return self._writes.groups
 
     @property
     def replicas(self) -> ReplicaRegions:
@@ -259,44 +292,64 @@ class RoutingHandlers:
         session_changed = session_key is not None and pinned != region
         moved = (decision.switched and previous is not None) or (session_changed and pinned is not None)
         if tenant_changed or session_changed:
-
-            async def work(uow: UnitOfWork) -> None:
-                if tenant_changed and tenant_route is not None:
-                    await self._store.save_tenant(
-                        session=uow.session,
-                        tenant=request.tenant,
-                        region=tenant_route.region,
-                        switched_at=_at(tenant_route.switched_at_s),
-                    )
-                    if decision.switched and previous is not None and decision.cost is not None:
-                        uow.emit(
-                            Context.ROUTING,
-                            RoutingEventName.ROUTE_SWITCHED,
-                            RouteSwitchedEvent(
-                                tenant=request.tenant,
-                                request_id=request.request_id,
-                                session_id=request.session_id,
-                                from_region=previous.region,
-                                to_region=region,
-                                tier=decision.tier.value if decision.tier else "fallback",
-                                reason=decision.reason,
-                                cost=_cost(decision.cost, self._policy),
-                            ),
-                            tenant=request.tenant,
-                            correlation_id=request.request_id,
-                        )
-                if session_changed and session_key is not None:
-                    await self._store.save_session(
-                        session=uow.session, tenant=session_key[0], session_id=session_key[1], region=region, now=now
-                    )
-                uow.after_commit(lambda: self._routed(request.tenant, tenant_route, session_key, region))
-
-            await self._uow.run_grouped(work)
+            switched = None
+            if tenant_changed and decision.switched and previous is not None and decision.cost is not None:
+                switched = RouteSwitchedEvent(
+                    tenant=request.tenant,
+                    request_id=request.request_id,
+                    session_id=request.session_id,
+                    from_region=previous.region,
+                    to_region=region,
+                    tier=decision.tier.value if decision.tier else "fallback",
+                    reason=decision.reason,
+                    cost=_cost(decision.cost, self._policy),
+                )
+            await self._writes.submit(
+                _Write(
+                    tenant=request.tenant,
+                    tenant_route=tenant_route if tenant_changed else None,
+                    session_key=session_key if session_changed else None,
+                    region=region,
+                    switched=switched,
+                    request_id=request.request_id,
+                    trace=tracing.traceparent(),
+                )
+            )
         if session_key is not None:
             self._seen[session_key] = now_s
         self._traffic.setdefault(request.tenant, Traffic()).add(region, now_s)
         self._pending[(request.tenant, region, day_of(now_s))] += 1
         return moved
+
+    async def _write(self, writes: list[_Write]) -> list[None]:
+        """The regions of the requests routed meanwhile in one statement, with their ``route_switched``
+        events in the same transaction (group commit, straight on the driver: ``run_on_driver``); memory
+        follows once it committed. Each request holds its tenant's turn, so a tenant is in a group at most
+        once."""
+
+        async def work(uow: DriverUnitOfWork) -> None:
+            tenants = {
+                w.tenant: StoredTenant(w.tenant_route.region, _at(w.tenant_route.switched_at_s))
+                for w in writes
+                if w.tenant_route is not None
+            }
+            sessions = {w.session_key: w.region for w in writes if w.session_key is not None}
+            await self._store.save_routes(connection=uow.connection, tenants=tenants, sessions=sessions, now=uow.now)
+            for w in writes:
+                if w.switched is not None:
+                    uow.emit(
+                        Context.ROUTING,
+                        RoutingEventName.ROUTE_SWITCHED,
+                        w.switched,
+                        tenant=w.tenant,
+                        correlation_id=w.request_id,
+                        traceparent=w.trace,
+                    )
+                uow.after_commit(partial(self._routed, w.tenant, w.tenant_route, w.session_key, w.region))
+
+        # Without a switch to announce, the one statement is its own transaction (no BEGIN and COMMIT).
+        await self._uow.run_on_driver(work, transaction=any(w.switched is not None for w in writes))
+        return [None] * len(writes)
 
     def _routed(
         self, tenant: str, tenant_route: TenantRoute | None, session_key: tuple[str, str] | None, region: str

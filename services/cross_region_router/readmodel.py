@@ -40,7 +40,11 @@ class ReplicaRegions:
 
     def serves(self, region: str, models: Iterable[str]) -> bool:
         """Whether ``region`` holds a replica of any of ``models`` (a model or a group's members)."""
-        return any(self._serving.get(model, Counter())[region] > 0 for model in models)
+        for model in models:
+            serving = self._serving.get(model)
+            if serving is not None and serving.get(region, 0) > 0:
+                return True
+        return False
 
     def __len__(self) -> int:
         return len(self._replicas)

@@ -5,18 +5,42 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import delete, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.cross_region_router.tables import RegionStateRow, ReplicaRow, SessionRouteRow, TenantRouteRow, TrafficRow
+from services.cross_region_router.tables import (
+    SCHEMA,
+    RegionStateRow,
+    ReplicaRow,
+    SessionRouteRow,
+    TenantRouteRow,
+    TrafficRow,
+)
 
 TENANTS = TenantRouteRow.__table__  # type: ignore[attr-defined]
 SESSIONS = SessionRouteRow.__table__  # type: ignore[attr-defined]
 TRAFFIC = TrafficRow.__table__  # type: ignore[attr-defined]
 REGIONS = RegionStateRow.__table__  # type: ignore[attr-defined]
 REPLICAS = ReplicaRow.__table__  # type: ignore[attr-defined]
+
+# Rows as arrays (unnest): one statement text whatever the number of rows. An empty array inserts nothing.
+SAVE_ROUTES = (
+    f"WITH tenants AS (INSERT INTO {SCHEMA}.tenants (tenant, region, switched_at) "
+    "SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[]) "
+    "ON CONFLICT (tenant) DO UPDATE SET region = excluded.region, switched_at = excluded.switched_at) "
+    f"INSERT INTO {SCHEMA}.sessions (tenant, session_id, region, updated_at) "
+    "SELECT t, s, r, $7::timestamptz FROM unnest($4::text[], $5::text[], $6::text[]) AS v(t, s, r) "
+    "ON CONFLICT ON CONSTRAINT sessions_pkey DO UPDATE SET region = excluded.region, updated_at = excluded.updated_at"
+)
+ADD_TRAFFIC = text(
+    f"INSERT INTO {SCHEMA}.traffic (tenant, region, day, requests) "
+    "SELECT * FROM unnest(CAST(:tenants AS text[]), CAST(:regions AS text[]), CAST(:days AS integer[]), "
+    "CAST(:requests AS bigint[])) "
+    "ON CONFLICT ON CONSTRAINT traffic_pkey DO UPDATE SET requests = traffic.requests + excluded.requests"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,20 +93,27 @@ class RoutingStore:
         )
         return Loaded(tenants=tenants, sessions=sessions, traffic=traffic, regions=regions, replicas=replicas)
 
-    async def save_tenant(self, *, session: AsyncSession, tenant: str, region: str, switched_at: datetime) -> None:
-        stmt = insert(TENANTS).values(tenant=tenant, region=region, switched_at=switched_at)
-        await session.execute(
-            stmt.on_conflict_do_update(
-                index_elements=[TENANTS.c.tenant], set_={"region": region, "switched_at": switched_at}
-            )
-        )
-
-    async def save_session(
-        self, *, session: AsyncSession, tenant: str, session_id: str, region: str, now: datetime
+    async def save_routes(
+        self,
+        *,
+        connection: Any,
+        tenants: Mapping[str, StoredTenant],
+        sessions: Mapping[tuple[str, str], str],
+        now: datetime,
     ) -> None:
-        stmt = insert(SESSIONS).values(tenant=tenant, session_id=session_id, region=region, updated_at=now)
-        await session.execute(
-            stmt.on_conflict_do_update(constraint="sessions_pkey", set_={"region": region, "updated_at": now})
+        """Upsert tenants' regions (with their switch times) and sessions' regions (seen ``now``) in one
+        statement on the asyncpg ``connection`` (``UnitOfWorkFactory.run_on_driver``), whatever the number
+        of rows: the requests a group commit writes together cost one round trip (its text never changes,
+        so it is prepared once per connection)."""
+        await connection.execute(
+            SAVE_ROUTES,
+            list(tenants),
+            [t.region for t in tenants.values()],
+            [t.switched_at for t in tenants.values()],
+            [tenant for tenant, _id in sessions],
+            [session_id for _tenant, session_id in sessions],
+            list(sessions.values()),
+            now,
         )
 
     async def forget_sessions(self, *, session: AsyncSession, before: datetime) -> int:
@@ -94,12 +125,15 @@ class RoutingStore:
         """Add routed-request counts per (tenant, region, day)."""
         if not counts:
             return
-        rows = [{"tenant": t, "region": r, "day": d, "requests": n} for (t, r, d), n in sorted(counts.items())]
-        stmt = insert(TRAFFIC).values(rows)
+        keys = sorted(counts)
         await session.execute(
-            stmt.on_conflict_do_update(
-                constraint="traffic_pkey", set_={"requests": TRAFFIC.c.requests + stmt.excluded.requests}
-            )
+            ADD_TRAFFIC,
+            {
+                "tenants": [t for t, _r, _d in keys],
+                "regions": [r for _t, r, _d in keys],
+                "days": [d for _t, _r, d in keys],
+                "requests": [counts[key] for key in keys],
+            },
         )
 
     async def forget_traffic(self, *, session: AsyncSession, before_day: int) -> None:

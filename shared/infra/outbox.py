@@ -93,24 +93,42 @@ async def enqueue_many(*, session: AsyncSession, schema: str, events: Sequence[t
     an executemany costs on a hot path such as the ledger's group commit)."""
     if not events:
         return
-    rows = [
-        {
-            "event_id": str(event.event_id),
-            "subject": subject,
-            "event_type": event.type,
-            "payload": event.model_dump(mode="json"),
-        }
-        for subject, event in events
-    ]
-    await session.execute(_insert_rows(outbox_table(schema).fullname), {"rows": json.dumps(rows)})
+    await session.execute(_insert_rows(outbox_table(schema).fullname), {"rows": _rows(events)})
+
+
+async def enqueue_on_driver(*, connection: Any, schema: str, events: Sequence[tuple[str, EventEnvelope]]) -> None:
+    """``enqueue_many`` on an asyncpg connection inside its open transaction (``UnitOfWorkFactory.run_on_driver``)."""
+    if not events:
+        return
+    await connection.execute(_insert_sql(outbox_table(schema).fullname, "$1"), _rows(events))
+
+
+def _rows(events: Sequence[tuple[str, EventEnvelope]]) -> str:
+    return json.dumps(
+        [
+            {
+                "event_id": str(event.event_id),
+                "subject": subject,
+                "event_type": event.type,
+                "payload": event.model_dump(mode="json"),
+            }
+            for subject, event in events
+        ]
+    )
 
 
 @cache
 def _insert_rows(table: str) -> TextClause:
-    # `table` is a schema-qualified name from code (``outbox_table``), never user input.
-    return text(
+    return text(_insert_sql(table, ":rows"))
+
+
+@cache
+def _insert_sql(table: str, rows: str) -> str:
+    # `table` is a schema-qualified name from code (``outbox_table``), never user input; `rows` the
+    # placeholder of the JSON array (SQLAlchemy's ``:rows``, asyncpg's ``$1``).
+    return (
         f"INSERT INTO {table} (event_id, subject, event_type, payload) "
-        "SELECT event_id, subject, event_type, payload FROM json_to_recordset(CAST(:rows AS json)) "
+        f"SELECT event_id, subject, event_type, payload FROM json_to_recordset(CAST({rows} AS json)) "
         "AS x(event_id uuid, subject text, event_type text, payload jsonb)"
     )
 

@@ -15,6 +15,7 @@ import asyncio
 import cProfile
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -393,7 +394,7 @@ def _profiler(settings: Settings) -> cProfile.Profile | None:
     """``HETSCHED_PROFILE_DIR``: the whole run profiled (a diagnostic; the profile is written at the end)."""
     if settings.kit.profile_dir is None:
         return None
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.process_time)  # CPU, not wall time: a busy machine's waits are not work
     profiler.enable()
     return profiler
 

@@ -165,7 +165,7 @@ class KitSettings(Section):
     profile_dir: Path | None = Field(
         default=None,
         description="Diagnostics: when set, each service process profiles its whole run (`cProfile`) and "
-        "writes `<dir>/<service>-<pid>.prof` when it stops (read it with `python -m pstats`). Costs CPU; "
+        "writes `<dir>/<service>-<pid>.prof` (CPU time) when it stops (read it with `python -m pstats`). Costs CPU; "
         "unset in production.",
     )
     request_timeout_ms: int = Field(default=5000, gt=0, description="Timeout of CLI requests over NATS.")
@@ -777,6 +777,14 @@ class RoutingSettings(Section):
         gt=0,
         description="How often the router writes its traffic counts (affinity) to Postgres; a crash loses at most "
         "this much of them.",
+    )
+    write_spacing_ms: float = Field(
+        default=2.0,
+        ge=0,
+        le=1000,
+        description="The router starts a transaction writing tenants' and sessions' regions at most once per this "
+        "long: under load the routes of that time share one (less CPU for the router and Postgres per request), "
+        "each answered up to this much later; 0: each transaction starts at once.",
     )
 
     @field_validator("weights", mode="before")

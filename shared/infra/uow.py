@@ -21,18 +21,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import asyncpg
 from pydantic import BaseModel
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.subjects import Context, Subjects
 from shared.infra import tracing
 from shared.infra.clock import Clock, system_clock
 from shared.infra.grouping import Grouped
-from shared.infra.outbox import DEFAULT_EVENT_MAX_BYTES, check_event_size, enqueue_many
+from shared.infra.outbox import DEFAULT_EVENT_MAX_BYTES, check_event_size, enqueue_many, enqueue_on_driver
 from shared.infra.outbox import EventTooLarge as EventTooLarge  # handlers catch it from here
 
 T = TypeVar("T")
@@ -53,11 +54,11 @@ def sqlstate(exc: DBAPIError) -> str | None:
     return getattr(getattr(orig, "__cause__", None), "sqlstate", None) or getattr(orig, "sqlstate", None)
 
 
-@dataclass
-class UnitOfWork:
-    """One open transaction: its session, the time it started and the events it will publish."""
+@dataclass(kw_only=True)
+class Effects:
+    """What a unit of work does besides its statements: the time it started, the events it will publish
+    and the changes of memory that follow its commit."""
 
-    session: AsyncSession
     now: datetime
     subjects: Subjects
     source: str
@@ -103,6 +104,28 @@ class UnitOfWork:
         check_event_size(event, limit=self.max_event_bytes)
         self.events.append((self.subjects.event(context, str(name)), event))
         return event
+
+
+@dataclass(kw_only=True)
+class UnitOfWork(Effects):
+    """One open transaction on a SQLAlchemy session (``UnitOfWorkFactory.run``)."""
+
+    session: AsyncSession
+
+
+@dataclass(kw_only=True)
+class DriverUnitOfWork(Effects):
+    """One open transaction straight on its asyncpg connection (``UnitOfWorkFactory.run_on_driver``):
+    statements are ``await uow.connection.execute(sql, *args)`` with ``$1``-style parameters. Without a
+    transaction (``transaction=False``) the work's one statement is its own, and it may emit no event."""
+
+    connection: Any
+    transaction: bool = True
+
+    def emit(self, context: Context, name: StrEnum | str, payload: BaseModel, **meta: Any) -> EventEnvelope:
+        if not self.transaction:
+            raise RuntimeError("an event needs the transaction of its state change: run_on_driver(transaction=True)")
+        return super().emit(context, name, payload, **meta)
 
 
 class UnitOfWorkFactory:
@@ -169,6 +192,52 @@ class UnitOfWorkFactory:
                 return result
             except DBAPIError as exc:
                 if sqlstate(exc) not in RETRYABLE_SQLSTATES or attempt == self._attempts - 1:
+                    raise
+                await asyncio.sleep(0.002 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    async def run_on_driver(self, work: Callable[[DriverUnitOfWork], Awaitable[T]], *, transaction: bool = True) -> T:
+        """``run`` with the statements straight on the pooled connection's asyncpg driver, no SQLAlchemy
+        session: for a hot path's short write whose few statements cost less than the session's own
+        machinery (measured on a 2-core machine: about 0.75 ms of CPU for a one-statement transaction
+        through the session, 0.4 ms through this). The same guarantees: one transaction with its events,
+        retried from scratch when Postgres asks, ``after_commit`` changes once it committed, the relay
+        woken when it emitted any. A connection the driver found broken is dropped from the pool.
+
+        ``transaction=False`` is for a work of exactly one statement and no event (``emit`` refuses): that
+        statement is its own transaction, which spares the BEGIN and COMMIT round trips (the router's write
+        of its routes: about 0.45 ms of CPU instead of 0.85, measured the same way).
+        """
+        engine: AsyncEngine = self.sessions.kw["bind"]
+        for attempt in range(self._attempts):
+            try:
+                async with engine.connect() as connection:
+                    driver: Any = (await connection.get_raw_connection()).driver_connection
+                    uow = DriverUnitOfWork(
+                        connection=driver,
+                        transaction=transaction,
+                        now=self.clock(),
+                        subjects=self.subjects,
+                        source=self.source,
+                        max_event_bytes=self.max_event_bytes,
+                    )
+                    try:
+                        if not transaction:
+                            result = await work(uow)
+                        else:
+                            async with driver.transaction():
+                                result = await work(uow)
+                                await enqueue_on_driver(connection=driver, schema=self.schema, events=uow.events)
+                    except BaseException:
+                        if driver.is_closed():
+                            await connection.invalidate()
+                        raise
+                if uow.events:
+                    self.wake()
+                run_committed(uow.committed)
+                return result
+            except asyncpg.PostgresError as exc:
+                if exc.sqlstate not in RETRYABLE_SQLSTATES or attempt == self._attempts - 1:
                     raise
                 await asyncio.sleep(0.002 * (attempt + 1))
         raise AssertionError("unreachable")
@@ -255,6 +324,7 @@ class _GroupCommit:
                 events.extend(unit.events)
                 committed.extend(unit.committed)
             await enqueue_many(session=session, schema=factory.schema, events=events)
-        factory.wake()
+        if events:  # a relay pass is a transaction of its own: only when there is something to publish
+            factory.wake()
         run_committed(committed)
         return results

@@ -8,11 +8,13 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
+import asyncpg
 import nats
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from pydantic import BaseModel
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -25,10 +27,14 @@ from shared.infra.db import make_engine, make_sessions
 from shared.infra.outbox import OutboxRelay, enqueue
 from shared.infra.settings import Settings
 from shared.infra.tables import outbox_table
-from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
+from shared.infra.uow import DriverUnitOfWork, UnitOfWork, UnitOfWorkFactory
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 SCHEMA = "ledger"
+
+
+class _Probe(BaseModel):
+    k: int
 
 
 class RelayCrash(Exception):
@@ -280,3 +286,101 @@ async def test_grouped_units_of_work_share_transactions_and_one_failure_fails_on
     assert isinstance(outcomes[5], ValueError)
     assert len(transactions) == 1 + 12, "the failed group, then each work alone"
     assert changes == [n for n in range(12) if n != 5], "the failed group's discarded, each alone's once"
+
+
+async def test_a_group_wakes_the_relay_only_when_it_emitted_events(
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    # A relay pass is a transaction of its own: a group commit with nothing to publish must not ask for one.
+    wakes: list[int] = []
+    factory = UnitOfWorkFactory(
+        sessions=sessions, schema=SCHEMA, source="probe", subjects=Subjects("grp"), wake=lambda: wakes.append(1)
+    )
+    event = _event()
+
+    def work_for(emit: bool) -> Any:
+        async def work(uow: UnitOfWork) -> None:
+            await uow.session.execute(text("SELECT 1"))
+            if emit:
+                uow.events.append(("grp.probe", event))
+
+        return work
+
+    await asyncio.gather(*(factory.run_grouped(work_for(False)) for _ in range(4)))
+    assert wakes == []
+    await asyncio.gather(*(factory.run_grouped(work_for(n == 2)) for n in range(4)))
+    assert wakes == [1]
+    async with sessions() as session, session.begin():
+        await session.execute(outbox_table(SCHEMA).delete().where(outbox_table(SCHEMA).c.event_id == event.event_id))
+
+
+async def test_a_unit_of_work_on_the_driver_commits_its_statements_and_events_together_or_neither(
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    # `run_on_driver`: the statements go straight to asyncpg, in one transaction with the events the work
+    # emitted; its `after_commit` changes run once it committed, never when it rolled back; a transaction
+    # Postgres asks to retry runs again from scratch; the relay is woken only when there are events.
+    wakes: list[int] = []
+    factory = UnitOfWorkFactory(
+        sessions=sessions, schema=SCHEMA, source="probe", subjects=Subjects("drv"), wake=lambda: wakes.append(1)
+    )
+    table = outbox_table(SCHEMA)
+    changes: list[str] = []
+    ids = [uuid.uuid4() for _ in range(5)]
+    events = [_event() for _ in ids]
+    attempts: list[int] = []
+
+    def work_for(n: int, *, fail: BaseException | None = None, emit: bool = True, retry_once: bool = False) -> Any:
+        async def work(uow: DriverUnitOfWork) -> int:
+            attempts.append(n)
+            await uow.connection.execute("INSERT INTO public.probe_state (id, n) VALUES ($1, $2)", ids[n], n)
+            if emit:
+                uow.events.append(("drv.probe", events[n]))
+            uow.after_commit(lambda: changes.append(f"done {n}"))
+            if retry_once and attempts.count(n) == 1:
+                raise asyncpg.SerializationError("could not serialize access")
+            if fail is not None:
+                raise fail
+            return n
+
+        return work
+
+    async def stored() -> tuple[set[uuid.UUID], set[uuid.UUID]]:
+        async with sessions() as session:
+            found = text("SELECT id FROM public.probe_state WHERE id = ANY(:ids)")
+            rows = set((await session.execute(found, {"ids": ids})).scalars())
+            wanted = [e.event_id for e in events]
+            queued = set(
+                (await session.execute(select(table.c.event_id).where(table.c.event_id.in_(wanted)))).scalars()
+            )
+        return rows, queued
+
+    assert await factory.run_on_driver(work_for(0)) == 0
+    assert await stored() == ({ids[0]}, {events[0].event_id})
+    assert changes == ["done 0"] and wakes == [1]
+
+    with pytest.raises(ValueError):
+        await factory.run_on_driver(work_for(1, fail=ValueError("the work failed")))
+    assert await stored() == ({ids[0]}, {events[0].event_id}), "neither the row nor the event"
+    assert changes == ["done 0"] and wakes == [1]
+
+    assert await factory.run_on_driver(work_for(2, retry_once=True)) == 2
+    assert attempts.count(2) == 2, "run again from scratch"
+    assert await stored() == ({ids[0], ids[2]}, {events[0].event_id, events[2].event_id})
+    assert changes == ["done 0", "done 2"], "the retried work's change once"
+
+    assert await factory.run_on_driver(work_for(3, emit=False)) == 3
+    assert wakes == [1, 1], "no event: no wake"
+
+    # Without a transaction: the one statement is its own, and an event (which needs one) is refused.
+    assert await factory.run_on_driver(work_for(4, emit=False), transaction=False) == 4
+    assert (await stored())[0] == {ids[0], ids[2], ids[3], ids[4]}
+    assert changes[-1] == "done 4"
+
+    async def announces(uow: DriverUnitOfWork) -> None:
+        uow.emit(Context.LEDGER, "probe", _Probe(k=1))
+
+    with pytest.raises(RuntimeError, match="needs the transaction"):
+        await factory.run_on_driver(announces, transaction=False)
+    async with sessions() as session, session.begin():
+        await session.execute(table.delete().where(table.c.event_id.in_([e.event_id for e in events])))

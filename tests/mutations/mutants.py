@@ -582,10 +582,10 @@ MUTANTS: tuple[Mutant, ...] = (
         what="the router remembers a tenant's and a session's region even when writing them rolled back",
         file="services/cross_region_router/handlers.py",
         find=(
-            "                uow.after_commit(lambda: self._routed(request.tenant, tenant_route, session_key, "
-            "region))\n"
+            "                uow.after_commit(partial(self._routed, w.tenant, w.tenant_route, w.session_key, "
+            "w.region))\n"
         ),
-        replace="                self._routed(request.tenant, tenant_route, session_key, region)\n",
+        replace="                self._routed(w.tenant, w.tenant_route, w.session_key, w.region)\n",
         tests=(ROUTER_UNIT,),
     ),
     Mutant(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 
 import pytest
 
@@ -186,3 +187,32 @@ async def test_stop_cancels_the_running_lanes() -> None:
     await grouped.stop()
     assert not waiting.done()
     waiting.cancel()
+
+
+async def test_spaced_groups_start_at_most_once_per_spacing_and_a_quiet_one_goes_at_once() -> None:
+    calls: list[tuple[float, list[int]]] = []
+    loop = asyncio.get_running_loop()
+
+    async def apply(items: list[int]) -> list[int]:
+        calls.append((loop.time(), items))
+        return items
+
+    spacing = 0.1
+    grouped: Grouped[int, int] = Grouped(apply, lanes=2, spacing_s=spacing)
+    started = loop.time()
+    assert await grouped.submit(0) == 0  # the first goes at once
+    # A steady stream well inside the spacing: each group waits for its turn and takes what came meanwhile.
+    submitted = []
+    for i in range(1, 11):
+        submitted.append(asyncio.ensure_future(grouped.submit(i)))
+        await asyncio.sleep(spacing / 5)
+    assert await asyncio.gather(*submitted) == list(range(1, 11))
+    starts = [at for at, _ in calls]
+    assert starts[0] - started < spacing / 2
+    assert all(b - a >= spacing * 0.99 for a, b in itertools.pairwise(starts))
+    assert len(calls) <= 4 and sorted(i for _, items in calls for i in items) == list(range(11))
+    # After a quiet spell longer than the spacing, an item goes at once.
+    await asyncio.sleep(spacing * 2)
+    before = loop.time()
+    assert await grouped.submit(11) == 11
+    assert calls[-1][0] - before < spacing / 2

@@ -14,11 +14,12 @@ from shared.domain.routing import Weights
 from shared.infra.settings import KitSettings, PlacementSettings, Settings, env_vars, load_settings
 
 OLD_FLAT_NAMES = 124  # the flat Settings before issue 24: every one of its variables is still read
-ADDED_SINCE = {
+ADDED_SINCE = {  # variables added after it
     "HETSCHED_REBALANCE_DRAIN_TIMEOUT_S": "rebalancer.drain_timeout_s",
     "HETSCHED_PLACEMENT_FIRST_LEASE_S": "placement.first_lease_s",
     "HETSCHED_PROFILE_DIR": "kit.profile_dir",
-}  # variables added after it
+    "HETSCHED_ROUTE_WRITE_SPACING_MS": "routing.write_spacing_ms",
+}
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shared.domain.hardware import CatalogError
@@ -24,6 +24,12 @@ class Region:
     price_usd_per_hour: Mapping[str, float]  # per accelerator-hour, by SKU name as in skus.yaml
     rtt_ms: Mapping[str, float]  # to every other region; to itself 0 when absent
     source: str = ""
+    # Worked out once: every route decision asks for it, for every candidate region.
+    _mean_price: float = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        prices = self.price_usd_per_hour
+        object.__setattr__(self, "_mean_price", sum(prices.values()) / len(prices) if prices else 0.0)
 
     def rtt_to(self, other: str) -> float:
         """Round trip to ``other`` in ms: 0 to itself; KeyError for a region this one does not know."""
@@ -33,9 +39,7 @@ class Region:
 
     def mean_price(self) -> float:
         """Mean accelerator-hour price over the SKUs sold here (when the serving SKU is unknown); 0 if none."""
-        if not self.price_usd_per_hour:
-            return 0.0
-        return sum(self.price_usd_per_hour.values()) / len(self.price_usd_per_hour)
+        return self._mean_price
 
 
 def _number(value: Any, where: str, *, minimum: float = 0.0) -> float:

@@ -59,13 +59,17 @@ class FakeStore(RoutingStore):
             replicas=tuple(self.replicas[key] for key in sorted(self.replicas)),
         )
 
-    async def save_tenant(self, *, session: Any, tenant: str, region: str, switched_at: datetime) -> None:
+    async def save_routes(
+        self,
+        *,
+        connection: Any,
+        tenants: Mapping[str, StoredTenant],
+        sessions: Mapping[tuple[str, str], str],
+        now: datetime,
+    ) -> None:
         self._write()
-        self.tenants[tenant] = StoredTenant(region, switched_at)
-
-    async def save_session(self, *, session: Any, tenant: str, session_id: str, region: str, now: datetime) -> None:
-        self._write()
-        self.sessions[(tenant, session_id)] = (region, now)
+        self.tenants.update(tenants)
+        self.sessions.update({key: (region, now) for key, region in sessions.items()})
 
     async def forget_sessions(self, *, session: Any, before: datetime) -> int:
         self._write()

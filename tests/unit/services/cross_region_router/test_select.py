@@ -177,6 +177,27 @@ async def test_a_request_whose_region_did_not_change_writes_nothing() -> None:
     assert r.uow.runs == runs
 
 
+async def test_routes_that_come_together_are_written_in_one_transaction_and_a_failed_one_alone() -> None:
+    r = router(replicas=EVERYWHERE)
+    await r.handlers.start()
+    runs = r.uow.runs
+    replies = await asyncio.gather(*(r.routed(tenant=f"t{n}", session_id=f"s{n}") for n in range(8)))
+    assert [reply.region for reply in replies] == ["east"] * 8
+    assert r.uow.runs == runs + 1, "eight new tenants and sessions, one transaction"
+    assert sorted(r.store.tenants) == [f"t{n}" for n in range(8)]
+    assert sorted(r.store.sessions) == [(f"t{n}", f"s{n}") for n in range(8)]
+
+    # A group whose transaction fails is written again request by request: one failure fails its own only.
+    r.uow.fail_next = RuntimeError("commit refused")
+    runs = r.uow.runs
+    again = await asyncio.gather(*(r.routed(tenant=f"u{n}", session_id=f"s{n}") for n in range(3)))
+    assert [reply.region for reply in again] == ["east"] * 3
+    assert r.uow.runs == runs + 1 + 3, "the failed group, then each request alone"
+    runs = r.uow.runs
+    await asyncio.gather(*(r.routed(tenant=f"u{n}", session_id=f"s{n}") for n in range(3)))
+    assert r.uow.runs == runs, "each one's region is remembered once written: nothing to write again"
+
+
 async def test_a_route_whose_write_rolled_back_leaves_memory_as_it_was() -> None:
     r = router(replicas=EVERYWHERE)
     await r.handlers.start()
