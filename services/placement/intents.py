@@ -71,6 +71,7 @@ class Intents:
         self._queueing = queueing
         self._tally = tally
         self._admission = admission
+        self.enqueued = 0  # requests this process put in the queue (the queue's loop reads no empty table)
 
     def claim_s(self) -> float:
         """An attempt holds its request id for one ledger round trip, or until its caller's deadline."""
@@ -339,6 +340,7 @@ class Intents:
             )
 
         position = await self._uow.run(work)
+        self.enqueued += 1
         if isinstance(position, Lost):
             return LOST
         if isinstance(position, QuotaExceeded):

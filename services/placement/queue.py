@@ -12,7 +12,6 @@ earlier in the pass is not decided again. The same request id asked again answer
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -73,6 +72,11 @@ class PlacementQueue:
         self._metrics = metrics
         self._log = log
         self._wake = asyncio.Event()
+        # The last pass found the queue empty, and nothing was queued here since (``Intents.enqueued``): a
+        # wake-up (every release frees capacity) needs no read; the periodic pass still reads, for the
+        # requests other placement processes queue.
+        self._empty = False
+        self._enqueued_seen = -1
 
     def wake(self) -> None:
         """Capacity may have freed: retry the queue now (a pass already under way is followed by another)."""
@@ -81,9 +85,14 @@ class PlacementQueue:
     async def serve(self) -> None:
         """Forever: a pass over the queue whenever woken, and every ``Queueing.retry_s`` anyway."""
         while True:
-            with contextlib.suppress(TimeoutError):
+            periodic = False
+            try:
                 await asyncio.wait_for(self._wake.wait(), timeout=self._queueing.retry_s)
+            except TimeoutError:
+                periodic = True
             self._wake.clear()
+            if not periodic and self._empty and self._intents.enqueued == self._enqueued_seen:
+                continue
             try:
                 await self.serve_once()
             except Exception:
@@ -97,7 +106,9 @@ class PlacementQueue:
 
         Read-your-writes holds here too: a pass decides only once the reservation view has applied every
         reservation answered before the pass began; if it cannot get there, the pass only times out."""
+        self._enqueued_seen = self._intents.enqueued
         entries = round_robin(await self._queued(), tenant=lambda entry: entry.tenant)
+        self._empty = not entries
         outcomes: dict[str, str] = {}
         if not entries:
             return outcomes

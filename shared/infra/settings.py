@@ -219,7 +219,13 @@ class KitSettings(Section):
         "Unset: TLS only if the server offers it, unverified.",
     )
     # -- outbox, streams and retention (docs/RETENTION.md) ---------------------------------------------
-    outbox_poll_ms: int = Field(default=100, gt=0, description="Outbox relay poll interval.")
+    outbox_poll_ms: int = Field(
+        default=1000,
+        gt=0,
+        description="How often the outbox relay looks for unsent events when nothing woke it. Every transaction "
+        "that writes events wakes its service's relay at once; the poll only finds what a relay that died left "
+        "behind.",
+    )
     outbox_batch: int = Field(default=256, gt=0, le=10_000, description="Rows the relay publishes per pass.")
     stream_duplicate_window_s: float = Field(
         default=120.0, gt=0, description="JetStream duplicate window: a re-sent event id inside it is dropped."

@@ -299,3 +299,25 @@ async def test_a_queue_pass_decides_only_once_its_reservation_view_is_current_an
     behind.append(None)
     assert await rig.handlers.queue.serve_once() == {}  # an empty queue asks nothing
     assert behind == [None]
+
+
+async def test_a_wake_up_reads_no_queue_it_knows_is_empty_until_something_is_queued() -> None:
+    """Every release wakes the queue: once a pass found it empty, a wake-up reads nothing until this
+    process queues a request (the periodic pass still reads, for other processes' requests)."""
+    rig = Rig(FakeRpc(ledger_commit=[committed("al-1"), committed("al-2")]), queueing=Queueing(retry_s=3600))
+    queue = rig.handlers.queue
+    serving = asyncio.create_task(queue.serve())
+    try:
+        queue.wake()
+        await wait_for(lambda: rig.store.pages == 1, 2, what="the first pass read the queue")
+        for _ in range(5):
+            queue.wake()
+            await asyncio.sleep(0.01)
+        assert rig.store.pages == 1  # known empty: no reads
+        await rig.handlers.placing.place(tp8("big-1"))
+        queued = await rig.handlers.placing.place(tp8("big-2"))
+        assert isinstance(queued, PlaceReply) and queued.status == "queued"
+        queue.wake()
+        await wait_for(lambda: rig.store.pages == 2, 2, what="a pass after something was queued")
+    finally:
+        serving.cancel()
