@@ -7,8 +7,9 @@ loop: a slow reply does not slow the offered load), half of them released again 
 every request either answered or kept for a retry with the same id. ``check_*``: what must hold after
 the fault, read with superuser SQL and from the LEDGER stream.
 
-Placement runs with a short reconcile period and intent grace (``RECONCILE_PERIOD_S``,
-``INTENT_GRACE_S``), so ``check_no_unowned_allocations`` can wait for its reconciler within a test."""
+Placement runs with a short reconcile period, intent grace and first lease (``RECONCILE_PERIOD_S``,
+``INTENT_GRACE_S``, ``FIRST_LEASE_S``), so ``check_no_unowned_allocations`` can wait for its reconciler and
+for the first leases of placements no caller learnt of within a test."""
 
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ GPUS_PER_NODE = 8
 # Placement's reconciler, fast enough to watch in a test (defaults: every 30 s, a 300 s grace).
 RECONCILE_PERIOD_S = 1.0
 INTENT_GRACE_S = 3.0
+# A new replica's first lease (default 60 s): one whose caller never learnt of it (answered `internal` or
+# not at all, and not retried) ends this soon; the driver renews every replica it keeps at once.
+FIRST_LEASE_S = 5
 # How long after the load an allocation no placed reply owns may stay active: the grace, a few reconciler
 # periods, and the durable LEDGER consumer's ack wait (30 s), after which a LEDGER event that a killed
 # placement had taken but not acknowledged comes again (placement learns of the allocation only then).
@@ -80,6 +84,7 @@ class FaultStack:
             "HETSCHED_STREAM_REPLICAS": str(replicas),
             "HETSCHED_PLACEMENT_RECONCILE_PERIOD_S": str(RECONCILE_PERIOD_S),
             "HETSCHED_PLACEMENT_INTENT_GRACE_S": str(INTENT_GRACE_S),
+            "HETSCHED_PLACEMENT_FIRST_LEASE_S": str(FIRST_LEASE_S),
             **env,
         }
         self.database = f"hetsched_faults_{self.servers.run_id}"
@@ -320,6 +325,8 @@ class LoadDriver:
             return
         self.result.unanswered.discard(rid)
         self.result.replies[rid] = reply
+        if not release and reply.get("status") == "placed":
+            await self._confirm(reply["allocation_id"])
         if release and reply.get("status") == "placed":
             body = {"allocation_id": reply["allocation_id"], "tenant": "faults"}
             try:
@@ -334,6 +341,20 @@ class LoadDriver:
             self.result.errors[f"release:{code}"] += 1
             if code == "internal":  # placement lost the ledger's reply: the ledger may have released it
                 self.result.release_unknown.add(reply["allocation_id"])
+
+    async def _confirm(self, allocation_id: str) -> None:
+        """A kept replica's first renew, as a caller that uses its placement sends it: the lease it asked for
+        instead of the short first lease (``FIRST_LEASE_S``). Unanswered or refused, its lease is unknown:
+        it may end with its first lease (counted with ``release_unknown``)."""
+        body = {"allocation_id": allocation_id, "tenant": "faults", "lease_s": 3600}
+        try:
+            answer = await self.stack.call(Rpc.PLACEMENT_RENEW, body, timeout=self.timeout_s)
+        except Exception:
+            self.result.release_unknown.add(allocation_id)
+            return
+        if answer.get("status") != "renewed":
+            self.result.errors[f"renew:{answer.get('error', {}).get('code')}"] += 1
+            self.result.release_unknown.add(allocation_id)
 
     async def run(self) -> LoadResult:
         started = time.monotonic()
@@ -469,15 +490,16 @@ async def unowned_allocations(stack: FaultStack, result: LoadResult) -> dict[str
     return unowned
 
 
-async def reconciled(stack: FaultStack, result: LoadResult) -> int:
-    """Placement's allocations the ledger released that the driver never released (nor may have): what
-    the reconciler released."""
+async def reconciled(stack: FaultStack, result: LoadResult, state: str = "released") -> int:
+    """Placement's allocations the ledger ended that the driver never released (nor may have): what the
+    reconciler released, or (``state="expired"``) what ended with its first lease because no caller
+    learnt of it."""
     conn = await stack.db()
     try:
         rows = await conn.fetch(
-            "SELECT id FROM ledger.allocations "
-            "WHERE parent_id IS NULL AND state = 'released' AND starts_with(request_id, $1)",
+            "SELECT id FROM ledger.allocations WHERE parent_id IS NULL AND state = $2 AND starts_with(request_id, $1)",
             LEDGER_REQUEST_PREFIX,
+            state,
         )
     finally:
         await conn.close()
