@@ -310,13 +310,19 @@ async def test_in_flight_sessions_keep_their_region_while_prices_move_and_move_w
     assert {r.region for r in moved} == {"us-west-1"}
     await stack.rpc.ask(Rpc.ROUTE_REGION, RouteRegionRequest(region="us-east-1", state="up"), RouteRegionReply)
 
-    events = await read_all(
-        stack.nc.jetstream(),
-        stream=stream_name(Context.ROUTING, stream_prefix=stack.settings.kit.stream_prefix),
-        subject=Subjects(stack.settings.kit.subject_prefix).events_of(Context.ROUTING),
-    )
-    switched = [e for e in events if e["type"].endswith("route_switched")]
-    assert {e["payload"]["tenant"] for e in switched} >= {f"tenant-{i}" for i in range(10)}
+    async def switched_events() -> list[dict[str, Any]]:
+        events = await read_all(
+            stack.nc.jetstream(),
+            stream=stream_name(Context.ROUTING, stream_prefix=stack.settings.kit.stream_prefix),
+            subject=Subjects(stack.settings.kit.subject_prefix).events_of(Context.ROUTING),
+        )
+        return [e for e in events if e["type"].endswith("route_switched")]
+
+    async def every_tenant_switched() -> bool:  # the outbox relay publishes them after the routes' commit
+        return {e["payload"]["tenant"] for e in await switched_events()} >= {f"tenant-{i}" for i in range(10)}
+
+    await wait_for(every_tenant_switched, 10, what="route_switched for every tenant that moved")
+    switched = await switched_events()
     ours = [e["payload"] for e in switched if e["payload"]["tenant"].startswith("tenant-")]
     assert all(payload["from_region"] == "us-east-1" for payload in ours)
 
