@@ -174,8 +174,8 @@ async def test_killed_under_load_every_request_is_recovered_by_its_retry_or_free
     answers: dict[str, dict[str, Any]] = {}
 
     async def one(rid: str) -> None:
-        try:
-            answers[rid] = await stack.place(rid, timeout=3)
+        try:  # no queue: a request that does not fit is refused, never left queued for a later placement
+            answers[rid] = await stack.place(rid, timeout=3, fallbacks=[])
         except (TimeoutError, nats.errors.NoRespondersError):
             pass
 
@@ -193,7 +193,7 @@ async def test_killed_under_load_every_request_is_recovered_by_its_retry_or_free
     retried, abandoned = unanswered[::2], unanswered[1::2]
     await stack.start_placement(**env)
     try:
-        again = {rid: await stack.place(rid) for rid in retried}
+        again = {rid: await stack.place(rid, fallbacks=[]) for rid in retried}
     finally:
         stack.stop_placement()
     events = {rid: await stack.ledger_events("allocation_committed", f"placement/{rid}") for rid in ids}
@@ -203,8 +203,8 @@ async def test_killed_under_load_every_request_is_recovered_by_its_retry_or_free
         if events[rid] or reply["status"] == "placed":  # its commit landed before the kill, or on the retry
             assert reply["status"] == "placed", reply
             assert [e["payload"]["allocation_id"] for e in events[rid]] == [reply["allocation_id"]], (rid, reply)
-        else:  # nothing was reserved for it and the demo fleet is full now: it waits, holding nothing
-            assert reply["status"] in ("queued", "rejected"), reply
+        else:  # nothing was reserved for it and the demo fleet is full now: refused, holding nothing
+            assert reply["status"] == "rejected", reply
     assert any(events[rid] for rid in retried), "no retried request had a commit to recover"
     for rid, reply in answers.items():
         if reply.get("status") == "placed":
