@@ -43,9 +43,6 @@ class FirstLeases:
         self._leases: dict[str, FirstLease] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def __len__(self) -> int:
-        return len(self._leases)
-
     def add(self, allocation_id: str, *, tenant: str, lease_s: int, nodes: Iterable[str]) -> None:
         self._leases[allocation_id] = FirstLease(tenant, lease_s, frozenset(nodes))
 

@@ -136,7 +136,7 @@ class Lifecycle:
             session=uow.session,
             tenant=payload.tenant,
             request_id=request_id,
-            body_hash=payload_body_hash(kept),
+            body_hash=body_hash(kept.request),
             reply=reply,
             lease_expires_at=payload.lease_expires_at,
             lease_s=kept.lease_s if first else None,
@@ -197,8 +197,3 @@ class Lifecycle:
 def _refused(error: ErrorBody | None) -> Rejected:
     """A ledger reply that says no in its own model (a deprecated shape): passed on as ``Rejected``."""
     return Rejected(error=error or ErrorBody(code=ErrorCode.INTERNAL, message="the ledger refused without a reason"))
-
-
-def payload_body_hash(kept: PlacementRecord) -> str:
-    """The body hash of a direct placement's request, as the intent path records it."""
-    return body_hash(kept.request)
