@@ -56,7 +56,7 @@ EVENT_PUBLISHERS: dict[Context, str] = STREAM_OWNERS | {Context.TELEMETRY: AGENT
 """The ``source`` every event of a context must carry: its only publisher. Engines report their status
 through their node's agent identity, so TELEMETRY events come from agents alone."""
 
-NODE_SCOPED_EVENTS: dict[Context, tuple[str, ...]] = {Context.TELEMETRY: ("gpu", "engine_status")}
+NODE_SCOPED_EVENTS: dict[Context, tuple[str, ...]] = {Context.TELEMETRY: ("gpu", "engine_status", "replica_state")}
 """Events published on ``<event subject>.<node token>``: an agent publishes only its own node's."""
 
 INBOX = "_INBOX"
@@ -183,10 +183,12 @@ def consumer_grants(
 
 
 def agent_permissions(node: str, subjects: Subjects, *, health: Rpc = Rpc.TOPOLOGY_AGENT_HEALTH) -> Permissions:
-    """One node's agent: its report, heartbeats, GPU telemetry and engine status, all on subjects naming
-    the node; replies under its own inbox; it answers its own health subject."""
+    """One node's agent: its report, heartbeats, GPU telemetry, engine status and replica states, and the
+    question which replica parts its node runs (``placement.assignments``), all on subjects naming the node;
+    replies under its own inbox; it answers its own health subject."""
     publish = [
         subjects.scoped(Rpc.TOPOLOGY_REPORT, node),
+        subjects.scoped(Rpc.PLACEMENT_ASSIGNMENTS, node),
         subjects.heartbeat(node),
         *(subjects.event(context, name, node=node) for context, names in NODE_SCOPED_EVENTS.items() for name in names),
     ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from shared.contracts import fleet, health, ledger, placement, rebalance, reservation, routing, topology
+from shared.contracts import engines, fleet, health, ledger, placement, rebalance, reservation, routing, topology
 from shared.contracts.subjects import Context, Rpc
 
 RPCS: dict[Rpc, tuple[type[BaseModel], type[BaseModel]]] = {
@@ -24,6 +24,7 @@ RPCS: dict[Rpc, tuple[type[BaseModel], type[BaseModel]]] = {
     Rpc.PLACEMENT_RENEW: (placement.RenewRequest, placement.RenewReply),
     Rpc.PLACEMENT_ADMIT: (placement.AdmitRequest, placement.AdmitReply),
     Rpc.PLACEMENT_REPLICAS: (placement.ReplicasRequest, placement.ReplicasReply),
+    Rpc.PLACEMENT_ASSIGNMENTS: (engines.AssignmentsRequest, engines.AssignmentsReply),
     Rpc.RESERVATION_CREATE: (reservation.ReservationCreateRequest, reservation.ReservationCreateReply),
     Rpc.RESERVATION_CANCEL: (reservation.ReservationCancelRequest, reservation.ReservationCancelReply),
     Rpc.RESERVATION_STATUS: (reservation.ReservationStatusRequest, reservation.ReservationStatusReply),
@@ -44,6 +45,7 @@ EVENTS: dict[tuple[Context, str], type[BaseModel]] = {
     (Context.TOPOLOGY, topology.TPU_POD_PROFILED): topology.TpuPodEvent,
     (Context.TELEMETRY, topology.GPU_TELEMETRY): topology.GpuTelemetryEvent,
     (Context.TELEMETRY, topology.ENGINE_STATUS): topology.EngineStatusEvent,
+    (Context.TELEMETRY, topology.REPLICA_STATE): engines.ReplicaStateEvent,
     (Context.LEDGER, ledger.ALLOCATION_COMMITTED): ledger.AllocationEvent,
     (Context.LEDGER, ledger.ALLOCATION_RELEASED): ledger.AllocationEvent,
     (Context.LEDGER, ledger.ALLOCATION_EXPIRED): ledger.AllocationEvent,

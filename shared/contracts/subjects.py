@@ -40,6 +40,7 @@ class Rpc(StrEnum):
     PLACEMENT_RENEW = "placement.renew"
     PLACEMENT_ADMIT = "placement.admit"
     PLACEMENT_REPLICAS = "placement.replicas"
+    PLACEMENT_ASSIGNMENTS = "placement.assignments"
     RESERVATION_CREATE = "reservation.create"
     RESERVATION_CANCEL = "reservation.cancel"
     RESERVATION_STATUS = "reservation.status"
@@ -68,7 +69,7 @@ TENANT_SCOPED: frozenset[Rpc] = frozenset(
 ``<subject>.<tenant token>``: a gateway's credential may publish only on its own tenants' subjects, and
 the service refuses (``forbidden``) a body naming another tenant than its subject (docs/SECURITY.md)."""
 
-NODE_SCOPED: frozenset[Rpc] = frozenset({Rpc.TOPOLOGY_REPORT})
+NODE_SCOPED: frozenset[Rpc] = frozenset({Rpc.TOPOLOGY_REPORT, Rpc.PLACEMENT_ASSIGNMENTS})
 """Agent subjects served as ``<subject>.<node token>``: an agent's credential reaches only its own node's."""
 
 PUBLIC: frozenset[Rpc] = TENANT_SCOPED | {Rpc.FLEET_GET}

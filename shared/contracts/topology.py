@@ -27,6 +27,7 @@ class TelemetryEventName(StrEnum):
 
     GPU = "gpu"
     ENGINE_STATUS = "engine_status"
+    REPLICA_STATE = "replica_state"
 
 
 NODE_PROFILED = TopologyEventName.NODE_PROFILED
@@ -38,6 +39,7 @@ NODE_PROFILE_FAILED = TopologyEventName.NODE_PROFILE_FAILED
 TPU_POD_PROFILED = TopologyEventName.TPU_POD_PROFILED
 GPU_TELEMETRY = TelemetryEventName.GPU
 ENGINE_STATUS = TelemetryEventName.ENGINE_STATUS
+REPLICA_STATE = TelemetryEventName.REPLICA_STATE
 
 TopologyEvent = TopologyEventName  # deprecated alias (issue 24): use TopologyEventName (for one release)
 TelemetryEvent = TelemetryEventName  # deprecated alias (issue 24): use TelemetryEventName (for one release)

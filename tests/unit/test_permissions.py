@@ -57,9 +57,11 @@ def test_an_agent_publishes_only_its_own_nodes_subjects() -> None:
     perms = agent_permissions("node-1", SUBJECTS)
     assert set(perms.publish) == {
         "hetsched.topology.report.node-1",
+        "hetsched.placement.assignments.node-1",
         "hetsched.topology.heartbeat.node-1",
         "hetsched.events.telemetry.gpu.node-1",
         "hetsched.events.telemetry.engine_status.node-1",
+        "hetsched.events.telemetry.replica_state.node-1",
     }
     assert f"{inbox_prefix(agent_identity('node-1'))}.>" in perms.subscribe
     assert agent_permissions("a.b", SUBJECTS).publish[0].endswith("." + token("a.b"))
