@@ -176,6 +176,8 @@ class Placing:
             if not isinstance(outcome, Stale):
                 return outcome
             fresher.update(outcome.fresher)
+            if attempt == self._max_attempts:  # no attempt left: assume nothing more (it would never be sent)
+                break
             snapshot = overlay(self._view.snapshot, fresher)
             decision, elapsed_ms = self._decider.decide(snapshot, request)
             decision_ms += elapsed_ms

@@ -374,22 +374,42 @@ async def test_the_view_converges_to_the_ledger_while_placements_churn_and_nodes
             await release(allocation_id)
         assert outcomes.get("placed", 0) >= 10 and outcomes.get("on a churn node", 0) >= 3, outcomes
 
-        async def converged() -> bool:
+        async def difference() -> str:
+            """What still differs between placement's view and the ledger's snapshot ("" once none)."""
             snap = await rpc.ledger_snapshot()
             assert isinstance(snap, SnapshotReply)
             ledger = {a.id: (a.hbm_usable_bytes, a.hbm_reserved_bytes, a.available) for a in snap.accelerators}
             current = view()
-            if current.ledger_balances() != ledger or current.assumed:
-                return False
+            if current.assumed:
+                return f"{current.assumed} commits still assumed (outcomes {outcomes})"
+            balances = current.ledger_balances()
+            if balances != ledger:
+                differ = sorted(k for k in set(balances) | set(ledger) if balances.get(k) != ledger.get(k))
+                return "balances differ: " + ", ".join(
+                    f"{k} view={balances.get(k)} ledger={ledger.get(k)}" for k in differ[:5]
+                )
             # What decisions read agrees too: every GPU of the snapshot as the ledger has it, lost nodes out.
             capacity = current.snapshot.capacity
-            if any((c.usable, c.reserved, c.available) != ledger[acc] for acc, c in capacity.items()):
-                return False
+            differ = [acc for acc, c in capacity.items() if (c.usable, c.reserved, c.available) != ledger.get(acc)]
+            if differ:
+                return "capacity differs: " + ", ".join(f"{a} ledger={ledger.get(a)}" for a in differ[:5])
             up = {name for name in nodes if await ledger_says(name, available=True)}
-            return up == set(nodes) & set(current.snapshot.nodes)
+            seen = set(nodes) & set(current.snapshot.nodes)
+            if up != seen:
+                return f"nodes up in the ledger {sorted(up)}, in the view {sorted(seen)}"
+            return ""
+
+        last = ["not checked"]
+
+        async def converged() -> bool:
+            last[0] = await difference()
+            return not last[0]
 
         # All silent now: every churn node ends lost, and the view must follow the ledger there.
-        await wait_for(converged, 60, interval_s=0.25, what="placement's view equal to the ledger's snapshot")
+        try:
+            await wait_for(converged, 60, interval_s=0.25, what="placement's view equal to the ledger's snapshot")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {last[0]}") from None
         health = await rpc.call(Rpc.PLACEMENT_HEALTH, HealthRequest())
         assert health.model_dump()["checks"].get("view") == "ok", health
     await rpc.close()

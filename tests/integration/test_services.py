@@ -14,6 +14,7 @@ from nats.aio.client import Client
 from hetsched.stack import wait_healthy
 from services.registry import SERVICES
 from shared.contracts.subjects import Subjects
+from shared.infra import deadline
 from shared.infra.service import Route
 from shared.infra.settings import Settings
 from tests.conftest import ServiceProcesses
@@ -42,8 +43,14 @@ async def nc(settings: Settings) -> AsyncIterator[Client]:
     await client.close()
 
 
+ASK_TIMEOUT_S = 15.0
+"""As a caller through ``RpcClient`` would: the deadline travels with the request, so a service that cannot
+finish in time answers (a typed refusal) instead of leaving the caller to time out."""
+
+
 async def ask(nc: Client, subject: str, body: bytes) -> dict[str, Any]:
-    msg = await nc.request(subject, body, timeout=5)
+    until = {deadline.HEADER: str(int(deadline.now_ms() + ASK_TIMEOUT_S * 1000))}
+    msg = await nc.request(subject, body, timeout=ASK_TIMEOUT_S + 1, headers=until)
     reply: dict[str, Any] = json.loads(msg.data)
     return reply
 

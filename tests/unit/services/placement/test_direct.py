@@ -245,3 +245,15 @@ async def test_a_release_ends_the_first_lease() -> None:
     assert isinstance(reply, PlaceReply) and reply.allocation_id is not None
     await rig.handlers.lifecycle.release(ReleaseRequest(allocation_id=reply.allocation_id, tenant="acme"))
     assert rig.handlers.first_leases.asked(reply.allocation_id) is None
+
+
+async def test_conflicts_on_every_attempt_answer_conflict_and_leave_nothing_assumed() -> None:
+    """Each refusal decides again on the ledger's figures; after the last attempt nothing more is assumed
+    (an assumption never sent would hold its bytes in the view for good)."""
+    from tests.unit.services.placement.test_handlers import refused
+
+    rig = Rig(FakeRpc(ledger_commit=[refused(ErrorCode.CONFLICT, full=False)]), direct=True, first_lease_s=30)
+    reply = await rig.handlers.placing.place(place("r-1"))
+    assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.CONFLICT
+    assert len(rig.rpc.requests(Rpc.LEDGER_COMMIT)) == 4
+    assert rig.reserved() == {} and rig.view.assumed == 0
