@@ -11,6 +11,7 @@ from services.topology_discovery.agent import Agent, AgentIntervals, make_provid
 from services.topology_discovery.handlers import TopologyHandlers
 from services.topology_discovery.metrics import TopologyMetrics
 from services.topology_discovery.providers import TopologyProvider
+from services.topology_discovery.supervisor import Supervisor
 from services.topology_discovery.tables import SCHEMA
 from shared.contracts.fleet import FleetDescribeRequest, FleetGetRequest
 from shared.contracts.ledger import LedgerEventName
@@ -84,6 +85,7 @@ SERVICE = ServiceDefinition(
 @dataclass(frozen=True)
 class AgentCtx:
     agent: Agent
+    supervisor: Supervisor
 
 
 def wire_agent(runtime: Runtime, *, provider: TopologyProvider | None = None) -> AgentCtx:
@@ -99,7 +101,17 @@ def wire_agent(runtime: Runtime, *, provider: TopologyProvider | None = None) ->
         intervals=AgentIntervals.from_settings(settings),
         log=runtime.log,
     )
-    return AgentCtx(agent=agent)
+    supervisor = Supervisor(
+        node=agent.node,
+        rpc=runtime.rpc,
+        jetstream=lambda: runtime.jetstream,
+        subjects=runtime.subjects,
+        clock=runtime.clock,
+        settings=settings.agent,
+        log_dir=settings.kit.data_dir / "engines" / agent.node,
+        log=runtime.log,
+    )
+    return AgentCtx(agent=agent, supervisor=supervisor)
 
 
 AGENT = ServiceDefinition(
@@ -111,7 +123,11 @@ AGENT = ServiceDefinition(
         Loop("topology-scan", lambda ctx: ctx.agent.scan_loop),
         Loop("topology-heartbeat", lambda ctx: ctx.agent.heartbeat_loop),
         Loop("topology-telemetry", lambda ctx: ctx.agent.telemetry_loop),
+        Loop("engine-reconcile", lambda ctx: ctx.supervisor.reconcile_loop),
+        Loop("engine-status", lambda ctx: ctx.supervisor.status_loop),
     ),
+    on_stop=(lambda ctx: ctx.supervisor.stop_all(),),
+    calls=(Rpc.PLACEMENT_ASSIGNMENTS,),
 )
 
 

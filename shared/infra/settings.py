@@ -576,6 +576,60 @@ class TopologySettings(Section):
     )
 
 
+class AgentSettings(Section):
+    """The node agent's engine supervisor (docs/ENGINES.md): which engine it starts for the replica parts
+    placement assigns to its node, on which addresses and ports, and how it stops and restarts them."""
+
+    title: ClassVar[str] = "Node agent engines (`settings.agent`)"
+    model_config = _section_config(f"{PREFIX}AGENT_")
+
+    engine: str = Field(
+        default="none",
+        pattern=r"^(none|vllm|sglang|sim|custom)$",
+        description="Engine the agent starts for each replica part on its node: `vllm`, `sglang`, `sim` "
+        "(hetsched's simulated engine), `custom` (`HETSCHED_AGENT_ENGINE_COMMAND`), or `none` (the agent "
+        "profiles and reports only; engines are started by other means).",
+    )
+    engine_command: str | None = Field(
+        default=None,
+        description="`custom` engine: the command template, with `{model}`, `{checkpoint}`, `{host}`, `{port}`, "
+        "`{tp}`, `{pp}`, `{devices}`, `{replica_id}`, `{rank}`, `{ranks}`, `{head_node}`, `{dtype}`.",
+    )
+    bind_host: str = Field(default="0.0.0.0", description="Address the engines listen on.")
+    advertise_host: str | None = Field(
+        default=None,
+        description="Host in the endpoint URLs the agent reports (what gateways connect to).",
+        json_schema_extra=doc_default("the node's host name"),
+    )
+    port_min: int = Field(default=8100, gt=0, le=65535, description="Lowest port given to an engine.")
+    port_max: int = Field(default=8999, gt=0, le=65535, description="Highest port given to an engine.")
+    stop_grace_s: float = Field(
+        default=30.0, ge=0, description="Between SIGTERM and SIGKILL when an engine is stopped."
+    )
+    max_crashes: int = Field(
+        default=3, ge=1, description="Crashes in a row after which an engine is reported `failed` (no restart)."
+    )
+    restart_backoff_s: float = Field(
+        default=2.0, ge=0, description="Wait before restarting a crashed engine; doubles per crash in a row."
+    )
+    restart_backoff_max_s: float = Field(default=60.0, ge=0, description="Longest wait before a restart.")
+    status_s: float = Field(
+        default=10.0, gt=0, description="How often each engine's `/metrics` is scraped and its status published."
+    )
+    reconcile_s: float = Field(
+        default=2.0, gt=0, description="How often the agent asks which replica parts its node runs, and probes them."
+    )
+    sim_speedup: float = Field(
+        default=1.0, gt=0, description="`sim` engine: how much faster than modelled it loads and generates."
+    )
+
+    @model_validator(mode="after")
+    def _ports(self) -> AgentSettings:
+        if self.port_max < self.port_min:
+            raise ValueError("HETSCHED_AGENT_PORT_MAX must be at least HETSCHED_AGENT_PORT_MIN")
+        return self
+
+
 class PlacementSettings(Section):
     """Placement: leases, its view of the fleet, ownership of commits, the queue, and admission
     (``placement.admit``, whose fields keep their ``HETSCHED_ADMIT_`` variables)."""
@@ -863,6 +917,7 @@ class Settings(BaseModel):
     console: ConsoleSettings = Field(default_factory=ConsoleSettings)
     ledger: LedgerSettings = Field(default_factory=LedgerSettings)
     topology: TopologySettings = Field(default_factory=TopologySettings)
+    agent: AgentSettings = Field(default_factory=AgentSettings)
     placement: PlacementSettings = Field(default_factory=PlacementSettings)
     reservations: ReservationSettings = Field(default_factory=ReservationSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)

@@ -15,6 +15,19 @@ from shared.infra.settings import KitSettings, PlacementSettings, Settings, env_
 
 OLD_FLAT_NAMES = 124  # the flat Settings before issue 24: every one of its variables is still read
 ADDED_SINCE = {  # variables added after it
+    "HETSCHED_AGENT_ENGINE": "agent.engine",
+    "HETSCHED_AGENT_ENGINE_COMMAND": "agent.engine_command",
+    "HETSCHED_AGENT_BIND_HOST": "agent.bind_host",
+    "HETSCHED_AGENT_ADVERTISE_HOST": "agent.advertise_host",
+    "HETSCHED_AGENT_PORT_MIN": "agent.port_min",
+    "HETSCHED_AGENT_PORT_MAX": "agent.port_max",
+    "HETSCHED_AGENT_STOP_GRACE_S": "agent.stop_grace_s",
+    "HETSCHED_AGENT_MAX_CRASHES": "agent.max_crashes",
+    "HETSCHED_AGENT_RESTART_BACKOFF_S": "agent.restart_backoff_s",
+    "HETSCHED_AGENT_RESTART_BACKOFF_MAX_S": "agent.restart_backoff_max_s",
+    "HETSCHED_AGENT_STATUS_S": "agent.status_s",
+    "HETSCHED_AGENT_RECONCILE_S": "agent.reconcile_s",
+    "HETSCHED_AGENT_SIM_SPEEDUP": "agent.sim_speedup",
     "HETSCHED_REBALANCE_DRAIN_TIMEOUT_S": "rebalancer.drain_timeout_s",
     "HETSCHED_PLACEMENT_FIRST_LEASE_S": "placement.first_lease_s",
     "HETSCHED_PROFILE_DIR": "kit.profile_dir",
