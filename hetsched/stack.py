@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,10 +27,16 @@ from hetsched.embedded import (
 )
 from shared.contracts.base import Rejected
 from shared.contracts.health import HealthReply, HealthRequest
-from shared.contracts.permissions import Permissions, inbox_prefix, service_identity, service_permissions
+from shared.contracts.permissions import (
+    Permissions,
+    agent_identity,
+    inbox_prefix,
+    service_identity,
+    service_permissions,
+)
 from shared.contracts.subjects import Subjects
 from shared.infra.bus import ensure_streams
-from shared.infra.catalog import demo_fleet_path
+from shared.infra.catalog import demo_fleet_path, load_inventory
 from shared.infra.db import SCHEMAS, database_tls, plain_url, role_of, without_password
 from shared.infra.identity import (
     Registry,
@@ -48,6 +55,10 @@ from shared.infra.service import grant_of
 from shared.infra.settings import Settings
 
 STATE_FILE = "stack.json"
+AGENT_CHILD = "agent:"
+AGENT_PORT_BASE = 8100
+AGENT_PORTS = 20
+"""`up --engines`: node k's agent gives its engines ports ``AGENT_PORT_BASE + k * AGENT_PORTS`` onwards."""
 DATABASE_NAME = "hetsched"
 SERVER_RESTART_ATTEMPTS = 3
 """Tries to bring a dead embedded server back (same port, same data) before `up` gives up."""
@@ -76,7 +87,7 @@ class ServerDied(RuntimeError):
 
 @dataclass
 class Child:
-    package: str
+    package: str  # a service package, or `agent:<node>` for a node's agent (`up --engines`)
     proc: subprocess.Popen[bytes]
     restarts: int = 0
     started_at: float = field(default_factory=time.monotonic)
@@ -173,9 +184,10 @@ class Identities:
     auth_conf: Path
     operator_seed: Path
     service_seeds: dict[str, Path]  # by service package
+    agent_seeds: dict[str, Path] = field(default_factory=dict)  # by node (`up --engines`)
 
 
-def write_identities(settings: Settings) -> Identities:
+def write_identities(settings: Settings, *, agents: Iterable[str] = ()) -> Identities:
     """Seeds for the operator and each service (made once, kept under ``<data-dir>/nats``), the registry,
     and the server's ``auth.conf`` with every identity's permissions (gateways and agents issued
     before keep theirs). What `hetsched up` and `hetsched credentials init` do."""
@@ -190,9 +202,13 @@ def write_identities(settings: Settings) -> Identities:
         )
         for package, definition in services().items()
     }
+    agent_seeds = {
+        node: ensure_seeded(directory, registry, id=agent_identity(node), kind="agent", name=node, node=node)
+        for node in agents
+    }
     registry.save(directory)
     auth_conf = write_auth_conf(directory, registry, service_permission_map(settings))
-    return Identities(auth_conf=auth_conf, operator_seed=operator_seed, service_seeds=seeds)
+    return Identities(auth_conf=auth_conf, operator_seed=operator_seed, service_seeds=seeds, agent_seeds=agent_seeds)
 
 
 def service_permission_map(settings: Settings) -> dict[str, Permissions]:
@@ -209,9 +225,13 @@ def service_permission_map(settings: Settings) -> dict[str, Permissions]:
 class Stack:
     """Embedded servers (unless URLs are configured), migrations, the six services as children."""
 
-    def __init__(self, settings: Settings, *, echo: Any = print, fleet_file: Path | None = None) -> None:
+    def __init__(
+        self, settings: Settings, *, echo: Any = print, fleet_file: Path | None = None, engines: str = "none"
+    ) -> None:
         self.settings = settings
         self.fleet_file = fleet_file
+        self.engines = engines  # `sim`: one agent per GPU node of the fleet runs simulated engines
+        self.agent_seeds: dict[str, Path] = {}
         self.echo = echo
         self.nats: EmbeddedNats | None = None
         self.postgres: EmbeddedPostgres | None = None
@@ -265,8 +285,7 @@ class Stack:
         env["HETSCHED_DATA_DIR"] = str(self.settings.kit.data_dir)
         env["HETSCHED_SUBJECT_PREFIX"] = self.settings.kit.subject_prefix
         env["HETSCHED_STREAM_PREFIX"] = self.settings.kit.stream_prefix
-        fleet = self.fleet_file or self.settings.topology.inventory or demo_fleet_path()
-        env["HETSCHED_TOPOLOGY_INVENTORY"] = str(Path(fleet).resolve())
+        env["HETSCHED_TOPOLOGY_INVENTORY"] = str(self.fleet_path())
         return env
 
     def _database_env(self, package: str) -> dict[str, str]:
@@ -285,9 +304,10 @@ class Stack:
 
     def write_identities(self) -> Path:
         """The identities `up` runs with (``write_identities``); the path of the server's auth.conf."""
-        written = write_identities(self.settings)
+        written = write_identities(self.settings, agents=self.agent_nodes())
         self.operator_seed = written.operator_seed
         self.service_seeds = written.service_seeds
+        self.agent_seeds = written.agent_seeds
         return written.auth_conf
 
     def nats_options(self) -> dict[str, Any]:
@@ -337,10 +357,17 @@ class Stack:
         asyncio.run(create())
 
     def _spawn(self, package: str) -> subprocess.Popen[bytes]:
-        with open(self.settings.kit.data_dir / "logs" / f"{package}.log", "ab") as log:  # the child keeps its copy
+        if package.startswith(AGENT_CHILD):
+            node = package.removeprefix(AGENT_CHILD)
+            env = {**self._child_env("topology_discovery"), **self._agent_env(node)}
+            env.pop("HETSCHED_DATABASE_URL", None)  # an agent has no database
+            log_name, module = f"agent-{node}", "services.topology_discovery"
+        else:
+            env, log_name, module = self._child_env(package), package, f"services.{package}"
+        with open(self.settings.kit.data_dir / "logs" / f"{log_name}.log", "ab") as log:  # the child keeps its copy
             return subprocess.Popen(
-                [sys.executable, "-m", f"services.{package}"],
-                env=self._child_env(package),
+                [sys.executable, "-m", module],
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 preexec_fn=child_preexec,
@@ -349,6 +376,40 @@ class Stack:
     def start_services(self) -> None:
         for package in services():
             self.children[package] = Child(package=package, proc=self._spawn(package))
+        for node in self.agent_nodes():
+            name = f"{AGENT_CHILD}{node}"
+            self.children[name] = Child(package=name, proc=self._spawn(name))
+
+    def fleet_path(self) -> Path:
+        return Path(self.fleet_file or self.settings.topology.inventory or demo_fleet_path()).resolve()
+
+    def agent_nodes(self) -> list[str]:
+        """The GPU nodes whose agents `up --engines` starts (none without it)."""
+        if self.engines == "none":
+            return []
+        fleet, _fingerprint = load_inventory(self.fleet_path())
+        return [node.name for node in fleet.nodes]
+
+    def _agent_env(self, node: str) -> dict[str, str]:
+        """A node's agent that only runs engines (its node is the inventory's): its own credential, the
+        simulated engine, and ports of its own (agents of one machine never race for one)."""
+        index = self.agent_nodes().index(node)
+        low = AGENT_PORT_BASE + index * AGENT_PORTS
+        env = {
+            "HETSCHED_TOPOLOGY_MODE": "agent",
+            "HETSCHED_TOPOLOGY_NODE": node,
+            "HETSCHED_TOPOLOGY_PROVIDER": "none",
+            "HETSCHED_AGENT_ENGINE": self.engines,
+            "HETSCHED_AGENT_BIND_HOST": "127.0.0.1",
+            "HETSCHED_AGENT_ADVERTISE_HOST": "127.0.0.1",
+            "HETSCHED_AGENT_PORT_MIN": str(low),
+            "HETSCHED_AGENT_PORT_MAX": str(low + AGENT_PORTS - 1),
+        }
+        seed = self.agent_seeds.get(node)
+        if seed is not None:
+            env["HETSCHED_NATS_NKEY_SEED_FILE"] = str(seed)
+            env["HETSCHED_NATS_INBOX_PREFIX"] = inbox_prefix(agent_identity(node))
+        return env
 
     def write_state(self) -> None:
         """The state file, replaced atomically: `status` and tests never read half of it."""
@@ -363,7 +424,10 @@ class Stack:
                 "nats_pid": self.nats.proc.pid if self.nats and self.nats.proc else None,
                 "postgres_pid": self.postgres.proc.pid if self.postgres and self.postgres.proc else None,
             },
-            "services": {p: c.proc.pid for p, c in self.children.items()},
+            "services": {p: c.proc.pid for p, c in self.children.items() if not p.startswith(AGENT_CHILD)},
+            "agents": {
+                p.removeprefix(AGENT_CHILD): c.proc.pid for p, c in self.children.items() if p.startswith(AGENT_CHILD)
+            },
         }
         path = state_path(self.settings)
         tmp = path.with_suffix(".tmp")

@@ -40,15 +40,24 @@ def up(
     fleet: Annotated[Path | None, typer.Option(help="Fleet inventory file (YAML); a demo fleet by default.")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Where embedded servers keep their data.")] = None,
     health_timeout_s: Annotated[float, typer.Option(help="How long to wait for six healthy services.")] = 60.0,
+    engines: Annotated[
+        str,
+        typer.Option(
+            help="`sim`: one node agent per GPU node of the fleet runs a simulated engine (a real OpenAI-compatible "
+            "HTTP server) for each replica placed there; `none`: no engines."
+        ),
+    ] = "none",
 ) -> None:
     """Start the local stack in the foreground; SIGINT/SIGTERM stops everything cleanly. Another `up`
     running from the same data dir: exit 4 at once, touching nothing."""
+    if engines not in ("none", "sim"):
+        bad_input(f"--engines must be `sim` or `none`, not {engines!r}")
     settings = settings_of(data_dir)
     try:
         lock = StackLock.acquire(settings.kit.data_dir)  # before anything in the data dir is written
     except StackRunning as exc:
         fail(str(exc), ALREADY_RUNNING_EXIT)
-    stack = Stack(settings, echo=partial(console.print, soft_wrap=True), fleet_file=fleet)
+    stack = Stack(settings, echo=partial(console.print, soft_wrap=True), fleet_file=fleet, engines=engines)
     stop_requested = False
 
     def _on_signal(signum: int, _frame: Any) -> None:
@@ -71,6 +80,9 @@ def up(
         console.print(f"fleet     {fleet or settings.topology.inventory or 'built-in demo fleet'}")
         stack.create_streams()
         stack.start_services()
+        if engines != "none":
+            agents = stack.agent_nodes()
+            console.print(f"engines   {engines}: {len(agents)} node agents start an engine per replica placed")
         stack.write_state()
         if stack.operator_seed is not None:
             console.print(f"operator  NKey seed {stack.operator_seed} (NATS requires authentication)")

@@ -39,13 +39,16 @@ def node_name(settings: Settings) -> str:
     return settings.topology.node or socket.gethostname()
 
 
-def make_provider(settings: Settings) -> TopologyProvider:
+def make_provider(settings: Settings) -> TopologyProvider | None:
+    """The node's profiler; None with provider ``none`` (an inventory node: its agent only runs engines)."""
     place = NodePlace(
         name=node_name(settings),
         region=settings.kit.region,
         cluster=settings.topology.cluster,
         rack=settings.topology.rack,
     )
+    if settings.topology.provider == "none":
+        return None
     if settings.topology.provider == "nvidia-smi":
         return NvidiaSmiProvider(
             place=place,
@@ -76,7 +79,7 @@ class Agent:
         self,
         *,
         node: str,
-        provider: TopologyProvider,
+        provider: TopologyProvider | None,
         rpc: RpcClient,
         nats: Callable[[], NatsClient],
         jetstream: Callable[[], JetStreamContext],
@@ -106,6 +109,8 @@ class Agent:
             return None
 
     async def scan_once(self) -> None:
+        if self.provider is None:
+            return
         try:
             profile = await asyncio.to_thread(self.provider.profile)
         except ProviderError as exc:
@@ -127,11 +132,15 @@ class Agent:
             self._log.error("fleet rejected the profile", extra={"error": reply.error.model_dump(mode="json")})
 
     async def scan_loop(self) -> None:
+        if self.provider is None:  # the inventory defines the node: nothing to profile or beat for
+            return
         while True:
             await self.scan_once()
             await asyncio.sleep(self._intervals.scan_s)
 
     async def heartbeat_loop(self) -> None:
+        if self.provider is None:
+            return
         while True:
             if self.reported is not None:  # beat only once the fleet knows the node
                 beat = Heartbeat(node=self.node, fingerprint=self.reported)
@@ -140,6 +149,8 @@ class Agent:
 
     async def publish_telemetry(self) -> bool:
         """One sample of every GPU onto the TELEMETRY stream; False when there was nothing to send."""
+        if self.provider is None:
+            return False
         try:
             samples = await asyncio.to_thread(self.provider.telemetry)
         except ProviderError as exc:
@@ -161,6 +172,8 @@ class Agent:
         return True
 
     async def telemetry_loop(self) -> None:
+        if self.provider is None:
+            return
         while True:
             await asyncio.sleep(self._intervals.telemetry_s)
             await self.publish_telemetry()

@@ -542,7 +542,10 @@ class TopologySettings(Section):
         json_schema_extra=doc_default("unset (`hetsched up`: the demo fleet)"),
     )
     provider: str = Field(
-        default="nvml", pattern=r"^(nvml|nvidia-smi)$", description="Agent mode: `nvml` or `nvidia-smi`."
+        default="nvml",
+        pattern=r"^(nvml|nvidia-smi|none)$",
+        description="Agent mode: `nvml` or `nvidia-smi`; `none`: the node is defined by the inventory, so the "
+        "agent neither profiles nor beats, and only runs its engines (`HETSCHED_AGENT_ENGINE`).",
     )
     node: str | None = Field(
         default=None, description="Agent mode: the node's name.", json_schema_extra=doc_default("host name")
