@@ -223,7 +223,11 @@ class EngineStatusEvent(Contract):
         default=None, ge=0, le=1_000_000, description="Requests in the engine's running batch.", examples=[12]
     )
     kv_usage: Float | None = Field(
-        default=None, ge=0, le=1, description="Fraction of the KV cache in use, as the engine reports it.", examples=[0.3]
+        default=None,
+        ge=0,
+        le=1,
+        description="Fraction of the KV cache in use, as the engine reports it.",
+        examples=[0.3],
     )
     itl_p50_ms: Float | None = Field(
         default=None, ge=0, le=3_600_000, description="Recent inter-token latency p50.", examples=[22.5]
@@ -232,7 +236,10 @@ class EngineStatusEvent(Contract):
         default=None, ge=0, le=3_600_000, description="Recent inter-token latency p99.", examples=[71.0]
     )
     prompt_tokens_per_s: Float | None = Field(
-        default=None, ge=0, description="Prompt (prefill) tokens processed per second since the last report.", examples=[3200.0]
+        default=None,
+        ge=0,
+        description="Prompt (prefill) tokens processed per second since the last report.",
+        examples=[3200.0],
     )
     generation_tokens_per_s: Float | None = Field(
         default=None, ge=0, description="Tokens generated per second since the last report.", examples=[850.0]
@@ -247,7 +254,7 @@ class EngineStatusEvent(Contract):
     preemptions: Int | None = Field(
         default=None,
         ge=0,
-        description="Requests preempted (SGLang: retracted) since the last report, or since the engine started on its first.",
+        description="Requests preempted (SGLang: retracted) since the last report (on the first: ever).",
         examples=[0],
     )
 

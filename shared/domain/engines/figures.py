@@ -225,7 +225,9 @@ class _Series:
 
     def __init__(self, exposition: Exposition, model: str | None, rank_labels: tuple[str, ...]) -> None:
         samples = [
-            s for s in exposition.samples if not math.isnan(s.value) and (model is None or s.label("model_name") == model)
+            s
+            for s in exposition.samples
+            if not math.isnan(s.value) and (model is None or s.label("model_name") == model)
         ]
         self._samples = _lowest_ranks(samples, rank_labels)
         self._models = {s.label("model_name") for s in self._samples if s.label("model_name") is not None}
@@ -317,16 +319,18 @@ def _window_seconds(current: Exposition, previous: Exposition | None, elapsed_s:
     if previous is None:
         return None
     if elapsed_s is not None:
-        return elapsed_s if elapsed_s > 0 else None
-    stamps = [max((s.timestamp_ms for s in e.samples if s.timestamp_ms is not None), default=None) for e in (current, previous)]
-    if stamps[0] is None or stamps[1] is None or stamps[0] <= stamps[1]:
+        return float(elapsed_s) if elapsed_s > 0 else None
+    now, before = _latest_timestamp(current), _latest_timestamp(previous)
+    if now is None or before is None or now <= before:
         return None
-    return (stamps[0] - stamps[1]) / 1000
+    return (now - before) / 1000
 
 
-def _prefix_hit_rate(
-    now: _Series, names: EngineMetricNames, delta: Callable[[str], float | None]
-) -> float | None:
+def _latest_timestamp(exposition: Exposition) -> int | None:
+    return max((s.timestamp_ms for s in exposition.samples if s.timestamp_ms is not None), default=None)
+
+
+def _prefix_hit_rate(now: _Series, names: EngineMetricNames, delta: Callable[[str], float | None]) -> float | None:
     hits_name = _first_present(now, names.prefix_hits)
     queries_name = _first_present(now, names.prefix_queries)
     if hits_name and queries_name:
