@@ -7,7 +7,6 @@ read is skipped and counted, never raised; only text with nothing readable in it
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -206,8 +205,3 @@ def _unescape(text: str, *, quotes: bool) -> str | None:
             out.append("\\" + escaped)
         position += 2
     return "".join(out)
-
-
-def is_number(value: float) -> bool:
-    """A value that can take part in arithmetic: not NaN (an engine's "no data yet")."""
-    return not math.isnan(value)
