@@ -16,8 +16,9 @@ __all__ = ["Exposition", "Sample", "UnreadableExposition", "parse_exposition"]
 
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-# Go's ParseFloat as Prometheus uses it, without Python's extras (underscores, "infinity" spelled out).
-_VALUE = re.compile(r"[+-]?(?:inf|nan|(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)", re.IGNORECASE)
+# Decimal numbers, Inf/Infinity and NaN in any case, as Go's ParseFloat (which Prometheus uses) reads
+# them; not Python's extras (digits separated by underscores). Go's hexadecimal floats are not read.
+_VALUE = re.compile(r"[+-]?(?:inf(?:inity)?|nan|(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)", re.IGNORECASE)
 _TIMESTAMP = re.compile(r"-?\d+")
 _TYPES = frozenset({"counter", "gauge", "histogram", "summary", "untyped"})
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}

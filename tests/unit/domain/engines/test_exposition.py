@@ -44,7 +44,7 @@ def test_help_text_escapes_are_undone() -> None:
 
 
 def test_nan_infinities_exponents_and_timestamps() -> None:
-    text = "a NaN\nb +Inf\nc -Inf 1700000000000\nd 8.128902e+06\ne 1.5e-3 -12\nf\t2\t5\n"
+    text = "a NaN\nb +Inf\nc -Inf 1700000000000\nd 8.128902e+06\ne 1.5e-3 -12\nf\t2\t5\ng +infinity\n"
     values = {s.name: (s.value, s.timestamp_ms) for s in parse_exposition(text).samples}
     assert math.isnan(values["a"][0])
     assert values["b"] == (math.inf, None)
@@ -52,6 +52,7 @@ def test_nan_infinities_exponents_and_timestamps() -> None:
     assert values["d"] == (8_128_902.0, None)
     assert values["e"] == (0.0015, -12)
     assert values["f"] == (2.0, 5)
+    assert values["g"] == (math.inf, None)
 
 
 def test_windows_line_ends_and_blank_lines_are_fine() -> None:
@@ -73,7 +74,8 @@ def test_windows_line_ends_and_blank_lines_are_fine() -> None:
         "m 1_000",  # Python would read it; Prometheus does not
         "m 1 1.5",  # a timestamp is an integer
         "9m 1",  # bad metric name
-        "m{} infinity",  # spelled-out infinity is Python's, not Go's
+        "m 1e",  # an exponent with no digits
+        "m 0.5.1",  # two decimal points
         'm{a="\\"} 1',  # the closing quote is escaped away
     ],
 )
