@@ -213,6 +213,50 @@ class EngineStatusEvent(Contract):
     latency_p99_ms: Float = Field(ge=0, le=3_600_000, description="Recent TTFT p99.", examples=[240.0])
     slo_violations: Int = Field(default=0, ge=0, description="Recent requests past their SLO.", examples=[0])
     healthy: bool = Field(default=True, description="The engine's own health check.", examples=[True])
+    engine: str | None = Field(
+        default=None,
+        max_length=NAME_MAX,
+        description="The engine's kind, read from its metric names: `vllm` or `sglang`.",
+        examples=["vllm"],
+    )
+    running_requests: Int | None = Field(
+        default=None, ge=0, le=1_000_000, description="Requests in the engine's running batch.", examples=[12]
+    )
+    kv_usage: Float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Fraction of the KV cache in use, as the engine reports it.",
+        examples=[0.3],
+    )
+    itl_p50_ms: Float | None = Field(
+        default=None, ge=0, le=3_600_000, description="Recent inter-token latency p50.", examples=[22.5]
+    )
+    itl_p99_ms: Float | None = Field(
+        default=None, ge=0, le=3_600_000, description="Recent inter-token latency p99.", examples=[71.0]
+    )
+    prompt_tokens_per_s: Float | None = Field(
+        default=None,
+        ge=0,
+        description="Prompt (prefill) tokens processed per second since the last report.",
+        examples=[3200.0],
+    )
+    generation_tokens_per_s: Float | None = Field(
+        default=None, ge=0, description="Tokens generated per second since the last report.", examples=[850.0]
+    )
+    prefix_cache_hit_rate: Float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Share of prompt tokens served from the prefix cache since the last report.",
+        examples=[0.42],
+    )
+    preemptions: Int | None = Field(
+        default=None,
+        ge=0,
+        description="Requests preempted (SGLang: retracted) since the last report (on the first: ever).",
+        examples=[0],
+    )
 
 
 class TpuPodEvent(Contract):
