@@ -88,18 +88,20 @@ class Engine:
         return self.batcher.refusal(prompt_tokens, max_tokens)
 
     @contextlib.asynccontextmanager
-    async def generate(self, *, prompt: str, max_tokens: int) -> AsyncIterator[asyncio.Queue[Token]]:
+    async def generate(
+        self, *, prompt: str, prompt_tokens: int, max_tokens: int
+    ) -> AsyncIterator[asyncio.Queue[Token]]:
         """Queue a request; yields the queue its tokens arrive on. Leaving early aborts it."""
         request_id = f"req-{next(self._ids)}"
         queue: asyncio.Queue[Token] = asyncio.Queue()
-        self._streams[request_id] = queue
         self.batcher.submit(
             request_id,
             prompt=prompt,
-            prompt_tokens=count_prompt_tokens(prompt),
+            prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             now_s=self.now_s(),
         )
+        self._streams[request_id] = queue
         self.metrics.request(max_tokens=max_tokens)
         self.metrics.scheduler(self.batcher)
         self._wake.set()
@@ -291,7 +293,10 @@ class Server:
             "total_tokens": parsed.prompt_tokens + parsed.max_tokens,
         }
         head = {"id": reply_id, "created": created, "model": self.served}
-        async with self.engine.generate(prompt=parsed.prompt, max_tokens=parsed.max_tokens) as queue:
+        generating = self.engine.generate(
+            prompt=parsed.prompt, prompt_tokens=parsed.prompt_tokens, max_tokens=parsed.max_tokens
+        )
+        async with generating as queue:
             if not parsed.stream:
                 words = [filler_token(seed, (await queue.get()).index) for _ in range(parsed.max_tokens)]
                 text = "".join(words)
@@ -398,7 +403,8 @@ def build(args: argparse.Namespace) -> tuple[Server, Engine]:
     return Server(engine=engine, profile=profile, model=args.model, served_model_name=served), engine
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace) -> int:
+    """Load, serve until SIGTERM or SIGINT, drain; 0, or 1 when the engine loop failed."""
     server, engine = build(args)
     profile = server.profile
     stop = asyncio.Event()
@@ -410,6 +416,13 @@ async def serve(args: argparse.Namespace) -> None:
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     engine_task = asyncio.create_task(engine.run(), name="sim-engine")
+
+    def engine_ended(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("sim engine loop failed: %r; stopping", task.exception())
+            stop.set()
+
+    engine_task.add_done_callback(engine_ended)
     log.info(
         "sim engine loading: model=%s sku=%s tp=%d weights=%.2f GB per accelerator load_s=%.2f "
         "(modelled; %.3f s at speedup %g) CUDA_VISIBLE_DEVICES=%s",
@@ -440,10 +453,12 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("sim engine stopping: %d running, %d waiting", engine.batcher.num_running, engine.batcher.num_waiting)
     await site.stop()  # no new connections
     await runner.cleanup()  # in-flight requests get shutdown_timeout to finish
+    failed = engine_task.done() and not engine_task.cancelled() and engine_task.exception() is not None
     engine_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
+    with contextlib.suppress(BaseException):
         await engine_task
     log.info("sim engine stopped")
+    return 1 if failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -452,11 +467,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         log.info("ignoring engine flags the simulator does not model: %s", " ".join(unknown))
     try:
-        asyncio.run(serve(args))
+        return asyncio.run(serve(args))
     except (ValueError, OSError) as exc:
         print(f"sim_server: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":
