@@ -22,6 +22,7 @@ from functools import lru_cache
 from typing import Final
 
 from shared.domain.fleet import cluster_key
+from shared.domain.hardware import Sku
 from shared.domain.memory import DEFAULT_WORKSPACE_BYTES, MemoryShare, dtype_bytes, per_accelerator_share
 from shared.domain.models import ModelSpec
 from shared.domain.placement.filters.demand import gpu_share, tp_fits_heads
@@ -338,8 +339,13 @@ def _power_ok(snapshot: FleetSnapshot, chosen: Iterable[tuple[GpuHost, int]]) ->
 
 
 def _link_bytes_per_s(host: GpuHost) -> float:
-    gen = host.sku.pcie_gen or 4
-    return GB_PER_S_PER_LANE.get(gen, GB_PER_S_PER_LANE[max(GB_PER_S_PER_LANE)]) * (host.sku.pcie_lanes or 16) * 1e9
+    return host_link_bytes_per_s(host.sku)
+
+
+def host_link_bytes_per_s(sku: Sku) -> float:
+    """Bytes per second of ``sku``'s PCIe host link (gen 4 x16 when the catalog does not say)."""
+    gen = sku.pcie_gen or 4
+    return GB_PER_S_PER_LANE.get(gen, GB_PER_S_PER_LANE[max(GB_PER_S_PER_LANE)]) * (sku.pcie_lanes or 16) * 1e9
 
 
 def pipeline(
@@ -482,7 +488,12 @@ def estimate_of(
 
 def load_time_s(share: MemoryShare, host: GpuHost) -> float:
     """Seconds to load one GPU's weights cold: its bytes over min(5 GB/s budget, its PCIe link)."""
-    return share.weights / min(WEIGHT_LOAD_BYTES_PER_S, _link_bytes_per_s(host))
+    return weight_load_s(share.weights, host.sku)
+
+
+def weight_load_s(weight_bytes: int, sku: Sku) -> float:
+    """Seconds to load ``weight_bytes`` onto one accelerator of ``sku`` cold: over min(5 GB/s, its PCIe link)."""
+    return weight_bytes / min(WEIGHT_LOAD_BYTES_PER_S, host_link_bytes_per_s(sku))
 
 
 # -- cross_domain -------------------------------------------------------------------------------
