@@ -141,6 +141,17 @@ class EngineMetrics:
             REQUEST_LATENCY_BUCKETS,
         )
 
+    def cache_config(self, *, num_gpu_blocks: int, block_size: int, cache_dtype: str = "auto") -> None:
+        """vLLM's ``vllm:cache_config_info`` (an info gauge, value 1): the KV cache's size in its labels,
+        as vLLM publishes its CacheConfig (what the node agent reads the KV capacity from)."""
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["block_size", "cache_dtype", "num_gpu_blocks"],
+            registry=self.registry,
+        )
+        info.labels(str(block_size), cache_dtype, str(num_gpu_blocks)).set(1)
+
     def scheduler(self, batcher: Batcher) -> None:
         """The gauges: requests running and waiting, KV use."""
         self.running.set(batcher.num_running)

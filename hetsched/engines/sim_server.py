@@ -53,6 +53,8 @@ from shared.infra.catalog import load_models, load_skus
 log = logging.getLogger("hetsched.engines.sim_server")
 
 DEFAULT_MAX_TOKENS = 16
+KV_BLOCK_TOKENS = 16
+"""Tokens per KV block, as vLLM's default `--block-size` (what `vllm:cache_config_info` reports)."""
 # vLLM's --dtype spellings and ours; "auto" is the model's own dtype.
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
@@ -397,9 +399,9 @@ def build(args: argparse.Namespace) -> tuple[Server, Engine]:
     )
     served = args.served_model_name or args.model
     batcher = Batcher(profile, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    engine = Engine(
-        batcher, EngineMetrics(model_name=served, max_model_len=profile.max_model_len), speedup=args.speedup
-    )
+    metrics = EngineMetrics(model_name=served, max_model_len=profile.max_model_len)
+    metrics.cache_config(num_gpu_blocks=profile.kv_capacity_tokens // KV_BLOCK_TOKENS, block_size=KV_BLOCK_TOKENS)
+    engine = Engine(batcher, metrics, speedup=args.speedup)
     return Server(engine=engine, profile=profile, model=args.model, served_model_name=served), engine
 
 

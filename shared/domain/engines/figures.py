@@ -367,3 +367,29 @@ def _rate(increase: float | None, window: float | None, before: _Series | None) 
     if increase is None or window is None or before is None:
         return None
     return increase / window
+
+
+VLLM_CACHE_INFO = "vllm:cache_config_info"
+SGLANG_KV_TOKENS = "sglang:max_total_num_tokens"
+
+
+def kv_capacity_tokens(exposition: Exposition) -> int | None:
+    """Tokens the engine's KV cache holds: vLLM's ``vllm:cache_config_info`` labels (``num_gpu_blocks`` x
+    ``block_size``, summed over its engines), SGLang's ``sglang:max_total_num_tokens`` (its lowest rank, summed
+    over data-parallel ranks); None when the scrape says neither."""
+    total = 0
+    found = False
+    for sample in exposition.samples:
+        if sample.name == VLLM_CACHE_INFO:
+            try:
+                blocks, size = int(sample.label("num_gpu_blocks") or ""), int(sample.label("block_size") or "")
+            except ValueError:
+                continue
+            total, found = total + blocks * size, True
+    if found:
+        return total
+    sglang = _lowest_ranks(
+        [s for s in exposition.samples if s.name == SGLANG_KV_TOKENS], ENGINE_METRICS[EngineKind.SGLANG].rank_labels
+    )
+    values = [s.value for s in sglang if math.isfinite(s.value) and s.value >= 0]
+    return int(sum(values)) if values else None
