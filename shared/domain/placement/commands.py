@@ -7,8 +7,10 @@ allocation it serves, and, when the replica spans several nodes, the engine's ow
 * vLLM (multiprocessing across nodes, https://docs.vllm.ai/en/latest/serving/parallelism_scaling/,
   "Running vLLM with MultiProcessing"): every node runs ``vllm serve`` with the same TP/PP sizes and
   ``--nnodes N --node-rank R --master-addr <head> --master-port <port>``; ranks above 0 add
-  ``--headless`` (no API server: the head serves). ``--distributed-executor-backend mp`` is explicit
-  (Ray is the other documented way, with ``ray start`` on every node first; these lines need no Ray).
+  ``--headless`` (no API server: the head serves). The flags are ``ParallelConfig``'s ``nnodes``,
+  ``node_rank``, ``master_addr``, ``master_port`` (vllm/config/parallel.py: "for multi-node distributed
+  inference when distributed_executor_backend is mp"), so ``--distributed-executor-backend mp`` is
+  explicit. Ray is the other documented way (``ray start`` on every node first); these lines need none.
 * SGLang (https://docs.sglang.io/references/multi_node_deployment/multi_node.html): every node runs
   ``sglang.launch_server`` with the same ``--tp-size``/``--pp-size`` and
   ``--nnodes N --node-rank R --dist-init-addr <head>:<port>``.
