@@ -70,20 +70,28 @@ def place(
     region: Annotated[str | None, typer.Option(help="Required region.")] = None,
     preemptible: Annotated[bool, typer.Option(help="May run on lent capacity.")] = False,
     lease_s: Annotated[int | None, typer.Option(help="Lease length.")] = None,
-    explain: Annotated[bool, typer.Option(help="Dry run (placement.explain).")] = False,
+    explain: Annotated[
+        bool,
+        typer.Option(
+            "--explain",
+            "--dry-run",
+            help="Dry run (placement.explain): the decision, and with --emit its launch lines, without reserving.",
+        ),
+    ] = False,
     as_json: JsonOption = False,
     data_dir: DataDirOption = None,
     credential: CredentialOption = None,
     emit: Annotated[
         EmitKind | None,
         typer.Option(
-            help="Print only what an operator pastes: the `vllm serve` or `sglang.launch_server` line "
-            "(with CUDA_VISIBLE_DEVICES and taskset), or `env` KEY=value lines. No launch: the reply goes to "
+            help="Print only what an operator pastes, per node of the replica: a `# node ... (rank R of N), "
+            "allocation ...` comment, then the `vllm serve` or `sglang.launch_server` line (with its devices, "
+            "taskset and multi-node arguments), or `env` KEY=value lines. No launch: the reply goes to "
             "stderr and the exit code is 1."
         ),
     ] = None,
 ) -> None:
-    """One `placement.place` call (or `placement.explain` with --explain)."""
+    """One `placement.place` call (or `placement.explain` with --explain / --dry-run: nothing reserved)."""
     fields: dict[str, Any] = {
         "request_id": request_id or f"cli-{uuid.uuid4()}",
         "tenant": _owner(data_dir, credential, tenant),
@@ -132,8 +140,8 @@ def _confirm(data_dir: Path | None, credential: Path | None, request: PlaceReque
 
 
 def _emit(reply: PlaceReply | Rejected, kind: EmitKind) -> None:
-    """stdout gets only the pasteable text; anything else (the reply without a launch, a note that the
-    replica spans nodes) goes to stderr, and no launch exits 1."""
+    """stdout gets only the pasteable text (comments and lines); anything else (the reply without a
+    launch, a note on where the nodes meet) goes to stderr, and no launch exits 1."""
     try:
         text = emit_text(reply, kind)
     except NothingToEmit as exc:

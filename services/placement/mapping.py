@@ -23,7 +23,7 @@ from shared.contracts.placement import (
 from shared.domain.fleet import AcceleratorId, fleet_domains
 from shared.domain.models import ModelSpec
 from shared.domain.placement import binding as engine_binding
-from shared.domain.placement.binding import bind, launch
+from shared.domain.placement.binding import bind, launch, tpu_launch
 from shared.domain.placement.types import Decision, FleetSnapshot, PlacementRequest
 from shared.domain.placement.view import (
     AssumeKey,
@@ -107,17 +107,39 @@ def _device_hbm(decision: Decision, snapshot: FleetSnapshot) -> int | None:
 def binding_and_launch(
     decision: Decision, snapshot: FleetSnapshot, request: PlacementRequest
 ) -> tuple[list[NodeBinding] | None, EngineLaunch | None, str | None]:
-    """What an engine is started with for a placed GPU decision (``shared.domain.placement.binding``),
-    and a note when it cannot be said."""
-    if not decision.placed or decision.tpu is not None:
+    """What an engine is started with for a placed decision (``shared.domain.placement.binding``): a GPU
+    decision's per-node binding and engine arguments, a TPU slice's vLLM TPU arguments; and a note when
+    the arguments cannot be said (the binding stays)."""
+    if not decision.placed:
         return None, None, None
+    spec = snapshot.models.get(request.model)
+    if decision.tpu is not None:
+        if spec is None:
+            return None, None, "no engine arguments: the model is unknown"
+        pod = snapshot.tpu_pods.get(decision.tpu.pod)
+        dtype, kv_dtype = launch_dtypes(decision, request, spec)
+        try:
+            engine = tpu_launch(
+                decision,
+                model=spec,
+                hbm_per_chip=pod.hbm_per_chip if pod is not None else None,
+                context_tokens=request.context_tokens,
+                concurrency=request.concurrency,
+                dtype=dtype,
+                kv_dtype=kv_dtype,
+            )
+        except ValueError as exc:
+            return None, None, f"no engine arguments: {exc}"
+        return None, _launch(engine), None
     try:
         bindings = bind(decision, snapshot.nodes)
-        spec = snapshot.models.get(request.model)
-        hbm = _device_hbm(decision, snapshot)
-        if spec is None or hbm is None:
-            return _bindings(bindings), None, "no engine arguments: the model or the device HBM is unknown"
-        dtype, kv_dtype = launch_dtypes(decision, request, spec)
+    except ValueError as exc:
+        return None, None, f"no binding: {exc}"
+    hbm = _device_hbm(decision, snapshot)
+    if spec is None or hbm is None:
+        return _bindings(bindings), None, "no engine arguments: the model or the device HBM is unknown"
+    dtype, kv_dtype = launch_dtypes(decision, request, spec)
+    try:
         engine = launch(
             decision,
             model=spec,
@@ -129,11 +151,17 @@ def binding_and_launch(
             bindings=bindings,
         )
     except ValueError as exc:
-        return None, None, f"no binding: {exc}"
-    return (
-        _bindings(bindings),
-        EngineLaunch(vllm=list(engine.vllm), sglang=list(engine.sglang), env=dict(engine.env)),
-        None,
+        return _bindings(bindings), None, f"no engine arguments: {exc}"
+    return _bindings(bindings), _launch(engine), None
+
+
+def _launch(engine: engine_binding.Launch) -> EngineLaunch:
+    return EngineLaunch(
+        vllm=list(engine.vllm),
+        sglang=list(engine.sglang),
+        env=dict(engine.env),
+        checkpoint=engine.checkpoint,
+        quantization=engine.quantization,
     )
 
 

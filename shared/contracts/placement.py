@@ -182,12 +182,31 @@ class NodeBinding(Contract):
 
 
 class EngineLaunch(Contract):
-    """The engine arguments that realise the placement (pasteable; see `hetsched place --emit`)."""
+    """The engine arguments that realise the placement (pasteable; see `hetsched place --emit`). The same
+    on every node of the replica; each node adds its own devices and its multi-node rank (docs/PLACEMENT.md
+    "Launch lines")."""
 
-    vllm: list[str] = Field(description="`vllm serve` arguments.", examples=[["--tensor-parallel-size", "4"]])
-    sglang: list[str] = Field(description="`python -m sglang.launch_server` arguments.", examples=[["--tp", "4"]])
+    vllm: list[str] = Field(
+        description="`vllm serve` arguments (on a TPU slice: vLLM TPU's).", examples=[["--tensor-parallel-size", "4"]]
+    )
+    sglang: list[str] = Field(
+        description="`python -m sglang.launch_server` arguments; empty where SGLang has no launch (a TPU slice).",
+        examples=[["--tp", "4"]],
+    )
     env: dict[str, str] = Field(
         description="Environment (per the first node).", examples=[{"CUDA_VISIBLE_DEVICES": "0,1"}]
+    )
+    checkpoint: str | None = Field(
+        default=None,
+        description="What the engines load: the catalog's checkpoint for the placement's weights dtype (a "
+        "pre-quantised one where listed), else the model's own.",
+        examples=["neuralmagic/Meta-Llama-3.1-70B-FP8"],
+    )
+    quantization: str | None = Field(
+        default=None,
+        description="The `--quantization` method the engines apply while loading (`fp8` on a 16-bit "
+        "checkpoint); null when none, or when the checkpoint's own config names its method.",
+        examples=[None],
     )
 
 

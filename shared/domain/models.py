@@ -6,6 +6,7 @@ the file is the caller's job.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -100,6 +101,9 @@ class ModelSpec:
     max_context: int
     backends: frozenset[str]
     source: str
+    checkpoints: tuple[tuple[str, str], ...] = ()
+    """(weights dtype, checkpoint) pairs: the pre-quantised (or other-dtype) checkpoint the engines load
+    for a placement in that dtype; the catalog's ``checkpoints`` mapping, in its order."""
 
     @property
     def ssm_layers(self) -> int:
@@ -112,6 +116,10 @@ class ModelSpec:
     def supports(self, backend: str) -> bool:
         """Whether a built artifact exists for ``backend`` (``gpu`` / ``tpu``)."""
         return backend in self.backends
+
+    def checkpoint_for(self, dtype: str) -> str | None:
+        """The checkpoint the catalog lists for weights in ``dtype``, or None."""
+        return dict(self.checkpoints).get(dtype)
 
 
 _FIELDS = frozenset(
@@ -141,6 +149,7 @@ _FIELDS = frozenset(
         "max_context",
         "backends",
         "source",
+        "checkpoints",
     }
 )
 _SSM_FIELDS = frozenset({"d_inner", "d_state", "conv_kernel", "n_groups", "heads"})
@@ -197,6 +206,30 @@ def _parse_mla(value: Any, where: str) -> MlaSpec:
         kv_lora_rank=_int(entry, "kv_lora_rank", where),
         qk_rope_head_dim=_int(entry, "qk_rope_head_dim", where),
     )
+
+
+# A Hugging Face repo id ("org/name") or an absolute local path: what both engines take as the model.
+_CHECKPOINT = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+|/\S+")
+
+
+def _checkpoints(entry: Mapping[str, Any], where: str) -> tuple[tuple[str, str], ...]:
+    """``checkpoints``: weights dtype -> checkpoint (a Hugging Face repo id or an absolute path)."""
+    value = entry.get("checkpoints")
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise CatalogError(f"{where}.checkpoints: expected a mapping of weights dtype to checkpoint")
+    pairs: list[tuple[str, str]] = []
+    for dtype, checkpoint in value.items():
+        if dtype not in DTYPE_BYTES:
+            raise CatalogError(f"{where}.checkpoints.{dtype}: expected a dtype among {', '.join(sorted(DTYPE_BYTES))}")
+        if not isinstance(checkpoint, str) or not _CHECKPOINT.fullmatch(checkpoint):
+            raise CatalogError(
+                f"{where}.checkpoints.{dtype}: expected a Hugging Face repo id (org/name) or an absolute path, "
+                f"got {checkpoint!r}"
+            )
+        pairs.append((dtype, checkpoint))
+    return tuple(pairs)
 
 
 def _backends(entry: Mapping[str, Any], where: str) -> frozenset[str]:
@@ -315,6 +348,7 @@ def parse_model(name: str, entry: Any, *, where: str | None = None) -> ModelSpec
         max_context=_int(entry, "max_context", where),
         backends=_backends(entry, where),
         source=source,
+        checkpoints=_checkpoints(entry, where),
     )
 
 

@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from math import prod
 
 from shared.domain.dtypes import compute_dtype, dtype_bytes
 from shared.domain.fleet import AcceleratorId, NodeProfile
@@ -28,14 +29,18 @@ from shared.domain.topology.cpus import cpu_list
 __all__ = [
     "BRUTE_FORCE_MAX_GPUS",
     "Launch",
+    "NoCheckpoint",
     "NodeBinding",
+    "Weights",
     "bind",
     "checkpoint_id",
     "launch",
     "memory_fraction",
     "ring_order",
     "sglang_kv_cache_dtype",
+    "tpu_launch",
     "vllm_kv_cache_dtype",
+    "weights_for",
 ]
 
 BRUTE_FORCE_MAX_GPUS = 8
@@ -65,11 +70,30 @@ class NodeBinding:
 @dataclass(frozen=True, slots=True)
 class Launch:
     """Engine arguments that realise a placement: ``vllm`` follows ``vllm serve``, ``sglang`` follows
-    ``python -m sglang.launch_server``; ``env`` is the environment of the first node's process."""
+    ``python -m sglang.launch_server`` (empty: SGLang has no launch for it, e.g. a TPU slice); ``env`` is
+    the environment of the first node's process. ``checkpoint`` is what both load; ``quantization`` the
+    ``--quantization`` method they apply on the fly, if any."""
 
     vllm: tuple[str, ...]
     sglang: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
+    checkpoint: str | None = None
+    quantization: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    """What the engines load for weights in a dtype: the ``checkpoint``, the ``--dtype`` they compute in,
+    and the ``--quantization`` method applied while loading (None: none, or the checkpoint's config names
+    its own method, which both engines read)."""
+
+    checkpoint: str
+    engine_dtype: str
+    quantization: str | None
+
+
+class NoCheckpoint(ValueError):
+    """Weights in a dtype that needs a pre-quantised checkpoint the catalog does not list."""
 
 
 # -- the ring -----------------------------------------------------------------------------------
@@ -251,10 +275,42 @@ def _engine_dtype(dtype: str) -> str:
 
 
 def checkpoint_id(model: ModelSpec) -> str:
-    """What the engines load: the Hugging Face repo the catalog's ``source`` starts with
+    """The model's own checkpoint: the Hugging Face repo the catalog's ``source`` starts with
     ("meta-llama/Meta-Llama-3-70B config.json (...)"), else the catalog name."""
     head = model.source.split(maxsplit=1)[0] if model.source.strip() else ""
     return head if _HF_REPO.fullmatch(head) else model.name
+
+
+_PREQUANTISED_ONLY = frozenset({"int8", "int4", "fp4"})
+
+
+def weights_for(model: ModelSpec, dtype: str) -> Weights:
+    """What the engines load for ``model``'s weights in ``dtype``, in this order:
+
+    1. a checkpoint the catalog lists for ``dtype`` (``checkpoints``): loaded as it is, its config naming
+       its quantisation method; a quantised one computes in the dtype its config says (``--dtype auto``:
+       AWQ/GPTQ kernels that take only float16 would refuse bfloat16), a 16-bit one in ``dtype``;
+    2. ``dtype`` is the catalog's ``dtype``, or 16/32-bit: the model's own checkpoint, converted by ``--dtype``;
+    3. fp8 on a 16-bit checkpoint: the model's own checkpoint with ``--quantization fp8`` (both engines
+       quantise to fp8 while loading);
+    4. int8, int4, fp4: ``NoCheckpoint``. Neither engine quantises a 16-bit checkpoint to these as it loads
+       in a way the ledger's bytes describe, and loading the 16-bit one would need 2-4x the HBM reserved.
+    """
+    listed = model.checkpoint_for(dtype)
+    if listed is not None:
+        quantised = dtype_bytes(dtype) < 2
+        return Weights(listed, "auto" if quantised else _engine_dtype(dtype), None)
+    own = checkpoint_id(model)
+    if dtype == model.dtype or dtype_bytes(dtype) >= 2:
+        return Weights(own, _engine_dtype(dtype), None)
+    if dtype == "fp8":
+        return Weights(own, _engine_dtype(dtype), "fp8")
+    if dtype in _PREQUANTISED_ONLY:
+        raise NoCheckpoint(
+            f"{model.name} has no {dtype} checkpoint in the catalog (models.yaml `checkpoints.{dtype}`): {dtype} "
+            f"weights need a pre-quantised checkpoint, and the {model.dtype} one would need more HBM than placed"
+        )
+    raise ValueError(f"unknown weights dtype {dtype!r}")
 
 
 def memory_fraction(share_bytes: int, hbm_bytes: int) -> str:
@@ -289,8 +345,8 @@ def launch(
     the ledger's share per accelerator (``decision.share.total``) over the device's HBM, rounded down
     to three decimals (``memory_fraction``), as vLLM's ``--gpu-memory-utilization`` (a per-instance
     limit, so replicas sharing a GPU each get their own) and SGLang's ``--mem-fraction-static``.
-    Context and concurrency become the maximum model length and running sequences; weights fp8 on a
-    16-bit checkpoint add ``--quantization fp8`` (online fp8 in both engines).
+    Context and concurrency become the maximum model length and running sequences; the weights come from
+    ``weights_for`` (a listed pre-quantised checkpoint, or ``--quantization fp8`` on a 16-bit one).
 
     The model is vLLM's positional ``model_tag``: ``vllm serve --model`` is deprecated and was an error
     in vLLM 0.8-0.9 (vllm-project/vllm#17944, #39506).
@@ -300,7 +356,8 @@ def launch(
     ``CUDA_VISIBLE_DEVICES``. No NCCL variables: NCCL reads the same NVLink/PCIe topology itself, and
     forcing paths (NCCL_P2P_LEVEL, NCCL_ALGO) only ever removes its options.
 
-    Raises ``ValueError`` for a decision without a share or a share that is no fraction of the device.
+    Raises ``ValueError`` for a decision without a share or a share that is no fraction of the device,
+    ``NoCheckpoint`` (a ``ValueError``) for weights that need a checkpoint the catalog does not list.
     """
     if decision.share is None:
         raise ValueError(f"decision {decision.request_id} holds no share: nothing to launch")
@@ -308,9 +365,10 @@ def launch(
     tp = decision.tp or len(stages[0])
     pp = max(decision.pp, 1)
     fraction = memory_fraction(decision.share.total, hbm_bytes)
-    checkpoint = checkpoint_id(model)
-    engine_dtype = _engine_dtype(dtype)
-    quantize = ("--quantization", "fp8") if dtype == "fp8" and model.dtype != "fp8" else ()
+    weights = weights_for(model, dtype)
+    checkpoint = weights.checkpoint
+    engine_dtype = weights.engine_dtype
+    quantize = ("--quantization", weights.quantization) if weights.quantization else ()
 
     vllm: list[str] = [checkpoint, "--tensor-parallel-size", str(tp)]
     if pp > 1:
@@ -351,4 +409,64 @@ def launch(
     env: dict[str, str] = {}
     if bindings:
         env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": bindings[0].cuda_visible_devices}
-    return Launch(vllm=tuple(vllm), sglang=tuple(sglang), env=env)
+    return Launch(
+        vllm=tuple(vllm),
+        sglang=tuple(sglang),
+        env=env,
+        checkpoint=checkpoint,
+        quantization=weights.quantization,
+    )
+
+
+def tpu_launch(
+    decision: Decision,
+    *,
+    model: ModelSpec,
+    hbm_per_chip: int | None,
+    context_tokens: int,
+    concurrency: int,
+    dtype: str,
+    kv_dtype: str,
+) -> Launch:
+    """vLLM's arguments for a placed TPU slice (vLLM TPU: https://docs.vllm.ai/projects/tpu/en/latest/).
+
+    The slice's chips are one tensor-parallel group: ``--tensor-parallel-size`` = chips in the slice (the
+    vLLM TPU quickstart serves a v6e-8 host with ``--tensor-parallel-size 8``). Memory, context,
+    concurrency, dtype and the weights as on GPUs; the fraction is of one chip's HBM (vLLM TPU sizes its
+    KV cache by ``--gpu-memory-utilization`` as on GPUs), left out when the chip's HBM is unknown.
+    ``env``: ``PJRT_DEVICE=TPU``, the PyTorch/XLA runtime's device selector
+    (https://docs.pytorch.org/xla/master/runtime.html), which vLLM's PyTorch/XLA TPU backend reads; the
+    JAX backend ignores it. No SGLang arguments (``sglang`` empty): SGLang serves GPUs here.
+
+    Raises ``ValueError`` for a decision without a slice or share, a KV dtype vLLM TPU has no cache for
+    (4-bit), and ``NoCheckpoint`` as ``launch`` does.
+    """
+    if decision.tpu is None or decision.share is None:
+        raise ValueError(f"decision {decision.request_id} holds no TPU slice: nothing to launch on TPU")
+    chips = len(decision.tpu.chips) or prod(decision.tpu.shape)
+    weights = weights_for(model, dtype)
+    kv = vllm_kv_cache_dtype(kv_dtype)
+    if kv not in ("auto", "fp8"):
+        raise ValueError(f"vLLM TPU has no {kv_dtype} KV cache")
+    vllm: list[str] = [weights.checkpoint, "--tensor-parallel-size", str(chips)]
+    if hbm_per_chip:
+        vllm += ["--gpu-memory-utilization", memory_fraction(decision.share.total, hbm_per_chip)]
+    vllm += [
+        "--max-model-len",
+        str(context_tokens),
+        "--max-num-seqs",
+        str(concurrency),
+        "--dtype",
+        weights.engine_dtype,
+        "--kv-cache-dtype",
+        kv,
+    ]
+    if weights.quantization:
+        vllm += ["--quantization", weights.quantization]
+    return Launch(
+        vllm=tuple(vllm),
+        sglang=(),
+        env={"PJRT_DEVICE": "TPU"},
+        checkpoint=weights.checkpoint,
+        quantization=weights.quantization,
+    )

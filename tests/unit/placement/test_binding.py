@@ -24,6 +24,7 @@ from shared.domain.fleet import Accelerator, NodeProfile
 from shared.domain.memory import MemoryShare, per_accelerator_share
 from shared.domain.placement.binding import (
     BRUTE_FORCE_MAX_GPUS,
+    NoCheckpoint,
     NodeBinding,
     bind,
     checkpoint_id,
@@ -32,6 +33,7 @@ from shared.domain.placement.binding import (
     ring_order,
     sglang_kv_cache_dtype,
     vllm_kv_cache_dtype,
+    weights_for,
 )
 from shared.domain.placement.types import Decision, TpuPlacement
 from shared.domain.topology import (
@@ -580,3 +582,28 @@ def test_a_native_fp8_checkpoint_gets_no_quantization_flag() -> None:
     )
     assert "--quantization" not in result.vllm and "--quantization" not in result.sglang
     assert _arg(result.vllm, "--dtype") == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("model", "dtype", "expected"),
+    [
+        ("llama3-70b", "bf16", ("meta-llama/Meta-Llama-3-70B", "bfloat16", None)),
+        ("llama3-70b", "fp16", ("meta-llama/Meta-Llama-3-70B", "float16", None)),
+        ("llama3-70b", "fp8", ("meta-llama/Meta-Llama-3-70B", "bfloat16", "fp8")),  # online fp8
+        ("llama3.1-70b", "fp8", ("neuralmagic/Meta-Llama-3.1-70B-FP8", "auto", None)),  # listed: as it is
+        ("llama3.1-8b", "int4", ("UCLA-EMC/Meta-Llama-3.1-8B-AWQ-INT4", "auto", None)),
+        ("mixtral-8x7b", "int4", ("TheBloke/mixtral-8x7b-v0.1-AWQ", "auto", None)),
+        ("deepseek-v3", "fp8", ("deepseek-ai/DeepSeek-V3", "bfloat16", None)),  # released in fp8
+    ],
+)
+def test_weights_come_from_a_listed_checkpoint_the_models_own_or_online_fp8(
+    model: str, dtype: str, expected: tuple[str, str, str | None]
+) -> None:
+    weights = weights_for(models()[model], dtype)
+    assert (weights.checkpoint, weights.engine_dtype, weights.quantization) == expected
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4", "fp4"])
+def test_sub_8_bit_and_int8_weights_without_a_listed_checkpoint_have_none(dtype: str) -> None:
+    with pytest.raises(NoCheckpoint, match=f"llama3-70b has no {dtype} checkpoint"):
+        weights_for(models()["llama3-70b"], dtype)

@@ -201,6 +201,10 @@ def test_defaults_fill_in_what_a_dense_entry_leaves_out() -> None:
         ({"sliding_window_layers": 3}, r"^models\.m\.sliding_window_layers: given without sliding_window"),
         ({"experts_offloaded": True}, r"^models\.m\.experts_offloaded: expected a boolean, true only with experts"),
         ({"source": 3}, r"^models\.m\.source: expected a string"),
+        ({"checkpoints": ["org/m-awq"]}, r"^models\.m\.checkpoints: expected a mapping of weights dtype"),
+        ({"checkpoints": {"int3": "org/m"}}, r"^models\.m\.checkpoints\.int3: expected a dtype among"),
+        ({"checkpoints": {"int4": "m-awq"}}, r"^models\.m\.checkpoints\.int4: expected a Hugging Face repo id"),
+        ({"checkpoints": {"int4": None}}, r"^models\.m\.checkpoints\.int4: expected a Hugging Face repo id"),
     ],
 )
 def test_bad_entries_name_the_field(overrides: dict[str, Any], message: str) -> None:
@@ -246,3 +250,13 @@ def test_a_user_catalog_adds_and_replaces_models_whole() -> None:
     merged = merge_model_catalogs(base, mine)
     assert merged["llama3-8b"].max_context == 4096 and "my-model" in merged and "deepseek-v3" in merged
     assert base["llama3-8b"].max_context == 8192
+
+
+def test_checkpoints_name_a_checkpoint_per_weights_dtype() -> None:
+    spec = parse_model_catalog({"models": {"m": entry(checkpoints={"fp8": "org/m-FP8", "int4": "/models/m-awq"})}})["m"]
+    assert spec.checkpoints == (("fp8", "org/m-FP8"), ("int4", "/models/m-awq"))
+    assert spec.checkpoint_for("int4") == "/models/m-awq" and spec.checkpoint_for("fp4") is None
+    assert parse_model_catalog({"models": {"m": entry()}})["m"].checkpoints == ()
+    shipped = catalog()
+    assert shipped["llama3.1-8b"].checkpoint_for("int4") == "UCLA-EMC/Meta-Llama-3.1-8B-AWQ-INT4"
+    assert shipped["llama3-70b"].checkpoint_for("int4") is None  # none verified for the base model

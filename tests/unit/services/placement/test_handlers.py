@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from hetsched.emit import node_lines
 from services.placement.attempts import Ownership, Queueing
 from services.placement.handlers import PlacementHandlers
 from services.placement.records import PlacedAllocation, QueuedRequest, SeenAllocation, StoredIntent, Turn
@@ -624,6 +625,31 @@ async def test_explain_reserves_nothing() -> None:
     assert isinstance(reply, PlaceReply) and reply.status == "placed" and reply.allocation_id is None
     assert reply.explanation[0].startswith("dry run")
     assert rig.rpc.sent == [] and rig.uow.events == [] and rig.reserved() == {}
+
+
+async def test_a_dry_run_carries_the_binding_and_launch_lines_without_reserving() -> None:
+    rig = Rig(FakeRpc(ledger_commit=[committed()]))
+    reply = await rig.handlers.placing.explain(place(tp=2))
+    assert isinstance(reply, PlaceReply) and reply.status == "placed" and reply.allocation_id is None
+    assert reply.binding is not None and reply.launch is not None
+    (line,) = node_lines(reply, "vllm")
+    assert line.comment == "# node n1 (rank 0 of 1), dry run: no allocation reserved"
+    assert line.env["CUDA_VISIBLE_DEVICES"] == reply.binding[0].cuda_visible_devices
+    assert "HETSCHED_ALLOCATION_ID" not in line.env
+    assert line.argv[line.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert rig.rpc.sent == [] and rig.reserved() == {}
+
+
+async def test_a_dry_run_on_a_tpu_slice_carries_vllm_tpu_arguments() -> None:
+    rig = Rig(FakeRpc(), fleet_view(nodes=(), pods=("p1",)))
+    reply = await rig.handlers.placing.explain(place(backend="tpu"))
+    assert isinstance(reply, PlaceReply) and reply.status == "placed" and reply.tpu_slice is not None
+    assert reply.launch is not None and reply.launch.sglang == [] and reply.launch.env == {"PJRT_DEVICE": "TPU"}
+    chips = reply.tpu_slice.shape[0] * reply.tpu_slice.shape[1]
+    vllm = reply.launch.vllm
+    assert vllm[0] == "meta-llama/Meta-Llama-3-8B"
+    assert vllm[vllm.index("--tensor-parallel-size") + 1] == str(chips)
+    assert rig.rpc.sent == []
 
 
 # -- release / renew ---------------------------------------------------------------------------------

@@ -34,10 +34,10 @@ from shared.contracts.topology import (
 from shared.domain.errors import ErrorCode
 from shared.domain.fleet import AcceleratorId
 from shared.domain.memory import MemoryShare, usable_hbm
-from shared.domain.placement.types import Decision
+from shared.domain.placement.types import Decision, TpuPlacement
 from shared.infra.fleet_view import apply_event, to_domain, view_from
 from shared.infra.profiles import profile_to_payload
-from tests.unit.placement.builders import models, node, skus, snapshot
+from tests.unit.placement.builders import models, node, skus, snapshot, tpu_pod
 
 USABLE = usable_hbm(skus()["H100-SXM-80GB"].hbm_bytes)
 GB = 10**9
@@ -304,3 +304,82 @@ def test_the_view_seeds_and_follows_sharing_cross_domain_traffic_and_telemetry()
     assert view.snapshot.pcie_util == {}
     apply_event(view, TelemetryEventName.GPU, telemetry, at=datetime(2026, 12, 5, tzinfo=UTC))
     assert view.snapshot.pcie_util == {"n1": pytest.approx(0.8)}
+
+
+# -- launch lines: quantised weights, two GH200 nodes, a TPU slice ------------------------------------------
+
+
+def gpu_decision(accelerators: tuple[str, ...], **extra: Any) -> Decision:
+    return staged_decision(pp=1, stages=(), fallback=None, accelerators=accelerators, tp=len(accelerators), **extra)
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_int4_weights_load_the_listed_pre_quantised_checkpoint() -> None:
+    snap = snapshot(node("n1").nvswitch(8))
+    request = to_domain(place_request(model="llama3.1-8b", dtype="int4"))
+    reply = to_reply(gpu_decision(("n1/gpu0",)), snapshot=snap, request=request)
+    assert reply.launch is not None and reply.launch.checkpoint == "UCLA-EMC/Meta-Llama-3.1-8B-AWQ-INT4"
+    assert reply.launch.vllm[0] == "UCLA-EMC/Meta-Llama-3.1-8B-AWQ-INT4"
+    assert _arg(reply.launch.sglang, "--model-path") == "UCLA-EMC/Meta-Llama-3.1-8B-AWQ-INT4"
+    # its config names AWQ and float16: no --quantization, and the engines take the checkpoint's dtype
+    assert "--quantization" not in reply.launch.vllm and reply.launch.quantization is None
+    assert _arg(reply.launch.vllm, "--dtype") == "auto" and _arg(reply.launch.sglang, "--dtype") == "auto"
+
+
+def test_int4_weights_without_a_listed_checkpoint_have_no_launch_and_say_why() -> None:
+    snap = snapshot(node("n1").nvswitch(8))
+    request = to_domain(place_request(model="llama3-70b", dtype="int4"))
+    reply = to_reply(gpu_decision(("n1/gpu0", "n1/gpu1")), snapshot=snap, request=request)
+    assert reply.launch is None  # never the bf16 checkpoint on an int4 share
+    assert reply.binding is not None and reply.binding[0].cuda_visible_devices == "0,1"
+    assert any("no int4 checkpoint" in line and "checkpoints.int4" in line for line in reply.explanation)
+
+
+def test_fp8_weights_prefer_a_listed_checkpoint_else_quantise_on_the_fly() -> None:
+    snap = snapshot(node("n1").nvswitch(8))
+    decision = gpu_decision(("n1/gpu0", "n1/gpu1"))
+    listed = to_reply(decision, snapshot=snap, request=to_domain(place_request(model="llama3.1-70b", dtype="fp8")))
+    assert listed.launch is not None and listed.launch.vllm[0] == "neuralmagic/Meta-Llama-3.1-70B-FP8"
+    assert "--quantization" not in listed.launch.vllm and _arg(listed.launch.vllm, "--dtype") == "auto"
+    online = to_reply(decision, snapshot=snap, request=to_domain(place_request(model="llama3-70b", dtype="fp8")))
+    assert online.launch is not None and online.launch.vllm[0] == "meta-llama/Meta-Llama-3-70B"
+    assert _arg(online.launch.vllm, "--quantization") == "fp8" and online.launch.quantization == "fp8"
+    assert _arg(online.launch.sglang, "--quantization") == "fp8"
+
+
+def test_a_replica_on_two_gh200_nodes_binds_each_node_and_shares_one_launch() -> None:
+    snap = snapshot(node("gh-a").sku("GH200-96GB").nvswitch(1), node("gh-b").sku("GH200-96GB").nvswitch(1))
+    decision = gpu_decision(("gh-a/gpu0", "gh-b/gpu0"), sku="GH200-96GB", node="gh-a", nodes=("gh-a", "gh-b"))
+    reply = to_reply(decision, snapshot=snap, request=to_domain(place_request(model="llama3-8b", dtype="bf16")))
+    assert reply.binding is not None and [(b.node, b.cuda_visible_devices) for b in reply.binding] == [
+        ("gh-a", "0"),
+        ("gh-b", "0"),
+    ]
+    assert reply.launch is not None and _arg(reply.launch.vllm, "--tensor-parallel-size") == "2"
+
+
+def test_a_tpu_slice_launches_vllm_tpu_with_its_chips_as_the_tp_group() -> None:
+    pod = tpu_pod("p1", shape=(4, 4))
+    snap = snapshot(pods=[pod])
+    chips = tuple(f"p1/0.{y}" for y in range(4))
+    decision = Decision(
+        request_id="r",
+        status="placed",
+        backend="tpu",
+        region="us-west-1",
+        sku="TPU-V5E",
+        tp=4,
+        tpu=TpuPlacement(pod="p1", origin=(0, 0), shape=(1, 4), chips=chips),
+        share=MemoryShare(weights=4 * GB, kv=2 * GB, activation=GB, workspace=GB),
+    )
+    reply = to_reply(decision, snapshot=snap, request=to_domain(place_request(model="llama3-8b", dtype="bf16")))
+    assert reply.binding is None and reply.launch is not None and reply.launch.sglang == []
+    vllm = reply.launch.vllm
+    assert vllm[0] == "meta-llama/Meta-Llama-3-8B" and _arg(vllm, "--tensor-parallel-size") == "4"
+    hbm = snap.tpu_pods["p1"].hbm_per_chip
+    assert _arg(vllm, "--gpu-memory-utilization") == f"{8 * GB * 1000 // hbm / 1000:.3f}"
+    assert _arg(vllm, "--max-model-len") == "8192" and _arg(vllm, "--dtype") == "bfloat16"
+    assert reply.launch.env == {"PJRT_DEVICE": "TPU"}
