@@ -2,7 +2,10 @@
 (docs/ENGINES.md, "Launchers"). Pure functions of the assignment, the port and the settings.
 
 * ``vllm``: ``vllm serve <checkpoint> <placement's arguments> --served-model-name <model> --host --port``
-* ``sglang``: ``python3 -m sglang.launch_server <placement's arguments> --served-model-name --host --port``
+* ``sglang``: ``python -m sglang.launch_server <placement's arguments> --served-model-name --host --port``
+
+  both with the engine's own multi-node arguments for this node's rank when the replica spans several
+  nodes (``shared.domain.placement.commands.node_command``, what ``hetsched place --emit`` prints)
 * ``sim``: hetsched's simulated engine (``python -m hetsched.engines.sim_server``) with vLLM's arguments
 * ``custom``: a command template (``HETSCHED_AGENT_ENGINE_COMMAND``) with ``{model}``, ``{checkpoint}``,
   ``{host}``, ``{port}``, ``{tp}``, ``{pp}``, ``{devices}``, ``{replica_id}``, ``{rank}``, ``{ranks}``,
@@ -14,19 +17,15 @@ environment, and ``HETSCHED_REPLICA_ID`` / ``HETSCHED_NODE`` naming what it runs
 
 from __future__ import annotations
 
-import hashlib
 import shlex
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shared.contracts.engines import Assignment
+from shared.domain.placement.commands import node_command
 
 ENGINE_KINDS = ("vllm", "sglang", "sim", "custom")
-GROUP_PORT_BASE = 29500
-GROUP_PORTS = 500
-"""A multi-node group meets at its head node on a port every rank's agent works out alike from the replica
-id alone (``group_port``): ``GROUP_PORT_BASE`` plus the id's hash modulo ``GROUP_PORTS``."""
 
 
 class LaunchError(ValueError):
@@ -98,14 +97,25 @@ def engine_command(assignment: Assignment, *, port: int, settings: LaunchSetting
     )
     listen = ["--host", settings.host, "--port", str(port)]
     served = ["--served-model-name", assignment.model]
-    multi = _multi_node(assignment)
     kind = settings.engine
-    if kind == "vllm":
-        argv = ["vllm", "serve", *_without(vllm, "--host", "--port", "--served-model-name"), *served, *listen]
-        argv = _vllm_ray(assignment, argv + multi["vllm"])
-    elif kind == "sglang":
-        args = _without(sglang, "--host", "--port", "--served-model-name")
-        argv = [settings.python, "-m", "sglang.launch_server", *args, *served, *listen, *multi["sglang"]]
+    if kind in ("vllm", "sglang"):
+        args = _without(vllm if kind == "vllm" else sglang, "--host", "--port", "--served-model-name")
+        binding = assignment.binding
+        try:
+            argv, _env = node_command(
+                kind,
+                [*args, *served, *listen],
+                {},
+                node=binding.node if binding is not None else assignment.head_node,
+                rank=assignment.rank,
+                ranks=assignment.ranks,
+                head_node=assignment.head_node,
+                allocation_id=assignment.replica_id,
+            )
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from exc
+        if kind == "sglang":
+            argv = [settings.python, *argv[1:]]  # the agent's Python, where SGLang is installed with it
     elif kind == "sim":
         args = _without(vllm[1:] if vllm and not vllm[0].startswith("-") else vllm, "--host", "--port")
         argv = [settings.python, "-m", "hetsched.engines.sim_server", "--model", assignment.model, *args, *listen]
@@ -128,37 +138,6 @@ def engine_command(assignment: Assignment, *, port: int, settings: LaunchSetting
     except ValueError as exc:
         raise LaunchError(f"the binding's CPU set: {exc}") from exc
     return EngineCommand(argv=tuple(argv), env=env, cpus=cpus)
-
-
-def group_port(replica_id: str) -> int:
-    """Where the ranks of a multi-node replica meet on its head node (the same on every node)."""
-    digest = hashlib.sha256(replica_id.encode()).digest()
-    return GROUP_PORT_BASE + int.from_bytes(digest[:4], "big") % GROUP_PORTS
-
-
-def _multi_node(assignment: Assignment) -> dict[str, list[str]]:
-    """Each engine's own multi-node arguments for this node's rank (none for a one-node replica). SGLang:
-    ``--nnodes --node-rank --dist-init-addr`` (python/sglang/srt/server_args.py); vLLM spans nodes through a
-    Ray cluster the operator starts (``ray start``), so only the head runs ``vllm serve``, with
-    ``--distributed-executor-backend ray`` (docs.vllm.ai, "Distributed inference and serving")."""
-    if assignment.ranks <= 1:
-        return {"vllm": [], "sglang": []}
-    meet = f"{assignment.head_node}:{group_port(assignment.replica_id)}"
-    return {
-        "vllm": ["--distributed-executor-backend", "ray"],
-        "sglang": ["--nnodes", str(assignment.ranks), "--node-rank", str(assignment.rank), "--dist-init-addr", meet],
-    }
-
-
-def _vllm_ray(assignment: Assignment, serve: list[str]) -> list[str]:
-    """vLLM across nodes: the head starts the Ray head, then ``vllm serve``; every other rank joins the
-    Ray cluster and stays in it (``ray start --block``)."""
-    if assignment.ranks <= 1:
-        return serve
-    ray_port = str(group_port(assignment.replica_id))
-    if assignment.rank > 0:
-        return ["ray", "start", "--address", f"{assignment.head_node}:{ray_port}", "--block"]
-    return ["sh", "-c", f"ray start --head --port {ray_port} && exec {shlex.join(serve)}"]
 
 
 def _template(assignment: Assignment, *, port: int, settings: LaunchSettings) -> list[str]:

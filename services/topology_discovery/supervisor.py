@@ -22,7 +22,8 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,15 @@ from shared.contracts.base import Rejected
 from shared.contracts.engines import Assignment, AssignmentsReply, AssignmentsRequest, ReplicaStateEvent
 from shared.contracts.envelope import new_event
 from shared.contracts.subjects import Context, Rpc, Subjects
-from shared.contracts.topology import TelemetryEventName
+from shared.contracts.topology import EngineStatusEvent, TelemetryEventName
 from shared.domain import supervision
+from shared.domain.engines.exposition import Exposition, UnreadableExposition, parse_exposition
+from shared.domain.engines.figures import UnrecognizedEngine, engine_figures, kv_capacity_tokens
+from shared.domain.engines.status import engine_status_fields
+from shared.domain.memory import kv_cache_bytes
+from shared.domain.models import ModelSpec
 from shared.domain.supervision import ALIVE, Forget, Kill, Phase, Policy, Run, Start, Stop, Wanted
+from shared.infra.catalog import load_models
 from shared.infra.clock import Clock
 from shared.infra.outbox import msg_id_headers
 from shared.infra.rpc import RpcClient, RpcError
@@ -59,6 +66,8 @@ class Engine:
     published: tuple[Any, ...] | None = None
     log_path: Path | None = None
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)
+    scraped: Exposition | None = None  # the last /metrics, for figures over the window since
+    scraped_at: float | None = None  # monotonic seconds
 
 
 def policy_of(settings: AgentSettings) -> Policy:
@@ -97,6 +106,7 @@ class Supervisor:
         settings: AgentSettings,
         log_dir: Path,
         log: logging.Logger,
+        models: Mapping[str, ModelSpec] | None = None,
     ) -> None:
         self.node = node
         self._rpc = rpc
@@ -117,7 +127,7 @@ class Supervisor:
         self.engines: dict[str, Engine] = {}
         self.wanted: dict[str, Assignment] | None = None  # None until placement first answered
         self._session: aiohttp.ClientSession | None = None
-        self.scrape: Callable[[Engine, str], Any] | None = None
+        self._models = models if models is not None else load_models()
 
     # -- the loops ----------------------------------------------------------------------------
 
@@ -351,28 +361,71 @@ class Supervisor:
             await self._publish_state(
                 engine, event, (event.state, event.endpoint, event.pid, event.restarts, event.reason)
             )
-            if self.scrape is not None and engine.run.phase is Phase.READY and engine.assignment.rank == 0:
+            if engine.run.phase is Phase.READY and engine.assignment.rank == 0:
                 text = await self.get_text(engine, "/metrics")
                 if text is not None:
-                    await self.scrape(engine, text)
+                    await self._publish_status(engine, text)
+
+    def status_event(self, engine: Engine, text: str) -> EngineStatusEvent | None:
+        """The engine's status from one scrape of its ``/metrics`` (vLLM's or SGLang's names), its latency
+        and token figures over the window since the previous scrape; None when the text is no engine's."""
+        now_s = time.monotonic()
+        try:
+            exposition = parse_exposition(text)
+            elapsed = now_s - engine.scraped_at if engine.scraped_at is not None else None
+            figures = engine_figures(exposition, engine.scraped, elapsed_s=elapsed)
+        except (UnreadableExposition, UnrecognizedEngine) as exc:
+            self._log.warning(
+                "engine metrics not understood", extra={"replica": engine.run.replica_id, "error": str(exc)}
+            )
+            return None
+        engine.scraped, engine.scraped_at = exposition, now_s
+        fields = engine_status_fields(
+            figures,
+            replica_id=engine.run.replica_id,
+            node=self.node,
+            kv_total_bytes=self._kv_bytes(engine.assignment, kv_capacity_tokens(exposition)),
+            healthy=engine.run.phase is Phase.READY,
+        )
+        return EngineStatusEvent.model_validate(fields)
+
+    def _kv_bytes(self, assignment: Assignment, tokens: int | None) -> int:
+        """The KV cache's bytes: the tokens the engine says it holds times the model's KV bytes per token
+        (fp8 when the launch asks for an fp8 cache, else 16-bit); 0 when either is unknown."""
+        spec = self._models.get(assignment.model)
+        if not tokens or spec is None:
+            return 0
+        args = assignment.launch.vllm if assignment.launch is not None else []
+        flag = args[args.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in args[:-1] else "auto"
+        kv_dtype = "fp8" if flag.startswith("fp8") else "bf16"
+        return tokens * kv_cache_bytes(spec, seq_len=1, batch=1, kv_dtype=kv_dtype)
+
+    async def _publish_status(self, engine: Engine, text: str) -> None:
+        event = self.status_event(engine, text)
+        if event is None:
+            return
+        await self._publish(TelemetryEventName.ENGINE_STATUS, event.model_dump(mode="json"))
 
     async def _publish_state(self, engine: Engine, event: ReplicaStateEvent, key: tuple[Any, ...]) -> None:
+        if await self._publish(TelemetryEventName.REPLICA_STATE, event.model_dump(mode="json")):
+            engine.published = key
+
+    async def _publish(self, name: TelemetryEventName, payload: dict[str, Any]) -> bool:
+        """One TELEMETRY event on this node's subject; False when NATS did not take it (the next pass
+        publishes again)."""
         envelope = new_event(
-            type=f"{Context.TELEMETRY.value}.{TelemetryEventName.REPLICA_STATE.value}",
-            source=SOURCE,
-            payload=event.model_dump(mode="json"),
-            occurred_at=self._clock(),
+            type=f"{Context.TELEMETRY.value}.{name.value}", source=SOURCE, payload=payload, occurred_at=self._clock()
         )
         try:
             await self._jetstream().publish(
-                self._subjects.event(Context.TELEMETRY, TelemetryEventName.REPLICA_STATE, node=self.node),
+                self._subjects.event(Context.TELEMETRY, name, node=self.node),
                 envelope.model_dump_json().encode(),
                 headers=msg_id_headers(str(envelope.event_id)),
             )
-        except Exception as exc:  # NATS away: the next pass publishes it again
-            self._log.warning("replica state not published", extra={"error": str(exc)})
-            return
-        engine.published = key
+        except Exception as exc:
+            self._log.warning("engine event not published", extra={"type": name.value, "error": str(exc)})
+            return False
+        return True
 
 
 def _signal(engine: Engine, signum: int) -> None:
