@@ -126,6 +126,7 @@ class Supervisor:
         self._log = log
         self.engines: dict[str, Engine] = {}
         self.wanted: dict[str, Assignment] | None = None  # None until placement first answered
+        self._problem: str | None = None  # why placement did not answer the last question
         self._session: aiohttp.ClientSession | None = None
         self._models = models if models is not None else load_models()
 
@@ -197,14 +198,23 @@ class Supervisor:
                 Rpc.PLACEMENT_ASSIGNMENTS, AssignmentsRequest(node=self.node), AssignmentsReply, scope=self.node
             )
         except RpcError as exc:
-            self._log.warning(
-                "placement did not say what this node runs; keeping the engines as they are", extra={"error": str(exc)}
-            )
+            self._unanswered(f"placement did not answer: {exc}")
             return None
         if isinstance(reply, Rejected):
-            self._log.warning("placement refused the assignments question", extra={"error": reply.error.message})
+            self._unanswered(f"placement refused: {reply.error.message}")
             return None
+        if self._problem is not None:
+            self._log.info("placement answers again", extra={"after": self._problem})
+            self._problem = None
         return reply
+
+    def _unanswered(self, problem: str) -> None:
+        """Logged once per problem (not at every pass): what runs keeps running meanwhile."""
+        if problem != self._problem:
+            self._log.warning(
+                "placement did not say what this node runs; keeping the engines as they are", extra={"error": problem}
+            )
+        self._problem = problem
 
     async def _act(self, action: supervision.Action) -> None:
         if isinstance(action, Start):
