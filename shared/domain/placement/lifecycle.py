@@ -12,7 +12,7 @@ stale window count as absent; a replica with none left is judged as before the a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.domain.placement.listing import ReplicaState
@@ -104,3 +104,9 @@ def renew_due(*, expires_at_ms: float | None, lease_ms: float, now_ms: float) ->
     if expires_at_ms is None:
         return True
     return expires_at_ms - now_ms < lease_ms / 2
+
+
+def rank_order(binding: Sequence[str], placed: Sequence[str]) -> list[str]:
+    """A replica's nodes in rank order (rank 0, the head, first): the binding's nodes in its order, then
+    any node placed but not bound (none, for a GPU replica placed with its binding), each once."""
+    return list(dict.fromkeys([*binding, *placed]))
