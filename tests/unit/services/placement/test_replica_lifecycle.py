@@ -4,6 +4,7 @@ replicas and naming their endpoint, and ``placement.assignments``' parts of a re
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -12,6 +13,7 @@ from services.placement.admission import AdmissionHandlers, Fairness
 from services.placement.assignments import assignment_of, assignments_of, replica_nodes
 from services.placement.engines import EngineStates
 from services.placement.records import PlacedReplica
+from services.placement.renewals import Renewals
 from services.placement.replicas import ReplicaBook, replica_of
 from shared.contracts.base import Rejected
 from shared.contracts.engines import ReplicaStateEvent
@@ -23,6 +25,8 @@ from shared.contracts.placement import (
     NodeBinding,
     NodePlacement,
     PlaceReply,
+    RenewReply,
+    RenewRequest,
     TpuSlice,
 )
 from shared.contracts.topology import EngineStatusEvent
@@ -265,3 +269,69 @@ async def test_admission_chooses_only_ready_replicas_and_names_the_endpoint() ->
     engines.report(report("al-2", "n-2", "ready", endpoint="http://n-2:8100"), wall())
     moved = await admission.admit(ask("e"))
     assert isinstance(moved, AdmitReply) and (moved.replica_id, moved.endpoint) == ("al-2", "http://n-2:8100")
+
+
+# -- renewal while the ranks report -----------------------------------------------------------------------
+
+
+class _Leases:
+    """The store's and unit of work's part Renewals uses: a replica's tenant and lease end."""
+
+    def __init__(self, ends: dict[str, datetime]) -> None:
+        self.ends = ends
+
+    async def read(self, fn: Any) -> Any:
+        return await fn(None)
+
+    async def lease_of(self, *, session: Any, allocation_id: str) -> tuple[str, datetime] | None:
+        end = self.ends.get(allocation_id)
+        return ("acme", end) if end is not None else None
+
+
+class _FirstLeases:
+    def __init__(self, on_first: set[str]) -> None:
+        self.on_first = on_first
+
+    def asked(self, allocation_id: str) -> int | None:
+        return 3600 if allocation_id in self.on_first else None
+
+
+async def test_a_reporting_replica_is_renewed_when_less_than_half_its_lease_is_left_and_never_shortened() -> None:
+    wall = Wall()
+    leases = _Leases(
+        {
+            "al-due": T0 + timedelta(seconds=20),  # 20 s of a 60 s lease left: due
+            "al-long": T0 + timedelta(days=7),  # its caller renewed it for a week: not shortened
+            "al-first": T0 + timedelta(seconds=5),  # on its first lease: the first-lease rule extends it
+        }
+    )
+    asked: list[RenewRequest] = []
+
+    async def renew(request: RenewRequest) -> RenewReply:
+        asked.append(request)
+        end = wall() + timedelta(seconds=request.lease_s)
+        leases.ends[request.allocation_id] = end
+        return RenewReply(status="renewed", lease_expires_at=end)
+
+    renewals = Renewals(
+        store=leases,  # type: ignore[arg-type]
+        uow=leases,  # type: ignore[arg-type]
+        renew=renew,
+        first_leases=_FirstLeases({"al-first"}),  # type: ignore[arg-type]
+        lease_s=60,
+        clock=wall,
+        log=log,
+    )
+    for replica in ("al-due", "al-long", "al-first", "al-gone"):
+        renewals.reported(replica)
+    await asyncio.sleep(0.01)
+    assert [(r.allocation_id, r.tenant, r.lease_s) for r in asked] == [("al-due", "acme", 60)]
+    renewals.reported("al-due")  # renewed a moment ago: a full lease left, nothing to do
+    wall.now += timedelta(seconds=29)
+    renewals.reported("al-due")
+    await asyncio.sleep(0.01)
+    assert len(asked) == 1
+    wall.now += timedelta(seconds=2)  # 29 s of 60 left: due again
+    renewals.reported("al-due")
+    await asyncio.sleep(0.01)
+    assert [r.allocation_id for r in asked] == ["al-due", "al-due"]
