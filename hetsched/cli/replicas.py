@@ -204,7 +204,9 @@ def replicas_(
         int | None, typer.Option(help="One page of at most this many (1-500) instead of every page.")
     ] = None,
     cursor: Annotated[str | None, typer.Option(help="One page, from this `next_cursor` of an earlier page.")] = None,
-    wide: Annotated[bool, typer.Option("--wide", help="Add request id, region, SKU, placed at; no folding.")] = False,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="Add request id, region, SKU, placed at, endpoint; no folding.")
+    ] = False,
     as_json: JsonOption = False,
     data_dir: DataDirOption = None,
     credential: CredentialOption = None,
@@ -299,13 +301,13 @@ def _table(replicas: list[ReplicaView], *, wide: bool) -> None:
         return
     headers = ["id", "tenant", "model", "nodes", "gpus", "tp/pp", "lease end", "state"]
     if wide:
-        headers += ["request id", "region", "sku", "placed at"]
+        headers += ["request id", "region", "sku", "placed at", "endpoint"]
     rows = []
     for r in replicas:
         nodes, gpus = _where(r)
         row = [r.replica_id, r.tenant, r.model or "-", nodes, gpus, f"{r.tp}/{r.pp}", _when(r.lease_expires_at)]
         row.append(r.state.value)
         if wide:
-            row += [r.request_id, r.region or "-", r.sku or "-", _when(r.placed_at)]
+            row += [r.request_id, r.region or "-", r.sku or "-", _when(r.placed_at), r.endpoint or "-"]
         rows.append(row)
     table(headers, rows, wide=wide)

@@ -106,8 +106,14 @@ class AdmissionHandlers:
         draining: Callable[[], set[str]] = set,
         regions: Callable[[], frozenset[str]] = frozenset,
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
+        admissible: Callable[[str], bool] = lambda _replica_id: True,
+        endpoint: Callable[[str], str | None] = lambda _replica_id: None,
     ) -> None:
-        """``rpc`` is kept for callers that pass it; admission itself calls no other service."""
+        """``rpc`` is kept for callers that pass it; admission itself calls no other service.
+        ``admissible``: whether a replica's agents let it take requests (ready, or not reporting lifecycle
+        states at all); ``endpoint``: the replica's endpoint, once ready (``engines.EngineStates``)."""
+        self._admissible = admissible
+        self._endpoint = endpoint
         self._load_placed = load_placed
         self._regions = regions  # the fleet's regions (placement's view): a request may name only these
         self._moving = draining  # replicas the rebalancer is moving: no new request goes to them
@@ -172,7 +178,8 @@ class AdmissionHandlers:
         return reply
 
     def _select(self, request: AdmitRequest, names: tuple[str, ...], now_ms: float) -> Selection:
-        replicas = self._book.serving(names, request.region)
+        # Only ready replicas take requests: starting, loading, draining, stopped or failed ones never.
+        replicas = [r for r in self._book.serving(names, request.region) if self._admissible(r.replica_id)]
         draining = self._moving()
         if draining:  # their requests in flight finish on them; new ones go to the copies
             replicas = [r for r in replicas if r.replica_id not in draining]
@@ -262,6 +269,7 @@ class AdmissionHandlers:
             explanation=explanation,
             failover=[c.replica.replica_id for c in selection.order[index + 1 :]][:8],
             failed_replica_ignored=waiting.failure_ignored,
+            endpoint=self._endpoint(replica.replica_id),
         )
         self._remember(_key(request.tenant, request.request_id), reply)
         return reply
@@ -374,6 +382,11 @@ class AdmissionHandlers:
     def on_engine_status(self, status: EngineStatusEvent) -> None:
         """An engine's report: the replica's figures now (a shorter queue may let waiting requests in)."""
         if self._book.report(status, now_ms=self._timer()) and len(self._queue):
+            self._wake.set()
+
+    def lifecycle_changed(self) -> None:
+        """A replica's agents reported its lifecycle: one that became ready may take waiting requests."""
+        if len(self._queue):
             self._wake.set()
 
     def on_allocation_ended(self, allocation_id: str) -> None:

@@ -9,15 +9,19 @@ from typing import Any
 from faststream import FastStream
 
 from services.placement.admission import AdmissionHandlers, Fairness
+from services.placement.assignments import Assignments
 from services.placement.attempts import Ownership, Queueing
+from services.placement.engines import EngineStates
 from services.placement.follows import FOLLOWS
 from services.placement.handlers import PlacementHandlers
 from services.placement.listing import ReplicaListing
 from services.placement.metrics import PlacementMetrics, ViewMetrics
 from services.placement.readmodel import ReadModel
+from services.placement.renewals import Renewals
 from services.placement.replicas import ReplicaBook
 from services.placement.store import DecisionStore
 from services.placement.tables import SCHEMA
+from shared.contracts.engines import AssignmentsRequest
 from shared.contracts.ledger import LedgerEventName
 from shared.contracts.placement import (
     AdmitRequest,
@@ -43,6 +47,9 @@ class Ctx:
     admission: AdmissionHandlers
     metrics: ViewMetrics
     listing: ReplicaListing
+    engines: EngineStates
+    renewals: Renewals
+    assignments: Assignments
 
 
 def wire(runtime: Runtime) -> Ctx:
@@ -63,8 +70,11 @@ def wire(runtime: Runtime) -> Ctx:
     async def load_placed() -> list[tuple[str, PlaceReply]]:
         return await runtime.uow.run(lambda uow: store.placed(session=uow.session))
 
+    book = ReplicaBook(models=models, kv_shares=(settings.placement.admit_kv_guarantees or None))
+    # The node agents' word on each replica's engines (replica_state), trusted from the replica's own nodes.
+    engines = EngineStates(nodes_of=book.nodes_of, stale_s=settings.placement.engine_stale_s, clock=runtime.clock)
     admission = AdmissionHandlers(
-        book=ReplicaBook(models=models, kv_shares=(settings.placement.admit_kv_guarantees or None)),
+        book=book,
         rpc=runtime.rpc,
         models=models,
         groups=load_model_groups(settings.kit.model_groups, models),
@@ -85,6 +95,8 @@ def wire(runtime: Runtime) -> Ctx:
         load_placed=load_placed,
         draining=lambda: readmodel.draining,
         regions=readmodel.regions,
+        admissible=engines.admissible,
+        endpoint=engines.endpoint,
     )
     handlers = PlacementHandlers.build(
         view=readmodel,
@@ -128,8 +140,35 @@ def wire(runtime: Runtime) -> Ctx:
         knows_node=readmodel.knows_node,
         draining=lambda: readmodel.draining,
         serving=admission.serving,
+        reported=engines.reported,
+        endpoint=engines.endpoint,
     )
-    return Ctx(handlers=handlers, readmodel=readmodel, admission=admission, metrics=metrics, listing=listing)
+    renewals = Renewals(
+        store=store,
+        uow=runtime.uow,
+        renew=handlers.lifecycle.renew,
+        first_leases=handlers.first_leases,
+        lease_s=settings.placement.default_lease_s,
+        clock=runtime.clock,
+        log=runtime.log,
+    )
+    assignments = Assignments(
+        store=store,
+        uow=runtime.uow,
+        models=models,
+        draining=lambda: readmodel.draining,
+        deadlines=readmodel.preempted,
+    )
+    return Ctx(
+        handlers=handlers,
+        readmodel=readmodel,
+        admission=admission,
+        metrics=metrics,
+        listing=listing,
+        engines=engines,
+        renewals=renewals,
+        assignments=assignments,
+    )
 
 
 SERVICE = ServiceDefinition(
@@ -144,6 +183,8 @@ SERVICE = ServiceDefinition(
         Route(Rpc.PLACEMENT_RENEW, RenewRequest, lambda ctx: ctx.handlers.lifecycle.renew),
         Route(Rpc.PLACEMENT_ADMIT, AdmitRequest, lambda ctx: ctx.admission.admit),
         Route(Rpc.PLACEMENT_REPLICAS, ReplicasRequest, lambda ctx: ctx.listing.replicas),
+        # A node agent's own subject (`.<node>`): the kit refuses a body naming another node.
+        Route(Rpc.PLACEMENT_ASSIGNMENTS, AssignmentsRequest, lambda ctx: ctx.assignments.assignments),
     ),
     on_start=(
         lambda ctx: ctx.admission.start(),

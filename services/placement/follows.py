@@ -8,11 +8,13 @@ from collections.abc import Callable
 from typing import Any
 
 from services.placement.readmodel import FREEING
+from shared.contracts.engines import ReplicaStateEvent
 from shared.contracts.ledger import AllocationEvent, LedgerEventName
 from shared.contracts.rebalance import RebalanceEventName
 from shared.contracts.reservation import ReservationEventName
 from shared.contracts.subjects import Context
 from shared.contracts.topology import TelemetryEventName, TopologyEventName
+from shared.domain.placement.lifecycle import LIVE
 from shared.infra.follow import EventMeta, Fold, Follow, Seed, Start
 
 # The seed of the fleet view: `fleet.get` and `ledger.snapshot`, loaded again every
@@ -66,6 +68,22 @@ def _engine_status(ctx: Any) -> Fold:
     return fold
 
 
+def _replica_state(ctx: Any) -> Fold:
+    """One rank's lifecycle, from an agent on one of the replica's nodes: the replica's state (listing,
+    admission's rotation, its endpoint); a live engine's report renews the replica's lease when due, and
+    (the first from one of its nodes) ends its first lease."""
+
+    def fold(payload: ReplicaStateEvent, meta: EventMeta) -> None:
+        if not ctx.engines.report(payload, meta.occurred_at):
+            return  # not one of ours, or another node's agent speaking for it
+        ctx.admission.lifecycle_changed()
+        if payload.state in LIVE and ctx.engines.alive(payload.replica_id):
+            ctx.renewals.reported(payload.replica_id)  # before the first lease's end: that one is its renewal
+            ctx.handlers.first_leases.engine_reported(payload.replica_id, payload.node)
+
+    return fold
+
+
 def _reservation(ctx: Any) -> Fold:
     def fold(payload: Any, _meta: EventMeta) -> None:
         if ctx.readmodel.reservation(payload):
@@ -87,8 +105,8 @@ def _throttle(on: bool) -> FoldFactory:
 
 
 def _is_admissions(name: str, _payload: Any) -> bool:
-    """Events admission takes as they come, the view seeded or not: engines' status."""
-    return name == TelemetryEventName.ENGINE_STATUS
+    """Events admission takes as they come, the view seeded or not: engines' status and lifecycle."""
+    return name in (TelemetryEventName.ENGINE_STATUS, TelemetryEventName.REPLICA_STATE)
 
 
 FOLLOWS = (
@@ -119,12 +137,16 @@ FOLLOWS = (
             LedgerEventName.CAPACITY_CHANGED: _fleet(LedgerEventName.CAPACITY_CHANGED),
         },
     ),
-    # GPU telemetry for each node's PCIe utilisation; engines' status for admission's rotation.
+    # GPU telemetry for each node's PCIe utilisation; engines' status and lifecycle for admission's rotation.
     Follow(
         Context.TELEMETRY,
         start=Start.NEW,
         seed=VIEW,
-        on={TelemetryEventName.GPU: _fleet(TelemetryEventName.GPU), TelemetryEventName.ENGINE_STATUS: _engine_status},
+        on={
+            TelemetryEventName.GPU: _fleet(TelemetryEventName.GPU),
+            TelemetryEventName.ENGINE_STATUS: _engine_status,
+            TelemetryEventName.REPLICA_STATE: _replica_state,
+        },
         live=_is_admissions,
     ),
     # Each event carries its reservation's whole state: folded from the first sequence, no seed.

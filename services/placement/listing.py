@@ -21,6 +21,7 @@ from shared.contracts.placement import PlaceReply, ReplicaPlacement, ReplicasRep
 from shared.domain.models import ModelSpec
 from shared.domain.placement.listing import (
     Position,
+    ReplicaState,
     decode_cursor,
     gpu_indices,
     page_end,
@@ -44,7 +45,11 @@ class ReplicaListing:
         knows_node: Callable[[str], bool],
         draining: Callable[[], Set[str]],
         serving: Callable[[], Set[str]],
+        reported: Callable[[Set[str]], Mapping[str, ReplicaState]] = lambda _draining: {},
+        endpoint: Callable[[str], str | None] = lambda _replica_id: None,
     ) -> None:
+        self._reported = reported
+        self._endpoint = endpoint
         self._store = store
         self._uow = uow
         self._models = models
@@ -58,7 +63,8 @@ class ReplicaListing:
         if request.node is not None and not self._knows_node(request.node):
             return rejected(ErrorCode.NOT_FOUND, f"no node or TPU pod {echo(request.node)} in the fleet")
         draining, serving = set(self._draining()), set(self._serving())
-        states = state_filter(request.state, draining=draining, serving=serving)
+        reported = self._reported(draining)
+        states = state_filter(request.state, draining=draining, serving=serving, reported=reported)
         where = ReplicaFilter(
             tenant=request.tenant,
             model=request.model,
@@ -75,15 +81,30 @@ class ReplicaListing:
         rows, total = await self._uow.read(read)
         page, next_cursor = page_end(rows, request.limit, lambda row: Position(row.tenant, row.request_id))
         return ReplicasReply(
-            replicas=[view_of(row, draining=draining, serving=serving) for row in page],
+            replicas=[
+                view_of(row, draining=draining, serving=serving, reported=reported, endpoint=self._endpoint)
+                for row in page
+            ],
             next_cursor=next_cursor,
             total=total,
         )
 
 
-def view_of(row: PlacedReplica, *, draining: Set[str], serving: Set[str]) -> ReplicaView:
-    """One listed replica from its placed decision (its stored reply: where it runs, on what)."""
-    state = replica_state(draining=row.allocation_id in draining, serving=row.allocation_id in serving)
+def view_of(
+    row: PlacedReplica,
+    *,
+    draining: Set[str],
+    serving: Set[str],
+    reported: Mapping[str, ReplicaState] | None = None,
+    endpoint: Callable[[str], str | None] = lambda _replica_id: None,
+) -> ReplicaView:
+    """One listed replica from its placed decision (its stored reply: where it runs, on what), in the state
+    its agents' reports fold into (``reported``), else the one the engine rule gives."""
+    state = replica_state(
+        draining=row.allocation_id in draining,
+        serving=row.allocation_id in serving,
+        reported=(reported or {}).get(row.allocation_id),
+    )
     try:
         reply = PlaceReply.model_validate(row.reply)
     except ValidationError:  # a reply no longer readable: the replica is still listed, with what is known
@@ -110,4 +131,5 @@ def view_of(row: PlacedReplica, *, draining: Set[str], serving: Set[str]) -> Rep
         state=state,
         lease_expires_at=row.lease_expires_at,
         placed_at=row.placed_at,
+        endpoint=endpoint(row.allocation_id) if state in (ReplicaState.READY, ReplicaState.DRAINING) else None,
     )

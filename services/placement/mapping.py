@@ -237,6 +237,7 @@ def to_reply(
         binding=binding,
         launch=engine,
         estimate=_estimate(decision),
+        dtype=request.dtype if request is not None and decision.placed else None,
     )
 
 

@@ -152,6 +152,10 @@ class ReadModel:
         else:
             self.throttled.discard(payload.node)
 
+    def preempted(self) -> dict[str, datetime]:
+        """Borrowed replicas told to leave (a reservation's preemptions): allocation id -> the deadline."""
+        return {p.allocation_id: p.deadline_at for reservation in self.book.active() for p in reservation.preemptions}
+
     def replica_draining(self, payload: ReplicaDrainingEvent) -> None:
         """Admission sends a draining replica nothing new."""
         self.draining.add(payload.allocation_id)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from shared.contracts.ledger import CommitRequest
 from shared.contracts.placement import PlaceReply, PlaceRequest
+from shared.domain.placement.listing import Position
 from shared.domain.placement.ownership import Intent
 
 
@@ -109,6 +110,11 @@ class PlacedReplica:
     reply: Mapping[str, Any]
     lease_expires_at: datetime | None
     placed_at: datetime
+
+    @property
+    def position(self) -> Position:
+        """Its place in the listing order (where the next page starts)."""
+        return Position(self.tenant, self.request_id)
 
 
 class PlacementRecord(BaseModel):

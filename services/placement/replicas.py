@@ -43,6 +43,7 @@ class Replica:
     region: str | None
     tp: int
     kv_pool: Mapping[str, int]  # accelerator id -> KV bytes of the replica there
+    nodes: tuple[str, ...] = ()  # every node it spans (the head first); a TPU replica's pod
 
     @property
     def accelerators(self) -> tuple[str, ...]:
@@ -68,6 +69,7 @@ def replica_of(owner: str, reply: PlaceReply, models: Mapping[str, ModelSpec]) -
         ranges = [range(o, o + s) for o, s in zip(tpu.origin, tpu.shape, strict=False)]
         accelerators = [chip_id(tpu.pod, coord) for coord in itertools.product(*ranges)]
         node = tpu.pod
+        nodes: tuple[str, ...] = (tpu.pod,)
     else:
         stages = reply.stages or [reply.placements]
         for stage in stages:
@@ -76,6 +78,7 @@ def replica_of(owner: str, reply: PlaceReply, models: Mapping[str, ModelSpec]) -
         if not accelerators:
             return None
         node = stages[0][0].node
+        nodes = tuple(dict.fromkeys([node, *(p.node for stage in stages for p in stage)]))
     return Replica(
         replica_id=reply.allocation_id,
         owner=owner,
@@ -85,6 +88,7 @@ def replica_of(owner: str, reply: PlaceReply, models: Mapping[str, ModelSpec]) -
         region=reply.region,
         tp=reply.tp or 1,
         kv_pool=dict.fromkeys(accelerators, share.kv_bytes),
+        nodes=nodes,
     )
 
 
@@ -148,6 +152,13 @@ class ReplicaBook:
         self._failed.pop(replica_id, None)
         self._statuses.pop(replica_id, None)
         self._rebuild_pool(replica.node)
+
+    def nodes_of(self, replica_id: str) -> frozenset[str] | None:
+        """The nodes a replica spans (its agents' names); None when the book does not hold it."""
+        replica = self.replicas.get(replica_id)
+        if replica is None:
+            return None
+        return frozenset(replica.nodes or (replica.node,))
 
     def serving(self, models: Iterable[str], region: str | None) -> list[Replica]:
         wanted = set(models)

@@ -248,6 +248,12 @@ class PlaceReply(Contract):
     binding: list[NodeBinding] | None = Field(default=None, description="Per node: how to start the engine.")
     launch: EngineLaunch | None = Field(default=None, description="Engine arguments that realise the placement.")
     estimate: Estimate | None = Field(default=None, description="Latency model estimates for the placement.")
+    dtype: Dtype | None = Field(
+        default=None,
+        description="Weights dtype the placement was made with, when the request named one (null: the model's "
+        "catalog dtype).",
+        examples=["fp8"],
+    )
 
 
 class ReleaseRequest(Request):
@@ -380,8 +386,10 @@ class ReplicaView(Contract):
         examples=[{"pod": "v5e-pod-1", "origin": [0, 0], "shape": [2, 2]}],
     )
     state: ReplicaState = Field(
-        description="Lifecycle state: `draining` while the rebalancer moves it off, `ready` while its engine reports "
-        "healthy within `HETSCHED_ENGINE_STALE_S`, else `placed`.",
+        description="Lifecycle state: what its node agents' `replica_state` reports fold into (`starting`, "
+        '`loading`, `ready`, `draining`, `stopped`, `failed`; docs/PLACEMENT.md "Replica lifecycle"); without a '
+        "report within `HETSCHED_ENGINE_STALE_S`: `draining` while the rebalancer moves it off, `ready` while its "
+        "engine reports healthy within `HETSCHED_ENGINE_STALE_S`, else `placed`.",
         examples=["ready"],
     )
     lease_expires_at: datetime | None = Field(
@@ -392,6 +400,12 @@ class ReplicaView(Contract):
     )
     placed_at: datetime | None = Field(
         default=None, description="When placement recorded it (UTC).", examples=["2026-01-01T11:05:00Z"]
+    )
+    endpoint: str | None = Field(
+        default=None,
+        description="Base URL of its engine (the head rank's, as its node agent reported it) from `ready` on; null "
+        "before, or when no agent reports its lifecycle.",
+        examples=["http://10.0.0.7:8100"],
     )
 
 
@@ -487,6 +501,12 @@ class AdmitReply(Contract):
     )
     error: ErrorBody | None = Field(default=None, description="Null, or why.")
     details: dict[str, Any] | None = Field(default=None, description="Extra.")
+    endpoint: str | None = Field(
+        default=None,
+        description="Base URL of the replica's engine (its head rank's, as its node agent reported it once ready); "
+        "null when its engine reports no lifecycle (e.g. `hetsched engine-sim`).",
+        examples=["http://10.0.0.7:8100"],
+    )
 
 
 # --- events of the PLACEMENT stream ----------------------------------------------------------------------

@@ -643,7 +643,9 @@ class PlacementSettings(Section):
     default_lease_s: int = Field(
         default=3600,
         gt=0,
-        description="Lease of a placed replica when the request names none (renew with `placement.renew`).",
+        description="Lease of a placed replica when the request names none (renew with `placement.renew`); also "
+        "the lease placement renews a replica to while its node agents report its engines running "
+        '(docs/PLACEMENT.md "Replica lifecycle").',
     )
     first_lease_s: int = Field(
         default=60,
@@ -716,7 +718,8 @@ class PlacementSettings(Section):
         gt=0,
         validation_alias=f"{PREFIX}ENGINE_STALE_S",
         description="A replica whose engine has not reported its status (`engine_status`) for this long leaves "
-        "admission's rotation until it reports again.",
+        "admission's rotation until it reports again; a rank's lifecycle report (`replica_state`) older than this "
+        "counts as absent.",
     )
     admit_max_queue_depth: int = Field(
         default=16,

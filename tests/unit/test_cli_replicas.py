@@ -43,6 +43,7 @@ GPU_REPLICA = ReplicaView(
     lease_expires_at=LEASE,
     region="us-west-1",
     sku="H100-SXM-80GB",
+    endpoint="http://dgx-01:8100",
 )
 TPU_REPLICA = ReplicaView(
     replica_id="al-2",
@@ -102,6 +103,7 @@ def test_limit_or_cursor_asks_one_page(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(client.calls) == 1
     assert client.calls[0][1] == ReplicasRequest(limit=1, state="ready")
     assert "req-1" in result.output and "H100-SXM-80GB" in result.output  # --wide
+    assert "http://dgx-01:8100" in result.output  # the endpoint, once ready
     assert result.output.splitlines()[-2:] == ["1 of 2 replica(s)", f"more: --cursor {CURSOR}"]
 
 

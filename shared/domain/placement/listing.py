@@ -12,7 +12,7 @@ import base64
 import binascii
 import json
 import re
-from collections.abc import Callable, Iterable, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
@@ -33,10 +33,13 @@ class ReplicaState(StrEnum):
     FAILED = "failed"
 
 
-def replica_state(*, draining: bool, serving: bool) -> ReplicaState:
-    """What placement can tell of a live replica: ``draining`` while the rebalancer moves it off (its
-    requests in flight finish, no new one comes), ``ready`` while its engine reports healthy and fresh,
-    otherwise ``placed`` (reserved, its engine not heard from, or not lately)."""
+def replica_state(*, draining: bool, serving: bool, reported: ReplicaState | None = None) -> ReplicaState:
+    """What placement can tell of a live replica: ``reported``, the state its agents' fresh reports fold
+    into (``lifecycle.fold``), when there is one; otherwise ``draining`` while the rebalancer moves it off
+    (its requests in flight finish, no new one comes), ``ready`` while its engine reports healthy and fresh,
+    else ``placed`` (reserved, its engine not heard from, or not lately)."""
+    if reported is not None:
+        return reported
     if draining:
         return ReplicaState.DRAINING
     if serving:
@@ -53,19 +56,26 @@ class StateFilter:
     excluding: frozenset[str] = frozenset()
 
 
-def state_filter(state: ReplicaState | None, *, draining: Set[str], serving: Set[str]) -> StateFilter:
-    """The ids a listing for ``state`` keeps, given the replicas draining and those whose engines serve
-    (``replica_state``'s precedence: draining first). States placement cannot tell yet (``starting``,
-    ``loading``, ``stopped``, ``failed``) keep nothing."""
+def state_filter(
+    state: ReplicaState | None,
+    *,
+    draining: Set[str],
+    serving: Set[str],
+    reported: Mapping[str, ReplicaState] | None = None,
+) -> StateFilter:
+    """The ids a listing for ``state`` keeps, given the replicas draining, those whose engines serve, and
+    the states the agents' fresh reports fold into (``replica_state``'s precedence: reported first, then
+    draining). A replica none of these name is ``placed``."""
     if state is None:
         return StateFilter()
-    if state is ReplicaState.DRAINING:
-        return StateFilter(only=frozenset(draining))
-    if state is ReplicaState.READY:
-        return StateFilter(only=frozenset(serving) - frozenset(draining))
+    reported = reported or {}
+    states = {
+        replica: replica_state(draining=replica in draining, serving=replica in serving, reported=reported.get(replica))
+        for replica in {*draining, *serving, *reported}
+    }
     if state is ReplicaState.PLACED:
-        return StateFilter(excluding=frozenset(draining) | frozenset(serving))
-    return StateFilter(only=frozenset())
+        return StateFilter(excluding=frozenset(r for r, s in states.items() if s is not ReplicaState.PLACED))
+    return StateFilter(only=frozenset(r for r, s in states.items() if s is state))
 
 
 # -- the cursor: where the next page starts ---------------------------------------------------------------
