@@ -378,17 +378,19 @@ class DecisionStore:
             .values(lease_expires_at=lease_expires_at, lease_s=None)
         )
 
-    async def lease_of(self, *, session: AsyncSession, allocation_id: str) -> tuple[str, datetime | None] | None:
-        """A placed replica's tenant and lease end as placement last recorded it; None when no placed
-        decision holds the allocation."""
+    async def lease_of(
+        self, *, session: AsyncSession, allocation_id: str
+    ) -> tuple[str, datetime | None, int | None] | None:
+        """A placed replica's tenant, lease end as placement last recorded it, and the lease it asked for
+        (None when not recorded); None when no placed decision holds the allocation."""
         row = (
             await session.execute(
-                select(DECISIONS.c.tenant, DECISIONS.c.lease_expires_at).where(
+                select(DECISIONS.c.tenant, DECISIONS.c.lease_expires_at, DECISIONS.c.lease_s).where(
                     DECISIONS.c.allocation_id == allocation_id, DECISIONS.c.status == IntentState.PLACED.value
                 )
             )
         ).first()
-        return (row.tenant, row.lease_expires_at) if row is not None else None
+        return (row.tenant, row.lease_expires_at, row.lease_s) if row is not None else None
 
     # -- the placed replicas, listed (`placement.replicas`) ---------------------------------------------------
 
