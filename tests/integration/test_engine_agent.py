@@ -2,10 +2,11 @@
 real NATS and Postgres: the agent of the node a replica was placed on starts its simulated engine, placement
 lists it ready with its endpoint and keeps renewing its lease while the agent reports; SIGKILL the agent and
 its engine dies with it, nothing renews the lease, it lapses, and the ledger and placement release the
-replica."""
+replica. A spot borrower's engine is stopped by its preemption's deadline when the owner reclaims."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from tests.waiting import wait_for
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 PLACEMENT = "ea_placement"
+FILLER = "ea_filler"
 LEASE_S = 8  # short: a silent agent's replica lapses within a few seconds
 PROBE = {"request_id": "ea-probe", "tenant": "t", "model": "llama3-8b", "context_tokens": 4096, "backend": "gpu"}
 
@@ -57,11 +59,36 @@ async def nc(service_processes: ServiceProcesses, settings: Settings) -> AsyncIt
             return False
 
     await wait_for(sees_the_fleet, 60, interval_s=0.2, what="placement sees the demo fleet")
+    service_processes.start("reservation_filler", name=FILLER, HETSCHED_RESERVATION_TICK_S="0.2")
     yield client
     await client.close()
-    for name in (PLACEMENT, "ea_ledger", "ea_topology"):
+    for name in (FILLER, PLACEMENT, "ea_ledger", "ea_topology"):
         if name in service_processes.procs:
             service_processes.stop(name)
+
+
+def start_agent(processes: ServiceProcesses, node: str) -> subprocess.Popen[bytes]:
+    """``node``'s agent running simulated engines (the inventory defines the node: it only runs engines)."""
+    return processes.start(
+        "topology_discovery",
+        name="ea_agent",
+        HETSCHED_TOPOLOGY_MODE="agent",
+        HETSCHED_TOPOLOGY_NODE=node,
+        HETSCHED_TOPOLOGY_PROVIDER="none",
+        HETSCHED_AGENT_ENGINE="sim",
+        HETSCHED_AGENT_SIM_SPEEDUP="20",
+        HETSCHED_AGENT_BIND_HOST="127.0.0.1",
+        HETSCHED_AGENT_ADVERTISE_HOST="127.0.0.1",
+        HETSCHED_AGENT_PORT_MIN="18600",
+        HETSCHED_AGENT_PORT_MAX="18699",
+        HETSCHED_AGENT_RECONCILE_S="0.5",
+        HETSCHED_AGENT_STATUS_S="1",
+    )
+
+
+async def replica_row(nc: Client, settings: Settings, tenant: str, replica_id: str) -> dict[str, Any] | None:
+    reply = await call(nc, settings, Rpc.PLACEMENT_REPLICAS, {"tenant": tenant, "limit": 500})
+    return next((r for r in reply.get("replicas", []) if r["replica_id"] == replica_id), None)
 
 
 def engine_of(agent: subprocess.Popen[bytes]) -> psutil.Process | None:
@@ -85,26 +112,11 @@ async def test_an_agent_runs_its_nodes_engine_and_its_death_lets_the_lease_lapse
     placed = await call(nc, settings, Rpc.PLACEMENT_PLACE, body)
     assert placed["status"] == "placed", placed
     replica_id, node = placed["allocation_id"], placed["binding"][0]["node"]
-    agent = service_processes.start(
-        "topology_discovery",
-        name="ea_agent",
-        HETSCHED_TOPOLOGY_MODE="agent",
-        HETSCHED_TOPOLOGY_NODE=node,
-        HETSCHED_TOPOLOGY_PROVIDER="none",
-        HETSCHED_AGENT_ENGINE="sim",
-        HETSCHED_AGENT_SIM_SPEEDUP="20",
-        HETSCHED_AGENT_BIND_HOST="127.0.0.1",
-        HETSCHED_AGENT_ADVERTISE_HOST="127.0.0.1",
-        HETSCHED_AGENT_PORT_MIN="18600",
-        HETSCHED_AGENT_PORT_MAX="18699",
-        HETSCHED_AGENT_RECONCILE_S="0.5",
-        HETSCHED_AGENT_STATUS_S="1",
-    )
+    agent = start_agent(service_processes, node)
     try:
 
         async def row() -> dict[str, Any] | None:
-            reply = await call(nc, settings, Rpc.PLACEMENT_REPLICAS, {"tenant": "acme", "limit": 500})
-            return next((r for r in reply.get("replicas", []) if r["replica_id"] == replica_id), None)
+            return await replica_row(nc, settings, "acme", replica_id)
 
         async def ready() -> dict[str, Any] | None:
             found = await row()
@@ -146,3 +158,85 @@ async def test_an_agent_runs_its_nodes_engine_and_its_death_lets_the_lease_lapse
         if "ea_agent" in service_processes.procs:
             service_processes.stop("ea_agent", kill=True)
         await call(nc, settings, Rpc.PLACEMENT_RELEASE, {"allocation_id": replica_id, "tenant": "acme"})
+
+
+def gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_a_spot_preemption_stops_the_borrowers_engine_by_its_deadline(
+    nc: Client, settings: Settings, service_processes: ServiceProcesses
+) -> None:
+    h200, east, notice_s = "H200-SXM-141GB", "us-east-1", 5
+
+    def spot(rid: str, tenant: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "request_id": rid,
+            "tenant": tenant,
+            "model": "llama3.1-8b",
+            "context_tokens": 8192,
+            "tp": 1,
+            "region": east,
+            "skus": [h200],
+            "backend": "gpu",
+            "fallbacks": [],
+            **extra,
+        }
+
+    # Every free H200 of us-east-1 reserved by hooli (spot): a borrower can only borrow, the owner reclaims.
+    probe = await call(
+        nc,
+        settings,
+        Rpc.RESERVATION_CREATE,
+        {"tenant": "hooli", "policy": "spot", "count": 100_000, "sku": h200, "region": east},
+    )
+    free = int(probe["error"]["details"]["free"])
+    assert free >= 1, probe
+    created = await call(
+        nc,
+        settings,
+        Rpc.RESERVATION_CREATE,
+        {"tenant": "hooli", "policy": "spot", "count": free, "sku": h200, "region": east, "spot_eviction_s": notice_s},
+    )
+    assert created["status"] == "created", created
+    borrowers: list[str] = []
+    agent: subprocess.Popen[bytes] | None = None
+    try:
+        replies = []
+        for i in range(free):
+
+            async def borrowed(i: int = i) -> dict[str, Any] | None:
+                reply = await call(nc, settings, Rpc.PLACEMENT_PLACE, spot(f"ea-b-{i}", "globex", preemptible=True))
+                return reply if reply.get("status") == "placed" else None
+
+            replies.append(await wait_for(borrowed, 15, what="placement learns the spot offer"))
+            borrowers.append(replies[-1]["allocation_id"])
+            # Its caller keeps it (as `hetsched place` does): no first lease lapses under the test.
+            renew = {"allocation_id": borrowers[-1], "tenant": "globex", "lease_s": 600}
+            assert (await call(nc, settings, Rpc.PLACEMENT_RENEW, renew))["status"] == "renewed"
+        last = borrowers[-1]  # the one a reclaim takes first (LIFO)
+        agent = start_agent(service_processes, replies[-1]["binding"][0]["node"])
+
+        async def running() -> psutil.Process | None:
+            found = await replica_row(nc, settings, "globex", last)
+            engine = engine_of(agent) if agent is not None else None
+            return engine if found is not None and found["state"] == "ready" and engine is not None else None
+
+        engine = await wait_for(running, 60, interval_s=0.3, what="the borrower's engine ready")
+        # The owner asks: the borrower is preempted with a notice of `notice_s`; its engine must be gone by then.
+        refused = await call(nc, settings, Rpc.PLACEMENT_PLACE, spot("ea-owner", "hooli"))
+        asked = asyncio.get_running_loop().time()
+        assert refused["status"] == "rejected" and refused["error"]["code"] == "no_capacity", refused
+        await wait_for(lambda: gone(engine.pid), notice_s + 5, interval_s=0.1, what="the borrower's engine stopped")
+        took = asyncio.get_running_loop().time() - asked
+        print(f"\nthe spot borrower's engine stopped {took:.2f} s after the reclaim (notice {notice_s} s)")
+        assert took <= notice_s + 0.5  # by its deadline (the reclaim set it before placement answered)
+    finally:
+        if agent is not None and "ea_agent" in service_processes.procs:
+            service_processes.stop("ea_agent", kill=True)
+        for allocation_id in borrowers:
+            await call(nc, settings, Rpc.PLACEMENT_RELEASE, {"allocation_id": allocation_id, "tenant": "globex"})
+        cancelled = await call(
+            nc, settings, Rpc.RESERVATION_CANCEL, {"reservation_id": created["reservation_id"], "tenant": "hooli"}
+        )
+        assert cancelled["status"] == "cancelled", cancelled
