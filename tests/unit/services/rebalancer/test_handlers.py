@@ -476,6 +476,35 @@ async def test_the_old_replica_is_drained_and_released_only_once_its_copy_report
     assert plan.state == "done"
 
 
+async def test_no_second_consolidation_is_planned_while_one_waits_for_its_copy() -> None:
+    a, b = node("a", gpus=4), node("b")  # a has room to take back both of b's replicas
+    rig = Rig(
+        FakeRpc(
+            fleet_get=[fleet(a, b)],
+            ledger_snapshot=[ledger([a, b], {"a/gpu0": ["r1"], "b/gpu0": ["r2"]})],
+            placement_place=[place_reply("r1-copy", "b", 1)],
+            placement_release=[ReleaseReply(status="released")],
+        )
+    )
+    await rig.deliver(
+        rig.profiled(a), rig.profiled(b), rig.placed(placed("r1", "a", 0)), rig.placed(placed("r2", "b", 0))
+    )
+    rig.handlers.on_replica_state(lifecycle("r2", "b", "ready"), rig.now)
+    rig.sustained(sample("a", {0: 0.05}, gpus=4))  # a drained onto b: r1's copy loads on b
+    rig.handlers.on_replica_state(lifecycle("r2", "b", "ready"), rig.now)
+    await rig.handlers.tick_once()
+    await rig.deliver(rig.placed(placed("r1-copy", "b", 1)))
+    rig.handlers.on_replica_state(lifecycle("r1-copy", "b", "loading"), rig.now)
+
+    # b turns cold too (a, still holding r1, had room for b's two replicas): draining it would move the copy
+    # back onto the node being drained.
+    rig.sustained(sample("b", {0: 0.05, 1: 0.05}))
+    rig.handlers.on_replica_state(lifecycle("r1-copy", "b", "loading"), rig.now)
+    await rig.handlers.tick_once()
+    assert [(p.kind, p.target) for p in rig.store.plan_list()] == [("consolidate", "a")]
+    assert len(rig.rpc.requests(Rpc.PLACEMENT_PLACE)) == 1 and released(rig) == []
+
+
 async def test_a_copy_whose_engine_fails_is_released_and_the_old_replica_keeps_serving() -> None:
     rig = await engines_rig()
     rig.now += timedelta(seconds=10)
