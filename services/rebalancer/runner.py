@@ -275,9 +275,17 @@ class PlanRunner:
                 await self._store.add_action(
                     session=uow.session, at=uow.now, plan_id=plan.plan_id, what=f"{plan.kind} {plan.state}"
                 )
-                uow.after_commit(lambda: self._progress.active.discard(plan.target))
+                uow.after_commit(lambda: self._finished(plan))
 
         await self._uow.run(work)
+
+    def _finished(self, plan: Plan) -> None:
+        """A plan done or rolled back: its target may be planned again, and no move of it waits any more."""
+        self._progress.active.discard(plan.target)
+        for step in plan.steps:
+            if step.new_allocation_id is not None:
+                self._progress.copies.pop(step.new_allocation_id, None)
+                self._progress.resumed.pop(step.new_allocation_id, None)
 
     def _take(self, cluster: str) -> bool:
         """A copy may start in ``cluster`` now (``migrations_per_min``, a burst of as many)."""

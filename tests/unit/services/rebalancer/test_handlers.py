@@ -474,6 +474,7 @@ async def test_the_old_replica_is_drained_and_released_only_once_its_copy_report
     assert released(rig) == ["r1"] and rig.uow.names().count("replica_draining") == 1
     (plan,) = rig.store.plan_list()
     assert plan.state == "done"
+    assert rig.handlers.progress.copies == {}  # nothing waits any more
 
 
 async def test_no_second_consolidation_is_planned_while_one_waits_for_its_copy() -> None:
