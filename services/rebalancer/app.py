@@ -91,7 +91,7 @@ SERVICE = ServiceDefinition(
     loops=(Loop("rebalance-tick", lambda ctx: ctx.handlers.tick),),
     calls=(Rpc.PLACEMENT_PLACE, Rpc.PLACEMENT_RELEASE, Rpc.FLEET_GET, Rpc.LEDGER_SNAPSHOT),
     # Telemetry from now on (nothing durable to replay): GPU samples, the detectors' input; engine reports,
-    # what a draining replica still has in flight.
+    # what a draining replica still has in flight; ranks' lifecycle states, whether a copy serves yet.
     follows=(
         Follow(
             Context.TELEMETRY,
@@ -100,6 +100,9 @@ SERVICE = ServiceDefinition(
                 TelemetryEventName.GPU: lambda ctx: lambda sample, meta: ctx.handlers.observe(sample, meta.occurred_at),
                 TelemetryEventName.ENGINE_STATUS: lambda ctx: (
                     lambda report, meta: ctx.handlers.on_engine_status(report, meta.occurred_at)
+                ),
+                TelemetryEventName.REPLICA_STATE: lambda ctx: (
+                    lambda report, meta: ctx.handlers.on_replica_state(report, meta.occurred_at)
                 ),
             },
         ),

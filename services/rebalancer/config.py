@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.domain.rebalance.detect import Rule
+from shared.domain.rebalance.ready import WaitForReady
 from shared.infra.settings import Settings
 
 
@@ -22,6 +23,9 @@ class RebalanceConfig:
     drift_check_s: float = 10.0
     tick_s: float = 1.0
     drain_timeout_s: float = 600.0
+    wait_for_ready: WaitForReady = WaitForReady.AUTO
+    ready_timeout_s: float = 900.0
+    agent_stale_s: float = 30.0  # a node runs engines while it reported a replica_state within this
     defrag_block: tuple[int, ...] = (8, 8)
 
     @property
@@ -65,4 +69,9 @@ def config_of(settings: Settings) -> RebalanceConfig:
         drift_check_s=settings.rebalancer.drift_check_s,
         tick_s=settings.rebalancer.tick_s,
         drain_timeout_s=settings.rebalancer.drain_timeout_s,
+        wait_for_ready=WaitForReady(settings.rebalancer.wait_for_ready),
+        ready_timeout_s=settings.rebalancer.ready_timeout_s,
+        # An agent that runs engines republishes each one's replica_state every status interval: three of
+        # them missed, it runs none there (or no agent does).
+        agent_stale_s=3 * settings.agent.status_s,
     )

@@ -2,8 +2,9 @@
 
 It learns the fleet from TOPOLOGY events, the replicas (with the request each was placed with) from
 PLACEMENT events, the allocations from LEDGER events (``readmodel``), and follows TELEMETRY (an ordered
-consumer of what the nodes' agents publish from now on): GPU samples, and each engine's own report
-(``engine_status``: its queue and KV in use, what it has in flight). Detectors (``detectors``; sustained
+consumer of what the nodes' agents publish from now on): GPU samples, each engine's own report
+(``engine_status``: its queue and KV in use, what it has in flight), and each rank's lifecycle
+(``replica_state``: whether a copy's engine serves yet). Detectors (``detectors``; sustained
 windows with hysteresis from ``shared.domain.rebalance.detect``) turn samples into firing targets; each
 firing becomes a plan (``planner``; ``shared.domain.rebalance.plans``, ``tpu_defrag``) that runs
 make-before-break through placement (``runner``):
@@ -19,10 +20,13 @@ make-before-break through placement (``runner``):
   (``drift_alarm``), and ``replace`` when it lasts.
 
 A plan places every copy first (placement.place with the replica's own request, a new id, the old GPUs
-withheld), then releases the old ones, each only once its messages in flight are done (admission sends it
-nothing new meanwhile: ``replica_draining``): its engine reported itself idle after the drain started, or
-never reported at all, or ``HETSCHED_REBALANCE_DRAIN_TIMEOUT_S`` passed (``shared.domain.rebalance.drain``).
-A copy that cannot be placed fails the plan and the copies already placed are released (rolled back).
+withheld), then, move by move, drains each old replica once its copy's engine is ready (every rank's
+``replica_state`` from its node's agent; ``HETSCHED_REBALANCE_WAIT_FOR_READY``, ``shared.domain.rebalance.ready``)
+and releases it once its messages in flight are done (admission sends it nothing new meanwhile:
+``replica_draining``): its engine reported itself idle after the drain started, or never reported at all, or
+``HETSCHED_REBALANCE_DRAIN_TIMEOUT_S`` passed (``shared.domain.rebalance.drain``). A copy that cannot be
+placed, or whose engine fails or is not ready within ``HETSCHED_REBALANCE_READY_TIMEOUT_S``, fails the plan:
+the copies whose old replicas still serve are released (rolled back).
 Copies are rate-limited per cluster
 (``HETSCHED_REBALANCE_MIGRATIONS_PER_MIN``). Plans and their steps are in Postgres and resume after a
 restart (a step's placement request id is fixed, so asking again answers the same).
@@ -46,6 +50,7 @@ from services.rebalancer.progress import Progress
 from services.rebalancer.readmodel import Allocation, RebalanceView
 from services.rebalancer.runner import PlanRunner
 from services.rebalancer.store import Loaded, RebalanceStore
+from shared.contracts.engines import ReplicaStateEvent
 from shared.contracts.envelope import EventEnvelope
 from shared.contracts.ledger import AllocationEvent
 from shared.contracts.placement import PlacementEvent, PlacementReleasedEvent
@@ -179,6 +184,10 @@ class RebalanceHandlers:
     def on_engine_status(self, report: EngineStatusEvent, at: datetime) -> None:
         """A replica's engine report made at ``at`` (what it has in flight, read when it drains)."""
         self.view.engine_reported(report, at)
+
+    def on_replica_state(self, report: ReplicaStateEvent, at: datetime) -> None:
+        """A rank's lifecycle state made at ``at`` by its node's agent (a copy serves once every rank is ready)."""
+        self.view.replica_state(report, at)
 
     # -- status ------------------------------------------------------------------------------------
 

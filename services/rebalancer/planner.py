@@ -97,7 +97,13 @@ class Planner:
                 reason = f"{t.rule} {t.value:.2f} > {config.hot.threshold} for {config.hot.window_s:g} s"
                 plans.append(replicate_plan(replica, _plan_id(), now, reason=reason))
         if snapshot is not None:
-            plans += self._consolidation(snapshot, fired.get(config.cold.name, []), now)
+            cold = fired.get(config.cold.name, [])
+            if cold and await self._consolidating():
+                # One consolidation at a time: while one waits for its copies' engines (minutes), another
+                # would move replicas onto the node it drains, or move its copies back.
+                self._log.info("a consolidation is under way: no other planned now")
+                cold = []
+            plans += self._consolidation(snapshot, cold, now)
             plans += self._defragmentation(fired.get(config.fragmentation.name, []), now)
             plans += self._replacements(snapshot, fired.get(config.drift.name, []), changed_nodes, now)
         throttles = [(t, True) for t in fired.get(config.pcie.name, [])]
@@ -125,6 +131,11 @@ class Planner:
             uow.after_commit(lambda: self._progress.active.update(plan.target for plan in plans))
 
         await self._uow.run(work)
+
+    async def _consolidating(self) -> bool:
+        """Whether a consolidation plan is open or running."""
+        views = await self._uow.run(lambda uow: self._store.plans(session=uow.session, states=("open", "running")))
+        return any(view.kind == "consolidate" for view in views)
 
     async def _announce(self, uow: UnitOfWork, t: Transition) -> None:
         rule = self._detectors.by_rule[t.rule].rule

@@ -1,5 +1,6 @@
 """The rebalancer's read model: what the TOPOLOGY, PLACEMENT and LEDGER events and the engines' reports
-(TELEMETRY ``engine_status``) told, folded in memory.
+(TELEMETRY ``engine_status``, and each rank's lifecycle ``replica_state`` from its node's agent) told,
+folded in memory.
 
 Pure and synchronous: each fold takes a contract or domain value and changes the view; no IO, no clock.
 Consumers call the folds only once their transaction has committed (``UnitOfWork.after_commit``), and
@@ -12,11 +13,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from services.rebalancer.mapping import cliques_of, replica_of
+from shared.contracts.engines import ReplicaStateEvent
 from shared.contracts.placement import PlacementEvent, PlaceRequest
 from shared.contracts.topology import EngineStatusEvent, NodeProfileEvent, TpuPodEvent
 from shared.domain.fleet import AcceleratorId, NodeProfile
 from shared.domain.rebalance.drain import EngineReport
 from shared.domain.rebalance.plans import Replica
+from shared.domain.rebalance.ready import EngineRanks
 from shared.domain.topology.tpu import TpuGrid, TpuSlice, TpuType, allocate
 from shared.infra.profiles import profile_from_payload
 
@@ -40,6 +43,8 @@ class RebalanceView:
     requests: dict[str, PlaceRequest] = field(default_factory=dict)
     allocations: dict[str, Allocation] = field(default_factory=dict)
     engines: dict[str, EngineReport] = field(default_factory=dict)  # replica -> its engine's latest report
+    ranks: dict[str, EngineRanks] = field(default_factory=dict)  # replica -> its ranks' lifecycle states
+    agents: dict[str, datetime] = field(default_factory=dict)  # node -> its last replica_state (it runs engines)
     by_node: dict[str, set[str]] = field(default_factory=dict)  # node -> replica allocations on it
     profiles: dict[str, NodeProfile] = field(default_factory=dict)
     cliques: dict[str, list[frozenset[str]]] = field(default_factory=dict)
@@ -66,6 +71,7 @@ class RebalanceView:
         self.replicas.pop(allocation_id, None)
         self.requests.pop(allocation_id, None)
         self.engines.pop(allocation_id, None)
+        self.ranks.pop(allocation_id, None)
         self.nvlinked.discard(allocation_id)
 
     def allocated(self, allocation: Allocation) -> None:
@@ -93,6 +99,27 @@ class RebalanceView:
         if known is not None and known.at > at:
             return
         self.engines[event.replica_id] = EngineReport(event.queue_depth, event.kv_used_bytes, at)
+
+    def replica_state(self, event: ReplicaStateEvent, at: datetime) -> None:
+        """A rank's ``replica_state`` made at ``at``: its node runs engines (whatever the replica), and the
+        replica's ranks are folded for replicas placed only (as ``engine_reported``)."""
+        last = self.agents.get(event.node)
+        if last is None or at > last:
+            self.agents[event.node] = at
+        if event.replica_id not in self.replicas:
+            return
+        known = self.ranks.get(event.replica_id, EngineRanks())
+        self.ranks[event.replica_id] = known.reported(
+            rank=event.rank, ranks=event.ranks, state=event.state, at=at, reason=event.reason
+        )
+
+    def nodes_of(self, allocation_id: str) -> frozenset[str]:
+        """The nodes a GPU replica runs on (its first node and its GPUs' hosts); none when unknown or TPU."""
+        replica = self.replicas.get(allocation_id)
+        if replica is None or replica.tpu_pod is not None:
+            return frozenset()
+        hosts = {AcceleratorId.parse(a).host for a in replica.accelerators}
+        return frozenset(hosts | ({replica.node} if replica.node else set()))
 
     def profiled(self, event: NodeProfileEvent) -> bool:
         """A ``node_profiled`` / ``node_changed`` event; True when a node already known has other NVLink

@@ -1,18 +1,20 @@
 """Running plans make-before-break through placement: each copy placed first (rate-limited per cluster),
-then each old replica released once it has drained (its engine's reports: ``shared.domain.rebalance.drain``);
-a copy that cannot be placed fails the plan and the copies already placed are released.
+then, move by move, the old replica drained once its copy's engine is ready (the agents' ``replica_state``:
+``shared.domain.rebalance.ready``) and released once it has drained (its engine's reports:
+``shared.domain.rebalance.drain``). A copy that cannot be placed fails the plan, and so does one whose engine
+fails or is not ready in time: the copies whose old replicas still serve are released (rolled back).
 Every step is recorded with its event."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from services.rebalancer.config import RebalanceConfig
 from services.rebalancer.mapping import move_request, plan_of_view, plan_view
 from services.rebalancer.metrics import RebalanceMetrics
-from services.rebalancer.progress import Progress
+from services.rebalancer.progress import CopyPlaced, Progress
 from services.rebalancer.readmodel import RebalanceView
 from services.rebalancer.store import RebalanceStore
 from shared.contracts.base import Rejected
@@ -21,7 +23,8 @@ from shared.contracts.rebalance import PlanEvent, RebalanceEventName, ReplicaDra
 from shared.contracts.subjects import Context, Rpc
 from shared.domain.errors import ErrorCode
 from shared.domain.rebalance.drain import Drained, drained
-from shared.domain.rebalance.plans import Plan, next_step, rolled_back, step_done, step_failed
+from shared.domain.rebalance.plans import Plan, copy_failed, next_step, rolled_back, step_done, step_failed
+from shared.domain.rebalance.ready import Readiness, copy_readiness
 from shared.infra.clock import Clock
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
@@ -62,6 +65,7 @@ class PlanRunner:
         self._log = log
         self._metrics = metrics
         self._buckets: dict[str, _Bucket] = {}
+        self._watching_since = clock()  # agents' reports followed from about now (TELEMETRY from new events)
 
     async def run_plans(self) -> None:
         """Advance every open or running plan as far as it can go now (rate limit, drains)."""
@@ -104,6 +108,8 @@ class PlanRunner:
                     return None
                 if isinstance(reply, PlaceReply) and reply.status == "placed" and reply.allocation_id:
                     after = step_done(plan, index, new_allocation_id=reply.allocation_id)
+                    nodes = frozenset(p.node for p in reply.placements)
+                    self._progress.copies[reply.allocation_id] = CopyPlaced(at=self._clock(), nodes=nodes)
                     where = ", ".join(a for p in reply.placements for a in p.accelerators) or (
                         reply.tpu_slice.pod if reply.tpu_slice else "?"
                     )
@@ -126,6 +132,19 @@ class PlanRunner:
                 after, note = step_done(plan, index), f"{step.allocation_id} was released already"
             else:
                 if step.allocation_id not in self._progress.draining:
+                    copy = next(
+                        (
+                            s.new_allocation_id
+                            for s in plan.steps
+                            if s.action == "place" and s.allocation_id == step.allocation_id
+                        ),
+                        None,
+                    )
+                    readiness = Readiness.UNWATCHED if copy is None else self._readiness(copy)
+                    if readiness is Readiness.WAIT:
+                        return None  # the copy's engine starts or loads: the old replica keeps serving
+                    if readiness in (Readiness.FAILED, Readiness.TIMED_OUT):
+                        return await self._abandon(plan, index, copy or "", readiness)
                     await self._drain(plan, step.allocation_id)
                 if not self._drained(plan, step.allocation_id):
                     return None  # messages in flight finish on it first
@@ -144,6 +163,47 @@ class PlanRunner:
                     )
                     return None
                 after, note = step_done(plan, index), f"released {step.allocation_id}"
+        await self._record(after, index, note)
+        return after
+
+    def _readiness(self, copy: str) -> Readiness:
+        """Whether the old replica of ``copy`` may be drained now (``copy_readiness``): the copy's ranks as
+        reported, and whether an agent runs engines on its nodes (one reported within the stale window)."""
+        now = self._clock()
+        placed = self._progress.copies.get(copy)
+        if placed is None:  # placed before this process started: its wait counts from now
+            since, nodes = self._progress.resumed.setdefault(copy, now), self._view.nodes_of(copy)
+        else:
+            since, nodes = placed.at, placed.nodes | self._view.nodes_of(copy)
+        stale_s = self._config.agent_stale_s
+        cutoff = since - timedelta(seconds=stale_s)
+        agents = self._view.agents
+        return copy_readiness(
+            self._view.ranks.get(copy),
+            mode=self._config.wait_for_ready,
+            agent_seen=any((at := agents.get(node)) is not None and at >= cutoff for node in nodes),
+            since=since,
+            watching_since=self._watching_since,
+            now=now,
+            timeout_s=self._config.ready_timeout_s,
+            stale_s=stale_s,
+        )
+
+    async def _abandon(self, plan: Plan, index: int, copy: str, readiness: Readiness) -> Plan:
+        """The copy of release step ``index`` will not serve: the plan rolls back before that old replica is
+        drained (``copy_failed``), and the copies whose old replicas still serve are released."""
+        old = plan.steps[index].allocation_id
+        ranks = self._view.ranks.get(copy)
+        if readiness is Readiness.FAILED and ranks is not None:
+            why = f"its engine reported {ranks.describe()}"
+        else:
+            seen = ranks.describe() if ranks is not None else "no report"
+            why = f"its engine was not ready within {self._config.ready_timeout_s:.0f} s ({seen})"
+        failed, copies = copy_failed(plan, index)
+        await self._release_copies(failed, copies)
+        after = rolled_back(failed)
+        note = f"copy {copy} of {old} will not serve: {why}; {len(copies)} copy(ies) released, {old} kept"
+        self._log.warning("plan %s rolled back: %s", plan.plan_id, note)
         await self._record(after, index, note)
         return after
 
@@ -215,9 +275,17 @@ class PlanRunner:
                 await self._store.add_action(
                     session=uow.session, at=uow.now, plan_id=plan.plan_id, what=f"{plan.kind} {plan.state}"
                 )
-                uow.after_commit(lambda: self._progress.active.discard(plan.target))
+                uow.after_commit(lambda: self._finished(plan))
 
         await self._uow.run(work)
+
+    def _finished(self, plan: Plan) -> None:
+        """A plan done or rolled back: its target may be planned again, and no move of it waits any more."""
+        self._progress.active.discard(plan.target)
+        for step in plan.steps:
+            if step.new_allocation_id is not None:
+                self._progress.copies.pop(step.new_allocation_id, None)
+                self._progress.resumed.pop(step.new_allocation_id, None)
 
     def _take(self, cluster: str) -> bool:
         """A copy may start in ``cluster`` now (``migrations_per_min``, a burst of as many)."""

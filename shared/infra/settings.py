@@ -909,6 +909,20 @@ class RebalancerSettings(Section):
         description="A draining replica whose engine has not reported itself idle (no queue, no KV in use) since "
         "its drain started is released after this long anyway, with work possibly in flight.",
     )
+    wait_for_ready: str = Field(
+        default="auto",
+        pattern=r"^(auto|always|never)$",
+        description="Whether a move drains its old replica only once its copy's engine reports `ready` "
+        "(`replica_state` from the nodes' agents): `always`; `never` (as soon as every copy is placed); `auto`, "
+        "only where an agent runs engines on the copy's nodes (one reported a `replica_state` within "
+        "3 x `HETSCHED_AGENT_STATUS_S`) or the copy itself reported (docs/REBALANCER.md).",
+    )
+    ready_timeout_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="A copy whose engine has not reported `ready` this long after it was placed is released and "
+        "its old replica kept (the move rolls back); a large model's cold load takes minutes.",
+    )
     tick_s: float = Field(default=1.0, gt=0, description="How often the rebalancer plans and advances its plans.")
 
 

@@ -51,6 +51,9 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
         HETSCHED_REBALANCE_COLD_UTIL="0.001",
         HETSCHED_REBALANCE_MIGRATIONS_PER_MIN="60",
         HETSCHED_REBALANCE_TICK_S="0.2",
+        # No agent runs engines here: a move drains at once. (`auto` would first follow the agents' reports for
+        # 3 status intervals, and the synthetic HBM figures would meanwhile make the copy drift too.)
+        HETSCHED_REBALANCE_WAIT_FOR_READY="never",
     )
     health = await wait_healthy(
         nats_url=settings.kit.nats_url or "",

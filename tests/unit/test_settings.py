@@ -29,6 +29,8 @@ ADDED_SINCE = {  # variables added after it
     "HETSCHED_AGENT_RECONCILE_S": "agent.reconcile_s",
     "HETSCHED_AGENT_SIM_SPEEDUP": "agent.sim_speedup",
     "HETSCHED_REBALANCE_DRAIN_TIMEOUT_S": "rebalancer.drain_timeout_s",
+    "HETSCHED_REBALANCE_WAIT_FOR_READY": "rebalancer.wait_for_ready",
+    "HETSCHED_REBALANCE_READY_TIMEOUT_S": "rebalancer.ready_timeout_s",
     "HETSCHED_PLACEMENT_FIRST_LEASE_S": "placement.first_lease_s",
     "HETSCHED_PROFILE_DIR": "kit.profile_dir",
     "HETSCHED_ROUTE_WRITE_SPACING_MS": "routing.write_spacing_ms",

@@ -9,8 +9,9 @@ releases any old replica (make-before-break as a unit, ``plan_of``). So at no st
 without a placement, and no step holds more bytes than an accelerator offers (``apply`` checks it).
 
 A ``Plan`` is a value; the service runs it one step at a time (``next_step``), recording each outcome
-(``step_done`` / ``step_failed``) and, for a failed plan, releasing the copies already placed
-(``rolled_back``). Time is handed in (``now``), never read.
+(``step_done`` / ``step_failed``, or ``copy_failed`` when a copy's engine does not come up before its old
+replica is drained) and, for a failed plan, releasing the copies already placed (``rolled_back``).
+Time is handed in (``now``), never read.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "StepState",
     "broken_groups",
     "consolidate",
+    "copy_failed",
     "move_request",
     "next_step",
     "plan_of",
@@ -361,15 +363,42 @@ def step_failed(plan: Plan, index: int) -> tuple[Plan, list[str]]:
     return _with_step(plan, index, dataclasses.replace(step, state="failed"), "failed"), copies
 
 
+def copy_failed(plan: Plan, index: int) -> tuple[Plan, list[str]]:
+    """Record that the copy of release step ``index``'s replica will not serve (its engine failed, or it was
+    not ready in time); returns the plan and the copies to release (a rollback).
+
+    The plan fails before that old replica is drained: the release step is ``failed``, and the copies of
+    every move whose old replica is not released yet (this one and the later ones, in step order) are to
+    be released, so each of those old replicas keeps serving. Moves already done stay done: their old
+    replicas are gone and their copies serve. Once the copies are released, ``rolled_back(plan)``.
+    ``ValueError`` when ``index`` is not the next step to run or not a release."""
+    if index != next_step(plan):
+        raise ValueError(f"plan {plan.plan_id} ({plan.state}): step {index} is not the next one to run")
+    step = plan.steps[index]
+    if step.action != "release":
+        raise ValueError(f"plan {plan.plan_id}: step {index} is a {step.action}, not a release")
+    kept = {s.allocation_id for s in plan.steps if s.action == "release" and s.state != "done"}
+    copies = [
+        s.new_allocation_id
+        for s in plan.steps
+        if s.action == "place" and s.state == "done" and s.new_allocation_id and s.allocation_id in kept
+    ]
+    return _with_step(plan, index, dataclasses.replace(step, state="failed"), "failed"), copies
+
+
 def rolled_back(plan: Plan) -> Plan:
-    """A failed plan once its placed copies are released: ``rolled_back``, those place steps too.
+    """A failed plan once its placed copies are released: ``rolled_back``, those place steps too (the
+    place steps of moves whose old replica was already released stay ``done``: their copies serve).
     Idempotent; ``ValueError`` for a plan that has not failed."""
     if plan.state == "rolled_back":
         return plan
     if plan.state != "failed":
         raise ValueError(f"plan {plan.plan_id} is {plan.state}, not failed: nothing to roll back")
+    moved = {s.allocation_id for s in plan.steps if s.action == "release" and s.state == "done"}
     steps = tuple(
-        dataclasses.replace(s, state="rolled_back") if s.action == "place" and s.state == "done" else s
+        dataclasses.replace(s, state="rolled_back")
+        if s.action == "place" and s.state == "done" and s.allocation_id not in moved
+        else s
         for s in plan.steps
     )
     return dataclasses.replace(plan, steps=steps, state="rolled_back")

@@ -1,5 +1,6 @@
 """Properties of the rebalancer's plans (issue 16): on random small fleets, no consolidation or
-re-placement plan, run step by step (or failed and rolled back at any place step), ever puts more bytes
+re-placement plan, run step by step (or failed and rolled back at any place step, or at any release
+step whose copy's engine will not serve), ever puts more bytes
 on an accelerator than it offers, lets an exclusive TP group share a GPU, or leaves a replica without
 a placement; defragmentation never overlaps or bends a slice. Plus the planners' timings on a
 64-node fleet (printed, never asserted)."""
@@ -17,6 +18,7 @@ from shared.domain.placement.types import Decision, FleetSnapshot, apply
 from shared.domain.rebalance.plans import (
     Replica,
     consolidate,
+    copy_failed,
     next_step,
     plan_of,
     replace,
@@ -136,6 +138,43 @@ def test_a_plan_failed_at_any_place_step_rolls_back_to_the_fleet_it_started_from
         assert invariant_violations(state, live | copies) == []
     assert rolled_back(plan).state == "rolled_back"
     assert {a: c.reserved for a, c in state.capacity.items()} == {a: c.reserved for a, c in snap.capacity.items()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(fleet=fleets(), data=st.data())
+def test_a_copy_that_will_not_serve_at_any_release_step_keeps_every_replica_placed_once(
+    fleet: Fleet, data: st.DataObject
+) -> None:
+    """Place every copy, release the old replicas up to a random move, then that move's copy fails (its
+    engine failed or was not ready in time): the copies the rollback names are released. The ledger
+    invariants hold at every step, and every moved replica ends with exactly one placement: its copy for
+    the moves done, itself for the others (never drained, never released)."""
+    snap, replicas, live = fleet
+    moves = replace(snap, replicas, decide=decide)
+    if not moves:
+        return
+    plan = plan_of("replace", "p", "us-west-1/c1", "n0", "link down", NOW, moves)
+    state, held = snap, dict(live)
+    for index, move in enumerate(moves):
+        state = apply(state, move.decision)
+        held[f"{move.replica.allocation_id}+copy"] = move.decision
+        plan = step_done(plan, index, new_allocation_id=f"{move.replica.allocation_id}+copy")
+    done = data.draw(st.integers(0, len(moves) - 1))  # moves whose old replica is released before the failure
+    for index in range(len(moves), len(moves) + done):
+        state = release(state, held.pop(plan.steps[index].allocation_id))
+        plan = step_done(plan, index)
+        assert invariant_violations(state, held) == []
+    plan, rollback = copy_failed(plan, len(moves) + done)
+    assert plan.state == "failed"
+    assert rollback == [f"{m.replica.allocation_id}+copy" for m in moves[done:]]
+    for copy in rollback:
+        state = release(state, held.pop(copy))
+        assert invariant_violations(state, held) == []
+    after = rolled_back(plan)
+    assert [s.state for s in after.steps[: len(moves)]] == ["done"] * done + ["rolled_back"] * (len(moves) - done)
+    for index, move in enumerate(moves):
+        old, copy = move.replica.allocation_id, f"{move.replica.allocation_id}+copy"
+        assert (old in held, copy in held) == ((False, True) if index < done else (True, False))
 
 
 @st.composite

@@ -19,6 +19,7 @@ from shared.domain.rebalance.plans import (
     Replica,
     broken_groups,
     consolidate,
+    copy_failed,
     move_request,
     next_step,
     plan_of,
@@ -392,6 +393,30 @@ def test_a_failed_release_is_retried() -> None:
         plan = step_done(plan, index, new_allocation_id=copy)
     same, rollback = step_failed(plan, 2)
     assert same == plan and rollback == [] and next_step(same) == 2
+
+
+def test_a_copy_whose_engine_fails_rolls_back_the_moves_not_done_and_keeps_those_done() -> None:
+    plan = plan_of("consolidate", "p", "us-west-1/c1", "a", "cold", NOW, two_moves())
+    for index, copy in ((0, "x2"), (1, "y2")):
+        plan = step_done(plan, index, new_allocation_id=copy)
+    with pytest.raises(ValueError, match="not a release"):
+        copy_failed(step_done(plan_of("replace", "q", "c", "a", "r", NOW, two_moves()), 0, new_allocation_id="x2"), 1)
+    with pytest.raises(ValueError, match="not the next"):
+        copy_failed(plan, 3)
+
+    # The first move's copy fails before its old replica is drained: both copies go, both old replicas stay.
+    failed, rollback = copy_failed(plan, 2)
+    assert failed.state == "failed" and rollback == ["x2", "y2"]
+    assert [s.state for s in failed.steps] == ["done", "done", "failed", "pending"] and next_step(failed) is None
+    assert [s.state for s in rolled_back(failed).steps] == ["rolled_back", "rolled_back", "failed", "pending"]
+
+    # The first move is done (its old replica released, its copy serves); the second copy fails: only it goes.
+    moved = step_done(plan, 2)
+    failed, rollback = copy_failed(moved, 3)
+    assert rollback == ["y2"]
+    after = rolled_back(failed)
+    assert after.state == "rolled_back"
+    assert [s.state for s in after.steps] == ["done", "rolled_back", "done", "failed"]
 
 
 def test_a_replicate_plan_is_one_place_step() -> None:

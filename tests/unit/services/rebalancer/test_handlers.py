@@ -4,6 +4,7 @@ what is checked is the handlers' part (what they fold and when, what they plan, 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
@@ -12,6 +13,7 @@ import pytest
 from services.rebalancer.config import RebalanceConfig
 from services.rebalancer.handlers import RebalanceHandlers
 from services.rebalancer.readmodel import Allocation
+from shared.contracts.engines import EngineState, ReplicaStateEvent
 from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.fleet import FleetGetReply, NodeView
 from shared.contracts.ledger import AcceleratorLedgerView, AllocationEvent, ShareOut, SnapshotReply
@@ -29,6 +31,7 @@ from shared.contracts.subjects import Rpc
 from shared.contracts.topology import EngineStatusEvent, GpuSample, GpuTelemetryEvent, NodeProfileEvent
 from shared.domain.fleet import Accelerator, NodeProfile
 from shared.domain.rebalance.detect import Rule
+from shared.domain.rebalance.ready import WaitForReady
 from shared.domain.topology import LinkMatrix
 from shared.infra.catalog import load_models, load_skus
 from shared.infra.profiles import profile_to_payload
@@ -186,7 +189,9 @@ class Rig:
     """The handlers with fakes, a clock the test moves, and helpers that deliver events as a consumer
     does (each in its own unit of work unless given one)."""
 
-    def __init__(self, rpc: FakeRpc | None = None, store: FakeRebalanceStore | None = None) -> None:
+    def __init__(
+        self, rpc: FakeRpc | None = None, store: FakeRebalanceStore | None = None, config: RebalanceConfig = CONFIG
+    ) -> None:
         self.now = NOW
         self.rpc = rpc or FakeRpc()
         self.store = store or FakeRebalanceStore()
@@ -196,7 +201,7 @@ class Rig:
             store=self.store,
             rpc=self.rpc,
             clock=lambda: self.now,
-            config=CONFIG,
+            config=config,
             skus=SKUS,
             models=MODELS,
         )
@@ -367,7 +372,7 @@ def engine(replica: str, host: str, *, queue: int, kv: int) -> EngineStatusEvent
     )
 
 
-async def drain_rig() -> Rig:
+async def drain_rig(config: RebalanceConfig = CONFIG) -> Rig:
     """r1 on node a (cold) and r2 on node b: the consolidation copies r1 onto b, then drains and releases it."""
     a, b = node("a"), node("b")
     rig = Rig(
@@ -376,7 +381,8 @@ async def drain_rig() -> Rig:
             ledger_snapshot=[ledger([a, b], {"a/gpu0": ["r1"], "b/gpu0": ["r2"]})],
             placement_place=[place_reply("r1-copy", "b", 1)],
             placement_release=[ReleaseReply(status="released")],
-        )
+        ),
+        config=config,
     )
     await rig.deliver(
         rig.profiled(a), rig.profiled(b), rig.placed(placed("r1", "a", 0)), rig.placed(placed("r2", "b", 0))
@@ -428,6 +434,131 @@ async def test_a_replica_whose_engine_never_reported_is_released_at_once() -> No
     rig.sustained(sample("a", {0: 0.05}))
     await rig.handlers.tick_once()
     assert [r.allocation_id for r in rig.rpc.requests(Rpc.PLACEMENT_RELEASE)] == ["r1"]
+
+
+def lifecycle(replica: str, host: str, state: EngineState, *, reason: str | None = None) -> ReplicaStateEvent:
+    return ReplicaStateEvent(replica_id=replica, node=host, state=state, engine="sim", reason=reason)
+
+
+async def engines_rig(config: RebalanceConfig = CONFIG) -> Rig:
+    """The drain rig where node b's agent runs engines (r2's reports ready) and the plan has placed r1's copy
+    on b: the next ticks decide when r1 is drained."""
+    rig = await drain_rig(config)
+    rig.handlers.on_replica_state(lifecycle("r2", "b", "ready"), rig.now)
+    rig.sustained(sample("a", {0: 0.05}))
+    rig.handlers.on_replica_state(lifecycle("r2", "b", "ready"), rig.now)
+    await rig.handlers.tick_once()
+    await rig.deliver(rig.placed(placed("r1-copy", "b", 1)))  # placement's event for the copy
+    return rig
+
+
+def released(rig: Rig) -> list[str]:
+    return [r.allocation_id for r in rig.rpc.requests(Rpc.PLACEMENT_RELEASE)]
+
+
+async def test_the_old_replica_is_drained_and_released_only_once_its_copy_reports_ready() -> None:
+    rig = await engines_rig()
+    assert len(rig.rpc.requests(Rpc.PLACEMENT_PLACE)) == 1
+    assert released(rig) == [] and "replica_draining" not in rig.uow.names()  # an agent runs engines on b
+
+    states: tuple[EngineState, ...] = ("starting", "loading", "loading")
+    for state in states:
+        rig.now += timedelta(seconds=10)
+        rig.handlers.on_replica_state(lifecycle("r1-copy", "b", state), rig.now)
+        await rig.handlers.tick_once()
+        assert released(rig) == [] and "replica_draining" not in rig.uow.names()  # r1 keeps serving
+
+    rig.now += timedelta(seconds=10)
+    rig.handlers.on_replica_state(lifecycle("r1-copy", "b", "ready"), rig.now)
+    await rig.handlers.tick_once()
+    assert released(rig) == ["r1"] and rig.uow.names().count("replica_draining") == 1
+    (plan,) = rig.store.plan_list()
+    assert plan.state == "done"
+    assert rig.handlers.progress.copies == {}  # nothing waits any more
+
+
+async def test_no_second_consolidation_is_planned_while_one_waits_for_its_copy() -> None:
+    a, b = node("a", gpus=4), node("b")  # a has room to take back both of b's replicas
+    rig = Rig(
+        FakeRpc(
+            fleet_get=[fleet(a, b)],
+            ledger_snapshot=[ledger([a, b], {"a/gpu0": ["r1"], "b/gpu0": ["r2"]})],
+            placement_place=[place_reply("r1-copy", "b", 1)],
+            placement_release=[ReleaseReply(status="released")],
+        )
+    )
+    await rig.deliver(
+        rig.profiled(a), rig.profiled(b), rig.placed(placed("r1", "a", 0)), rig.placed(placed("r2", "b", 0))
+    )
+    rig.handlers.on_replica_state(lifecycle("r2", "b", "ready"), rig.now)
+    rig.sustained(sample("a", {0: 0.05}, gpus=4))  # a drained onto b: r1's copy loads on b
+    rig.handlers.on_replica_state(lifecycle("r2", "b", "ready"), rig.now)
+    await rig.handlers.tick_once()
+    await rig.deliver(rig.placed(placed("r1-copy", "b", 1)))
+    rig.handlers.on_replica_state(lifecycle("r1-copy", "b", "loading"), rig.now)
+
+    # b turns cold too (a, still holding r1, had room for b's two replicas): draining it would move the copy
+    # back onto the node being drained.
+    rig.sustained(sample("b", {0: 0.05, 1: 0.05}))
+    rig.handlers.on_replica_state(lifecycle("r1-copy", "b", "loading"), rig.now)
+    await rig.handlers.tick_once()
+    assert [(p.kind, p.target) for p in rig.store.plan_list()] == [("consolidate", "a")]
+    assert len(rig.rpc.requests(Rpc.PLACEMENT_PLACE)) == 1 and released(rig) == []
+
+
+async def test_a_copy_whose_engine_fails_is_released_and_the_old_replica_keeps_serving() -> None:
+    rig = await engines_rig()
+    rig.now += timedelta(seconds=10)
+    rig.handlers.on_replica_state(lifecycle("r1-copy", "b", "loading"), rig.now)
+    await rig.handlers.tick_once()
+    rig.now += timedelta(seconds=10)
+    rig.handlers.on_replica_state(lifecycle("r1-copy", "b", "failed", reason="exited with code 1"), rig.now)
+    await rig.handlers.tick_once()
+
+    assert released(rig) == ["r1-copy"] and "replica_draining" not in rig.uow.names()  # r1 never drained
+    (plan,) = rig.store.plan_list()
+    assert plan.state == "rolled_back"
+    assert [s.state for s in plan.steps] == ["rolled_back", "failed"]
+    note = rig.uow.named("plan_step")[-1]["note"]
+    assert "r1-copy" in note and "rank 0 failed: exited with code 1" in note and "r1 kept" in note
+    assert rig.uow.named("plan_finished")[-1]["note"] == "rolled_back"
+
+
+async def test_a_copy_not_ready_within_the_timeout_rolls_the_move_back() -> None:
+    rig = await engines_rig()
+    rig.handlers.on_replica_state(lifecycle("r1-copy", "b", "loading"), rig.now)
+    rig.now += timedelta(seconds=CONFIG.ready_timeout_s - 1)  # 900 s after it was placed, less one
+    await rig.handlers.tick_once()
+    assert released(rig) == []
+
+    rig.now += timedelta(seconds=1)
+    await rig.handlers.tick_once()
+    assert released(rig) == ["r1-copy"] and "replica_draining" not in rig.uow.names()
+    (plan,) = rig.store.plan_list()
+    assert plan.state == "rolled_back"
+    assert "not ready within 900 s (loading)" in rig.uow.named("plan_step")[-1]["note"]
+
+
+async def test_auto_without_agents_drains_as_soon_as_the_copy_is_placed_and_always_waits() -> None:
+    # No replica_state from any node: the fleet runs its engines by other means (as before).
+    rig = await drain_rig()
+    rig.sustained(sample("a", {0: 0.05}))
+    await rig.handlers.tick_once()
+    assert released(rig) == ["r1"]
+
+    # `always`: the copy is waited for even with no agent seen (and rolled back after the timeout).
+    always = dataclasses.replace(CONFIG, wait_for_ready=WaitForReady.ALWAYS)
+    rig = await drain_rig(always)
+    rig.sustained(sample("a", {0: 0.05}))
+    await rig.handlers.tick_once()
+    assert released(rig) == []
+    rig.now += timedelta(seconds=always.ready_timeout_s)
+    await rig.handlers.tick_once()
+    assert released(rig) == ["r1-copy"]
+
+    # `never`: an agent runs engines on b and the copy loads, yet r1 is drained at once.
+    rig = await engines_rig(dataclasses.replace(CONFIG, wait_for_ready=WaitForReady.NEVER))
+    assert released(rig) == ["r1"]
 
 
 async def test_a_copy_that_cannot_be_placed_rolls_the_plan_back_and_releases_the_copies_placed() -> None:
