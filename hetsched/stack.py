@@ -286,6 +286,10 @@ class Stack:
         env["HETSCHED_SUBJECT_PREFIX"] = self.settings.kit.subject_prefix
         env["HETSCHED_STREAM_PREFIX"] = self.settings.kit.stream_prefix
         env["HETSCHED_TOPOLOGY_INVENTORY"] = str(self.fleet_path())
+        if self.engines != "none" and "HETSCHED_REBALANCE_WAIT_FOR_READY" not in os.environ:
+            # Every GPU node runs an engine agent: a move always waits for its copy's engine to be ready,
+            # even on a node whose agent had no engine to report on before the copy came.
+            env["HETSCHED_REBALANCE_WAIT_FOR_READY"] = "always"
         return env
 
     def _database_env(self, package: str) -> dict[str, str]:
