@@ -154,7 +154,8 @@ class OutboxRelay:
     transaction. If the relay dies between publish and mark, the rows stay unsent and are published
     again on restart; JetStream's duplicate window drops the second copy.
 
-    A row that cannot be published (larger than the server's max_payload, refused by JetStream) is
+    A row that cannot be published (larger than the server's max_payload, refused by JetStream, or written
+    under another subject prefix than ``subject_prefix``, so no stream of this deployment takes it) is
     quarantined (``quarantined_at``, ``error``) with one ERROR log line and counted in
     ``quarantined``; the rows behind it go on. A transient error (NATS down, a timeout) ends the pass
     and the relay retries with backoff, quarantining nothing.
@@ -169,8 +170,12 @@ class OutboxRelay:
         batch: int = 256,
         poll_ms: int = 100,
         after_publish: AfterPublish | None = None,
+        subject_prefix: str | None = None,
     ) -> None:
         self._sessions = sessions
+        # Rows written under another subject prefix (the deployment's prefix changed since, or another
+        # deployment shares the database) can never reach this deployment's streams: quarantined, not retried.
+        self._own = f"{subject_prefix}." if subject_prefix else None
         self._js = js
         self._table = outbox_table(schema)
         self._batch = batch
@@ -209,6 +214,14 @@ class OutboxRelay:
             quarantined: list[tuple[int, str]] = []
             for row in rows:
                 payload: dict[str, Any] = row.payload
+                if self._own is not None and not row.subject.startswith(self._own):
+                    error = f"written under another subject prefix than this deployment's ({self._own[:-1]!r})"
+                    quarantined.append((row.seq, error))
+                    log.error(
+                        QUARANTINED_MESSAGE,
+                        extra={"event_id": str(row.event_id), "subject": row.subject, "error": error},
+                    )
+                    continue
                 try:
                     await self._js.publish(
                         row.subject,

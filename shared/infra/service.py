@@ -287,6 +287,7 @@ def build_app(
                 schema=definition.schema,
                 batch=settings.kit.outbox_batch,
                 poll_ms=settings.kit.outbox_poll_ms,
+                subject_prefix=settings.kit.subject_prefix,
             )
             runtime.spawn(runtime.relay.run(), name="outbox-relay")
             runtime.pruner = Pruner(

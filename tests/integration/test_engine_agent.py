@@ -183,39 +183,41 @@ async def test_a_spot_preemption_stops_the_borrowers_engine_by_its_deadline(
             **extra,
         }
 
-    # Every free H200 of us-east-1 reserved by hooli (spot): a borrower can only borrow, the owner reclaims.
-    probe = await call(
-        nc,
-        settings,
-        Rpc.RESERVATION_CREATE,
-        {"tenant": "hooli", "policy": "spot", "count": 100_000, "sku": h200, "region": east},
-    )
-    free = int(probe["error"]["details"]["free"])
-    assert free >= 1, probe
-    created = await call(
-        nc,
-        settings,
-        Rpc.RESERVATION_CREATE,
-        {"tenant": "hooli", "policy": "spot", "count": free, "sku": h200, "region": east, "spot_eviction_s": notice_s},
-    )
-    assert created["status"] == "created", created
+    # One free H200 reserved by hooli (spot); every other H200 is avoided by both requests below, so the
+    # borrower can only borrow that one and the owner can only get it back by a reclaim.
+    snapshot = await call(nc, settings, Rpc.LEDGER_SNAPSHOT, {})
+    h200s = [a["id"] for a in snapshot["accelerators"] if a["id"].startswith("hgx-h200-")]
+    free = [a["id"] for a in snapshot["accelerators"] if a["id"] in h200s and a["available"] and not a["allocations"]]
+    created: dict[str, Any] = {}
+    for accelerator in free:  # the first one no earlier module of the run keeps in a reservation
+        created = await call(
+            nc,
+            settings,
+            Rpc.RESERVATION_CREATE,
+            {"tenant": "hooli", "policy": "spot", "accelerators": [accelerator], "spot_eviction_s": notice_s},
+        )
+        if created.get("status") == "created":
+            break
+    assert created.get("status") == "created", (free, created)
+    (lent,) = created["accelerators"]
+    avoid = [a for a in h200s if a != lent]
     borrowers: list[str] = []
     agent: subprocess.Popen[bytes] | None = None
     try:
-        replies = []
-        for i in range(free):
 
-            async def borrowed(i: int = i) -> dict[str, Any] | None:
-                reply = await call(nc, settings, Rpc.PLACEMENT_PLACE, spot(f"ea-b-{i}", "globex", preemptible=True))
-                return reply if reply.get("status") == "placed" else None
+        async def borrowed() -> dict[str, Any] | None:
+            ask = spot("ea-b-1", "globex", preemptible=True, avoid_accelerators=avoid)
+            reply = await call(nc, settings, Rpc.PLACEMENT_PLACE, ask)
+            return reply if reply.get("status") == "placed" else None
 
-            replies.append(await wait_for(borrowed, 15, what="placement learns the spot offer"))
-            borrowers.append(replies[-1]["allocation_id"])
-            # Its caller keeps it (as `hetsched place` does): no first lease lapses under the test.
-            renew = {"allocation_id": borrowers[-1], "tenant": "globex", "lease_s": 600}
-            assert (await call(nc, settings, Rpc.PLACEMENT_RENEW, renew))["status"] == "renewed"
-        last = borrowers[-1]  # the one a reclaim takes first (LIFO)
-        agent = start_agent(service_processes, replies[-1]["binding"][0]["node"])
+        reply = await wait_for(borrowed, 15, what="placement learns the spot offer")
+        assert [a for p in reply["placements"] for a in p["accelerators"]] == [lent], reply
+        borrowers.append(reply["allocation_id"])
+        # Its caller keeps it (as `hetsched place` does): no first lease lapses under the test.
+        renew = {"allocation_id": borrowers[-1], "tenant": "globex", "lease_s": 600}
+        assert (await call(nc, settings, Rpc.PLACEMENT_RENEW, renew))["status"] == "renewed"
+        last = borrowers[-1]
+        agent = start_agent(service_processes, reply["binding"][0]["node"])
 
         async def running() -> psutil.Process | None:
             found = await replica_row(nc, settings, "globex", last)
@@ -224,13 +226,15 @@ async def test_a_spot_preemption_stops_the_borrowers_engine_by_its_deadline(
 
         engine = await wait_for(running, 60, interval_s=0.3, what="the borrower's engine ready")
         # The owner asks: the borrower is preempted with a notice of `notice_s`; its engine must be gone by then.
-        refused = await call(nc, settings, Rpc.PLACEMENT_PLACE, spot("ea-owner", "hooli"))
+        refused = await call(nc, settings, Rpc.PLACEMENT_PLACE, spot("ea-owner", "hooli", avoid_accelerators=avoid))
         asked = asyncio.get_running_loop().time()
         assert refused["status"] == "rejected" and refused["error"]["code"] == "no_capacity", refused
         await wait_for(lambda: gone(engine.pid), notice_s + 5, interval_s=0.1, what="the borrower's engine stopped")
         took = asyncio.get_running_loop().time() - asked
         print(f"\nthe spot borrower's engine stopped {took:.2f} s after the reclaim (notice {notice_s} s)")
-        assert took <= notice_s + 0.5  # by its deadline (the reclaim set it before placement answered)
+        # By its deadline: the reclaim set it before placement answered; the agent learns it at its next pass
+        # (0.5 s) and SIGKILL, at the latest, lands on it (slack for one late pass on a loaded machine).
+        assert took <= notice_s + 1.5, took
     finally:
         if agent is not None and "ea_agent" in service_processes.procs:
             service_processes.stop("ea_agent", kill=True)

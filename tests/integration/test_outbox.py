@@ -384,3 +384,38 @@ async def test_a_unit_of_work_on_the_driver_commits_its_statements_and_events_to
         await factory.run_on_driver(announces, transaction=False)
     async with sessions() as session, session.begin():
         await session.execute(table.delete().where(table.c.event_id.in_([e.event_id for e in events])))
+
+
+async def test_a_row_written_under_another_subject_prefix_is_quarantined_and_the_rows_behind_it_go_on(
+    sessions: async_sessionmaker[AsyncSession], js: JetStreamContext, settings: Settings
+) -> None:
+    """A deployment whose subject prefix changed (or another one sharing the database) left a row no stream
+    of this deployment takes: JetStream answers "no responders" for it forever. It is quarantined (not
+    retried as if NATS were away), so the events written after it are published."""
+    prefix = settings.kit.subject_prefix
+    foreign, own = _event("foreign_probe"), _event("own_probe")
+    foreign_subject = Subjects(f"gone{uuid.uuid4().hex[:6]}").event(Context.LEDGER, "foreign_probe")
+    own_subject = Subjects(prefix).event(Context.LEDGER, "own_probe")
+    async with sessions() as session, session.begin():
+        await enqueue(session=session, schema=SCHEMA, subject=foreign_subject, event=foreign)
+        await enqueue(session=session, schema=SCHEMA, subject=own_subject, event=own)
+    relay = OutboxRelay(sessions=sessions, js=js, schema=SCHEMA, subject_prefix=prefix)
+    while await relay.run_once():
+        pass
+    table = outbox_table(SCHEMA)
+    async with sessions() as session:
+        rows = {
+            r.event_id: r
+            for r in (
+                await session.execute(
+                    select(table.c.event_id, table.c.sent_at, table.c.quarantined_at, table.c.error).where(
+                        table.c.event_id.in_([foreign.event_id, own.event_id])
+                    )
+                )
+            ).all()
+        }
+    assert rows[foreign.event_id].sent_at is None and rows[foreign.event_id].quarantined_at is not None
+    assert "another subject prefix" in rows[foreign.event_id].error
+    assert rows[own.event_id].sent_at is not None and relay.quarantined >= 1
+    stream = stream_name(Context.LEDGER, stream_prefix=settings.kit.stream_prefix)
+    assert await _count_in_stream(js, stream, own_subject, own.event_id) == 1
