@@ -5,7 +5,9 @@ freed, so the queue wakes)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from datetime import datetime
 
 from pydantic import BaseModel
 
@@ -36,8 +38,13 @@ from shared.contracts.placement import (
 )
 from shared.contracts.subjects import Context, Rpc
 from shared.domain.placement.ownership import IntentState
+from shared.infra import deadline
 from shared.infra.rpc import RpcClient
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
+
+RECORD_WAIT_S = 5.0
+RECORD_POLL_S = 0.05
+"""How long, and how often, a renewal waits for a just-placed replica's decision row to record its lease."""
 
 
 class Lifecycle:
@@ -102,14 +109,25 @@ class Lifecycle:
             self._first_leases.forget(request.allocation_id)
         lease = renewed.lease_expires_at
         if lease is not None:  # the replica's lease end as `placement.replicas` lists it
-
-            async def work(uow: UnitOfWork) -> None:
-                await self._store.lease_renewed(
-                    session=uow.session, allocation_id=request.allocation_id, lease_expires_at=lease
-                )
-
-            await self._uow.run_grouped(work)
+            await self._record_lease(request.allocation_id, lease)
         return RenewReply(status="renewed", lease_expires_at=lease)
+
+    async def _record_lease(self, allocation_id: str, lease: datetime) -> None:
+        """Record a renewed lease end on the replica's decision. A replica placed on the direct path a moment
+        ago may not have its row yet (it follows the ledger's event): the renewal waits for it, within the
+        caller's deadline, so that `placement.replicas` shows the lease the caller was just told, not the
+        first lease the row is written with."""
+
+        async def work(uow: UnitOfWork) -> bool:
+            return await self._store.lease_renewed(
+                session=uow.session, allocation_id=allocation_id, lease_expires_at=lease
+            )
+
+        waited_s = 0.0
+        limit_s = min(RECORD_WAIT_S, deadline.remaining_s(default_s=RECORD_WAIT_S) or 0.0)
+        while not await self._uow.run_grouped(work) and waited_s < limit_s:
+            await asyncio.sleep(RECORD_POLL_S)
+            waited_s += RECORD_POLL_S
 
     # -- LEDGER events (a durable consumer: what the ledger did to placement's allocations) -------------
 

@@ -369,28 +369,27 @@ class DecisionStore:
             out.append((allocation_id, tenant, int(lease_s), [n for n in nodes if isinstance(n, str)]))
         return out
 
-    async def lease_renewed(self, *, session: AsyncSession, allocation_id: str, lease_expires_at: datetime) -> None:
-        """A placed replica's lease, as the ledger answered its renewal (nothing for an id no placed decision
-        holds: an admission's KV hold)."""
-        await session.execute(
+    async def lease_renewed(self, *, session: AsyncSession, allocation_id: str, lease_expires_at: datetime) -> bool:
+        """A placed replica's lease, as the ledger answered its renewal; False when no placed decision holds
+        the id (not recorded yet: a direct placement's row follows the ledger's event)."""
+        done = await session.execute(
             update(DECISIONS)
             .where(DECISIONS.c.allocation_id == allocation_id, DECISIONS.c.status == IntentState.PLACED.value)
             .values(lease_expires_at=lease_expires_at, lease_s=None)
         )
+        return bool(getattr(done, "rowcount", 0))
 
-    async def lease_of(
-        self, *, session: AsyncSession, allocation_id: str
-    ) -> tuple[str, datetime | None, int | None] | None:
-        """A placed replica's tenant, lease end as placement last recorded it, and the lease it asked for
-        (None when not recorded); None when no placed decision holds the allocation."""
+    async def lease_of(self, *, session: AsyncSession, allocation_id: str) -> tuple[str, datetime | None] | None:
+        """A placed replica's tenant and lease end as placement last recorded it; None when no placed
+        decision holds the allocation."""
         row = (
             await session.execute(
-                select(DECISIONS.c.tenant, DECISIONS.c.lease_expires_at, DECISIONS.c.lease_s).where(
+                select(DECISIONS.c.tenant, DECISIONS.c.lease_expires_at).where(
                     DECISIONS.c.allocation_id == allocation_id, DECISIONS.c.status == IntentState.PLACED.value
                 )
             )
         ).first()
-        return (row.tenant, row.lease_expires_at, row.lease_s) if row is not None else None
+        return (row.tenant, row.lease_expires_at) if row is not None else None
 
     # -- the placed replicas, listed (`placement.replicas`) ---------------------------------------------------
 

@@ -644,8 +644,8 @@ class PlacementSettings(Section):
         default=3600,
         gt=0,
         description="Lease of a placed replica when the request names none (renew with `placement.renew`); also "
-        "what placement renews a replica for while its node agents report its engines running, when the lease it "
-        'asked for is not recorded (docs/PLACEMENT.md "Replica lifecycle").',
+        "the lease placement renews a replica to while its node agents report its engines running "
+        '(docs/PLACEMENT.md "Replica lifecycle").',
     )
     first_lease_s: int = Field(
         default=60,

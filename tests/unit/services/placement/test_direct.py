@@ -257,3 +257,23 @@ async def test_conflicts_on_every_attempt_answer_conflict_and_leave_nothing_assu
     assert isinstance(reply, Rejected) and reply.error.code is ErrorCode.CONFLICT
     assert len(rig.rpc.requests(Rpc.LEDGER_COMMIT)) == 4
     assert rig.reserved() == {} and rig.view.assumed == 0
+
+
+async def test_a_renew_before_the_decision_row_exists_waits_for_it_and_records_its_lease() -> None:
+    """The caller renews at once (as `hetsched place` does); the decision row follows the ledger's event a
+    moment later. The renewal waits for the row, so `placement.replicas` lists the renewed lease end, not the
+    first lease the row is written with."""
+    renewed_until = NOW + timedelta(seconds=600)
+    ledger = FakeLedger()
+    rig = direct_rig(ledger, ledger_renew=[LedgerRenewReply(status="renewed", lease_expires_at=renewed_until)])
+    one = await rig.handlers.placing.place(place("r-1", lease_s=600))
+    assert isinstance(one, PlaceReply) and one.allocation_id is not None
+    renewing = asyncio.create_task(
+        rig.handlers.lifecycle.renew(RenewRequest(allocation_id=one.allocation_id, tenant="acme", lease_s=600))
+    )
+    await asyncio.sleep(0.2)
+    assert not renewing.done()  # its row is not there yet
+    await deliver(rig, ledger, one.allocation_id)  # the ledger's event: the row, with the first lease
+    renewed = await asyncio.wait_for(renewing, 2)
+    assert renewed.model_dump()["status"] == "renewed"
+    assert rig.store.rows[("acme", "r-1")]["lease_expires_at"] == renewed_until

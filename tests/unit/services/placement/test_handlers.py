@@ -184,11 +184,14 @@ class FakeStore(DecisionStore):
         )
         return True
 
-    async def lease_renewed(self, *, session: Any, allocation_id: str, lease_expires_at: datetime) -> None:
+    async def lease_renewed(self, *, session: Any, allocation_id: str, lease_expires_at: datetime) -> bool:
+        found = False
         for row in self.rows.values():
             if row["allocation_id"] == allocation_id and row["status"] == "placed":
                 row["lease_expires_at"] = lease_expires_at
                 row["lease_s"] = None
+                found = True
+        return found
 
     async def record_placed(
         self,

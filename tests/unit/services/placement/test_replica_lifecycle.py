@@ -275,18 +275,17 @@ async def test_admission_chooses_only_ready_replicas_and_names_the_endpoint() ->
 
 
 class _Leases:
-    """The store's and unit of work's part Renewals uses: a replica's tenant, lease end and asked lease."""
+    """The store's and unit of work's part Renewals uses: a replica's tenant and lease end."""
 
-    def __init__(self, ends: dict[str, datetime], asked: dict[str, int] | None = None) -> None:
+    def __init__(self, ends: dict[str, datetime]) -> None:
         self.ends = ends
-        self.asked = asked or {}
 
     async def read(self, fn: Any) -> Any:
         return await fn(None)
 
-    async def lease_of(self, *, session: Any, allocation_id: str) -> tuple[str, datetime, int | None] | None:
+    async def lease_of(self, *, session: Any, allocation_id: str) -> tuple[str, datetime] | None:
         end = self.ends.get(allocation_id)
-        return ("acme", end, self.asked.get(allocation_id)) if end is not None else None
+        return ("acme", end) if end is not None else None
 
 
 class _FirstLeases:
@@ -336,27 +335,3 @@ async def test_a_reporting_replica_is_renewed_when_less_than_half_its_lease_is_l
     renewals.reported("al-due")
     await asyncio.sleep(0.01)
     assert [r.allocation_id for r in asked] == ["al-due", "al-due"]
-
-
-async def test_a_reporting_replica_is_renewed_for_the_lease_it_asked_for() -> None:
-    """A replica placed with a 10 s lease is renewed for 10 s (when 5 s are left), not for the default."""
-    wall = Wall()
-    leases = _Leases({"al-short": T0 + timedelta(seconds=4)}, asked={"al-short": 10})
-    asked: list[RenewRequest] = []
-
-    async def renew(request: RenewRequest) -> RenewReply:
-        asked.append(request)
-        return RenewReply(status="renewed", lease_expires_at=wall() + timedelta(seconds=request.lease_s))
-
-    renewals = Renewals(
-        store=leases,  # type: ignore[arg-type]
-        uow=leases,  # type: ignore[arg-type]
-        renew=renew,
-        first_leases=_FirstLeases(set()),  # type: ignore[arg-type]
-        lease_s=3600,
-        clock=wall,
-        log=log,
-    )
-    renewals.reported("al-short")
-    await asyncio.sleep(0.01)
-    assert [(r.allocation_id, r.lease_s) for r in asked] == [("al-short", 10)]
