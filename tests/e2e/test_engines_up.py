@@ -103,6 +103,7 @@ class Operator:
         return asyncio.run(self._call(Rpc.PLACEMENT_ADMIT, request))
 
 
+@pytest.mark.timeout(900)  # a whole stack with 13 agents, then a dozen engine starts: minutes on a loaded machine
 def test_a_placed_replica_runs_a_real_engine_from_start_to_release(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETSCHED_")} | AGENT_ENV
