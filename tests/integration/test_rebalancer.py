@@ -8,6 +8,7 @@ throttles the node (placement places nothing new there) until it clears."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -109,47 +110,55 @@ class Stack:
         return {a for acc in (await self.ledger()).accelerators if acc.node == node for a in acc.allocations}
 
 
+@contextlib.asynccontextmanager
+async def rebalancer_stack(
+    processes: ServiceProcesses, settings: Settings, names: dict[str, str], **rebalancer_env: str
+) -> AsyncIterator[Stack]:
+    """Topology (the demo fleet), ledger, placement and a rebalancer (``rebalancer_env``: its settings) as
+    processes named by ``names``, healthy; a ``Stack`` on them; everything stopped after."""
+    processes.start(
+        "topology_discovery", name=names["topology_discovery"], HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path())
+    )
+    processes.start("capacity_ledger", name=names["capacity_ledger"])
+    processes.start("placement", name=names["placement"])
+    processes.start("rebalancer", name=names["rebalancer"], **rebalancer_env)
+    subjects = Subjects(settings.kit.subject_prefix)
+    health = await wait_healthy(nats_url=settings.kit.nats_url or "", subjects=subjects, deadline_s=60, only=set(names))
+    assert all(h["status"] == "ok" for h in health.values()), health
+    rpc = await RpcClient.connect(settings.kit.nats_url or "", subjects, timeout_s=15)
+    nc = await nats.connect(settings.kit.nats_url or "")
+    try:
+        yield Stack(rpc, nc, settings)
+    finally:
+        await rpc.close()
+        await nc.close()
+        for name in reversed(names.values()):
+            processes.stop(name)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(service_processes: ServiceProcesses, settings: Settings) -> AsyncIterator[Stack]:
-    service_processes.start(
-        "topology_discovery", name=NAMES["topology_discovery"], HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path())
-    )
-    service_processes.start("capacity_ledger", name=NAMES["capacity_ledger"])
-    service_processes.start("placement", name=NAMES["placement"])
-    service_processes.start(
-        "rebalancer",
-        name=NAMES["rebalancer"],
+    async with rebalancer_stack(
+        service_processes,
+        settings,
+        NAMES,
         HETSCHED_REBALANCE_HOT_WINDOW_S="2",
         HETSCHED_REBALANCE_COLD_WINDOW_S="3",
         HETSCHED_REBALANCE_PCIE_WINDOW_S="2",
         HETSCHED_REBALANCE_MIGRATIONS_PER_MIN="60",
         HETSCHED_REBALANCE_TICK_S="0.2",
         HETSCHED_REBALANCE_DRIFT_RATIO="100",  # synthetic HBM figures: no drift plans in this module
-    )
-    health = await wait_healthy(
-        nats_url=settings.kit.nats_url or "",
-        subjects=Subjects(settings.kit.subject_prefix),
-        deadline_s=60,
-        only=set(NAMES),
-    )
-    assert all(h["status"] == "ok" for h in health.values()), health
-    rpc = await RpcClient.connect(settings.kit.nats_url or "", Subjects(settings.kit.subject_prefix), timeout_s=15)
-    nc = await nats.connect(settings.kit.nats_url or "")
-    s = Stack(rpc, nc, settings)
-    yield s
-    # The session's database is shared with later modules: give back what this module's tenant holds.
-    placed = await s.rpc.ask(Rpc.LEDGER_SNAPSHOT, SnapshotRequest(), SnapshotReply)
-    assert isinstance(placed, SnapshotReply)
-    for node in NODES:
-        for allocation_id in {a for acc in placed.accelerators if acc.node == node for a in acc.allocations}:
-            reply = await rpc.ask(
-                Rpc.PLACEMENT_RELEASE, ReleaseRequest(allocation_id=allocation_id, tenant=TENANT), ReleaseReply
-            )
-            assert isinstance(reply, (ReleaseReply, Rejected)), reply
-    await rpc.close()
-    await nc.close()
-    for name in reversed(NAMES.values()):
-        service_processes.stop(name)
+    ) as s:
+        yield s
+        # The session's database is shared with later modules: give back what this module's tenant holds.
+        placed = await s.rpc.ask(Rpc.LEDGER_SNAPSHOT, SnapshotRequest(), SnapshotReply)
+        assert isinstance(placed, SnapshotReply)
+        for node in NODES:
+            for allocation_id in {a for acc in placed.accelerators if acc.node == node for a in acc.allocations}:
+                reply = await s.rpc.ask(
+                    Rpc.PLACEMENT_RELEASE, ReleaseRequest(allocation_id=allocation_id, tenant=TENANT), ReleaseReply
+                )
+                assert isinstance(reply, (ReleaseReply, Rejected)), reply
 
 
 async def _keep_reporting(stack: Stack, samples: dict[str, dict[int, float]], seconds: float, **kw: float) -> None:

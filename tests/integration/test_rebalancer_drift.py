@@ -9,22 +9,18 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-import nats
 import pytest
 import pytest_asyncio
 
-from hetsched.stack import wait_healthy
 from shared.contracts.ledger import SnapshotReply, SnapshotRequest
 from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseReply, ReleaseRequest
 from shared.contracts.rebalance import RebalanceStatusReply, RebalanceStatusRequest
 from shared.contracts.streams import stream_name
-from shared.contracts.subjects import Context, Rpc, Subjects
+from shared.contracts.subjects import Context, Rpc
 from shared.contracts.topology import TopologyReportRequest
-from shared.infra.catalog import demo_fleet_path
-from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings
 from tests.conftest import ServiceProcesses
-from tests.integration.test_rebalancer import GPU_BYTES, Stack, _nvswitch_without, _profile
+from tests.integration.test_rebalancer import GPU_BYTES, Stack, _nvswitch_without, _profile, rebalancer_stack
 from tests.jetstream import read_all
 from tests.waiting import wait_for
 
@@ -37,14 +33,10 @@ REGION = "rd-region"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(service_processes: ServiceProcesses, settings: Settings) -> AsyncIterator[Stack]:
-    service_processes.start(
-        "topology_discovery", name=NAMES["topology_discovery"], HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path())
-    )
-    service_processes.start("capacity_ledger", name=NAMES["capacity_ledger"])
-    service_processes.start("placement", name=NAMES["placement"])
-    service_processes.start(
-        "rebalancer",
-        name=NAMES["rebalancer"],
+    async with rebalancer_stack(
+        service_processes,
+        settings,
+        NAMES,
         HETSCHED_REBALANCE_DRIFT_WINDOW_S="2",
         HETSCHED_REBALANCE_DRIFT_CHECK_S="0.2",
         HETSCHED_REBALANCE_HOT_UTIL="1",  # only drift acts in this module
@@ -54,21 +46,8 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
         # No agent runs engines here: a move drains at once. (`auto` would first follow the agents' reports for
         # 3 status intervals, and the synthetic HBM figures would meanwhile make the copy drift too.)
         HETSCHED_REBALANCE_WAIT_FOR_READY="never",
-    )
-    health = await wait_healthy(
-        nats_url=settings.kit.nats_url or "",
-        subjects=Subjects(settings.kit.subject_prefix),
-        deadline_s=60,
-        only=set(NAMES),
-    )
-    assert all(h["status"] == "ok" for h in health.values()), health
-    rpc = await RpcClient.connect(settings.kit.nats_url or "", Subjects(settings.kit.subject_prefix), timeout_s=15)
-    nc = await nats.connect(settings.kit.nats_url or "")
-    yield Stack(rpc, nc, settings)
-    await rpc.close()
-    await nc.close()
-    for name in reversed(NAMES.values()):
-        service_processes.stop(name)
+    ) as s:
+        yield s
 
 
 async def test_a_drifting_allocation_raises_an_alarm_and_is_replaced(stack: Stack) -> None:

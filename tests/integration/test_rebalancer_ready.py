@@ -12,11 +12,9 @@ import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
-import nats
 import pytest
 import pytest_asyncio
 
-from hetsched.stack import wait_healthy
 from shared.contracts.base import Rejected
 from shared.contracts.engines import EngineState, ReplicaStateEvent
 from shared.contracts.envelope import new_event
@@ -25,15 +23,13 @@ from shared.contracts.permissions import AGENT
 from shared.contracts.placement import PlaceReply, PlaceRequest, ReleaseReply, ReleaseRequest
 from shared.contracts.rebalance import PlanView, RebalanceStatusReply, RebalanceStatusRequest
 from shared.contracts.streams import stream_name
-from shared.contracts.subjects import Context, Rpc, Subjects
+from shared.contracts.subjects import Context, Rpc
 from shared.contracts.topology import TelemetryEventName, TopologyReportRequest
 from shared.domain.topology import LinkMatrix
-from shared.infra.catalog import demo_fleet_path
 from shared.infra.outbox import msg_id_headers
-from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings
 from tests.conftest import ServiceProcesses
-from tests.integration.test_rebalancer import Stack, _nvswitch_without, _profile
+from tests.integration.test_rebalancer import Stack, _nvswitch_without, _profile, rebalancer_stack
 from tests.jetstream import read_all
 from tests.waiting import wait_for
 
@@ -48,14 +44,10 @@ LOADING_S = 6.0  # how long the copy loads: twice the rebalancer's 3 s stale win
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(service_processes: ServiceProcesses, settings: Settings) -> AsyncIterator[Stack]:
-    service_processes.start(
-        "topology_discovery", name=NAMES["topology_discovery"], HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path())
-    )
-    service_processes.start("capacity_ledger", name=NAMES["capacity_ledger"])
-    service_processes.start("placement", name=NAMES["placement"])
-    service_processes.start(
-        "rebalancer",
-        name=NAMES["rebalancer"],
+    async with rebalancer_stack(
+        service_processes,
+        settings,
+        NAMES,
         HETSCHED_REBALANCE_HOT_UTIL="1",  # only the NVLink re-placement acts in this module
         HETSCHED_REBALANCE_COLD_UTIL="0.001",
         HETSCHED_REBALANCE_DRIFT_RATIO="100",
@@ -63,21 +55,8 @@ async def stack(service_processes: ServiceProcesses, settings: Settings) -> Asyn
         HETSCHED_REBALANCE_TICK_S="0.2",
         HETSCHED_REBALANCE_WAIT_FOR_READY="auto",
         HETSCHED_AGENT_STATUS_S="1",
-    )
-    health = await wait_healthy(
-        nats_url=settings.kit.nats_url or "",
-        subjects=Subjects(settings.kit.subject_prefix),
-        deadline_s=60,
-        only=set(NAMES),
-    )
-    assert all(h["status"] == "ok" for h in health.values()), health
-    rpc = await RpcClient.connect(settings.kit.nats_url or "", Subjects(settings.kit.subject_prefix), timeout_s=15)
-    nc = await nats.connect(settings.kit.nats_url or "")
-    yield Stack(rpc, nc, settings)
-    await rpc.close()
-    await nc.close()
-    for name in reversed(NAMES.values()):
-        service_processes.stop(name)
+    ) as s:
+        yield s
 
 
 class Agent:
