@@ -64,7 +64,6 @@ class Engine:
     run: Run
     process: asyncio.subprocess.Process | None = None
     published: tuple[Any, ...] | None = None
-    log_path: Path | None = None
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)
     scraped: Exposition | None = None  # the last /metrics, for figures over the window since
     scraped_at: float | None = None  # monotonic seconds
@@ -239,7 +238,7 @@ class Supervisor:
         now = self._clock()
         try:
             command = engine_command(assignment, port=port, settings=self._launch)
-            process, log_path = await self._spawn(rid, command)
+            process = await self._spawn(rid, command)
         except (LaunchError, OSError) as exc:
             run = supervision.launch_failed(
                 rid, f"cannot start the engine: {exc}", now, before=before.run if before is not None else None
@@ -248,7 +247,7 @@ class Supervisor:
             self._log.error("engine cannot start", extra={"replica": rid, "error": str(exc)})
             return
         run = supervision.started(rid, process.pid, now, before=before.run if before is not None else None)
-        engine = Engine(assignment=assignment, port=port, run=run, process=process, log_path=log_path)
+        engine = Engine(assignment=assignment, port=port, run=run, process=process)
         engine.published = before.published if before is not None else None
         engine.waiter = asyncio.create_task(self._wait(engine, process), name=f"engine-{rid}")
         self.engines[rid] = engine
@@ -257,7 +256,7 @@ class Supervisor:
             extra={"replica": rid, "pid": process.pid, "port": port, "argv": " ".join(command.argv)[:500]},
         )
 
-    async def _spawn(self, rid: str, command: EngineCommand) -> tuple[asyncio.subprocess.Process, Path]:
+    async def _spawn(self, rid: str, command: EngineCommand) -> asyncio.subprocess.Process:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self._log_dir / f"{rid}.log"
         env = {**os.environ, **command.env}
@@ -271,7 +270,7 @@ class Supervisor:
                 start_new_session=True,  # its workers are signalled with it (the process group)
                 preexec_fn=_child_setup(command.cpus),
             )
-        return process, log_path
+        return process
 
     async def _wait(self, engine: Engine, process: asyncio.subprocess.Process) -> None:
         code = await process.wait()
@@ -308,23 +307,16 @@ class Supervisor:
         if engine.assignment.rank > 0:
             status: int | None = 200 if engine.process is not None and engine.process.returncode is None else None
         else:
-            status = await self._get_status(engine, "/health")
+            status, _body = await self._get(engine, "/health")
         engine.run = supervision.probed(engine.run, status, self._clock(), self._policy)
 
-    async def _get_status(self, engine: Engine, path: str) -> int | None:
+    async def _get(self, engine: Engine, path: str) -> tuple[int | None, str | None]:
+        """``GET path`` on the engine: its status and body (None, None: nothing answered)."""
         try:
             async with self._http().get(self._local_url(engine, path)) as response:
-                await response.read()
-                return response.status
+                return response.status, await response.text(errors="replace")
         except (aiohttp.ClientError, TimeoutError, OSError):
-            return None
-
-    async def get_text(self, engine: Engine, path: str) -> str | None:
-        try:
-            async with self._http().get(self._local_url(engine, path)) as response:
-                return await response.text() if response.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
-            return None
+            return None, None
 
     def _local_url(self, engine: Engine, path: str) -> str:
         return f"http://{self._probe_host()}:{engine.port}{path}"
@@ -372,8 +364,8 @@ class Supervisor:
                 engine, event, (event.state, event.endpoint, event.pid, event.restarts, event.reason)
             )
             if engine.run.phase is Phase.READY and engine.assignment.rank == 0:
-                text = await self.get_text(engine, "/metrics")
-                if text is not None:
+                status, text = await self._get(engine, "/metrics")
+                if status == 200 and text is not None:
                     await self._publish_status(engine, text)
 
     def status_event(self, engine: Engine, text: str) -> EngineStatusEvent | None:
