@@ -70,8 +70,9 @@ if TYPE_CHECKING:
 
 
 def services() -> dict[str, ServiceDefinition]:
-    """The six services' definitions. Imported when a command starts or probes them, not at the CLI's start:
-    importing every service's app costs about two seconds, which every other command would pay."""
+    """The services' definitions (the six and the gateway). Imported when a command starts or probes them,
+    not at the CLI's start: importing every service's app costs about two seconds, which every other command
+    would pay."""
     from services.registry import SERVICES
 
     return SERVICES
@@ -223,7 +224,7 @@ def service_permission_map(settings: Settings) -> dict[str, Permissions]:
 
 
 class Stack:
-    """Embedded servers (unless URLs are configured), migrations, the six services as children."""
+    """Embedded servers (unless URLs are configured), migrations, the six services and the gateway as children."""
 
     def __init__(
         self, settings: Settings, *, echo: Any = print, fleet_file: Path | None = None, engines: str = "none"

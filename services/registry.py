@@ -1,9 +1,11 @@
-"""The six services: module to run, health subject, schema. The launcher and the tests read this."""
+"""The six services and the gateway: module to run, health subject, schema. The launcher and the tests read
+this."""
 
 from __future__ import annotations
 
 from services.capacity_ledger.app import SERVICE as LEDGER
 from services.cross_region_router.app import SERVICE as ROUTER
+from services.gateway.app import SERVICE as GATEWAY
 from services.placement.app import SERVICE as PLACEMENT
 from services.rebalancer.app import SERVICE as REBALANCER
 from services.reservation_filler.app import SERVICE as RESERVATION
@@ -17,6 +19,7 @@ SERVICES: dict[str, ServiceDefinition] = {
     "reservation_filler": RESERVATION,
     "cross_region_router": ROUTER,
     "rebalancer": REBALANCER,
+    "gateway": GATEWAY,
 }
 
 

@@ -39,7 +39,7 @@ app = typer.Typer()
 def up(
     fleet: Annotated[Path | None, typer.Option(help="Fleet inventory file (YAML); a demo fleet by default.")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Where embedded servers keep their data.")] = None,
-    health_timeout_s: Annotated[float, typer.Option(help="How long to wait for six healthy services.")] = 60.0,
+    health_timeout_s: Annotated[float, typer.Option(help="How long to wait for the services to be healthy.")] = 60.0,
     engines: Annotated[
         str,
         typer.Option(
@@ -97,6 +97,11 @@ def up(
         )
         for package, reply in health.items():
             console.print(f"  {SERVICES[package].name:<22} {reply.get('status')}")
+        gateway_url = (health.get("gateway") or {}).get("http_url")
+        if gateway_url:
+            console.print(
+                f"gateway   {gateway_url}/v1 (OpenAI-compatible; keys: hetsched credentials issue --tenant T --api-key)"
+            )
         ok = all(r.get("status") == "ok" for r in health.values())
         console.print(
             f"{'ready' if ok else 'NOT ready'} in {time.monotonic() - started:.1f}s; state in {settings.kit.data_dir}; "
@@ -148,11 +153,16 @@ def status(
         "nats_nkey_seed_file": (read_state(settings) or {}).get("nats_nkey_seed_file"),
         "servers": server_liveness(read_state(settings) or {}),
         "services": services,
+        "gateway_url": (services.get("gateway") or {}).get("http_url"),
     }
     if as_json:
         print(json.dumps(report, indent=2))
     else:
         console.print(f"NATS      {nats_url}\nPostgres  {database_url}", soft_wrap=True)  # a URL is not folded
+        if report["gateway_url"]:
+            console.print(
+                f"Gateway   {report['gateway_url']}  (OpenAI-compatible: {report['gateway_url']}/v1)", soft_wrap=True
+            )
         for server, live in report["servers"].items():
             console.print(f"embedded {server}: pid {live['pid']} {'running' if live['running'] else 'NOT RUNNING'}")
         rows = [
@@ -179,3 +189,13 @@ def _checks(reply: dict[str, Any], *, wide: bool) -> str:
         )
         or "-"
     )
+
+
+@app.command()
+def gateway() -> None:
+    """Run the OpenAI-compatible gateway in the foreground (`hetsched up` starts one): the settings of
+    `settings.gateway` (HETSCHED_GATEWAY_*), NATS and Postgres from the environment, as every service."""
+    from services.gateway.app import SERVICE, bootstrap
+    from shared.infra.service import run_service
+
+    run_service(bootstrap, name=SERVICE.name)

@@ -25,3 +25,8 @@ class HealthReply(Contract):
     metrics_url: str | None = Field(
         default=None, description="Its Prometheus metrics endpoint.", examples=["http://127.0.0.1:9464/metrics"]
     )
+    http_url: str | None = Field(
+        default=None,
+        description="The HTTP front door it serves, for a service that serves one (the gateway's base URL).",
+        examples=[None],
+    )

@@ -34,6 +34,7 @@ RESERVATION = "reservation-filler"
 ROUTER = "cross-region-router"
 REBALANCER = "rebalancer"
 AGENT = "topology-agent"
+GATEWAY = "gateway"
 
 STREAM_OWNERS: dict[Context, str] = {
     Context.TOPOLOGY: TOPOLOGY,
@@ -43,6 +44,7 @@ STREAM_OWNERS: dict[Context, str] = {
     Context.RESERVATION: RESERVATION,
     Context.ROUTING: ROUTER,
     Context.REBALANCE: REBALANCER,
+    Context.GATEWAY: GATEWAY,
 }
 """The service that creates and updates each context's stream."""
 

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from shared.contracts import engines, fleet, health, ledger, placement, rebalance, reservation, routing, topology
+from shared.contracts import (
+    engines,
+    fleet,
+    gateway,
+    health,
+    ledger,
+    placement,
+    rebalance,
+    reservation,
+    routing,
+    topology,
+)
 from shared.contracts.subjects import Context, Rpc
 
 RPCS: dict[Rpc, tuple[type[BaseModel], type[BaseModel]]] = {
@@ -67,4 +78,5 @@ EVENTS: dict[tuple[Context, str], type[BaseModel]] = {
     (Context.REBALANCE, rebalance.RebalanceEventName.DRIFT_ALARM): rebalance.DriftAlarmEvent,
     (Context.ROUTING, routing.ROUTE_SWITCHED): routing.RouteSwitchedEvent,
     (Context.ROUTING, routing.REGION_STATE_CHANGED): routing.RegionStateEvent,
+    (Context.GATEWAY, gateway.USAGE): gateway.UsageEvent,
 }

@@ -24,6 +24,7 @@ class Rpc(StrEnum):
     RESERVATION_HEALTH = "reservation.health"
     ROUTE_HEALTH = "route.health"
     REBALANCE_HEALTH = "rebalance.health"
+    GATEWAY_HEALTH = "gateway.health"
 
     FLEET_GET = "fleet.get"
     FLEET_DESCRIBE = "fleet.describe"
@@ -114,6 +115,7 @@ class Context(StrEnum):
     ROUTING = "routing"
     REBALANCE = "rebalance"
     TELEMETRY = "telemetry"
+    GATEWAY = "gateway"
 
 
 @dataclass(frozen=True, slots=True)

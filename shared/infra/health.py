@@ -100,6 +100,7 @@ def health_handler(
             version=hetsched_version(),
             checks=checks,
             metrics_url=getattr(getattr(runtime, "metrics", None), "url", None),
+            http_url=getattr(runtime, "http_url", None),
         )
 
     return handler

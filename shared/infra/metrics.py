@@ -46,6 +46,12 @@ PLACEMENT = "placement"
 RESERVATION = "reservation-filler"
 ROUTER = "cross-region-router"
 REBALANCER = "rebalancer"
+GATEWAY = "gateway"
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
+TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+GATEWAY_LABELS = ("model", "engine", "sku", "region")
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +199,60 @@ CATALOGUE: dict[str, MetricSpec] = {
             "Targets a rebalancer detector fires on, per detector.",
             ("detector",),
             REBALANCER,
+        ),
+        # Request-level SLOs, as the gateway sees them (docs/GATEWAY.md).
+        _spec(
+            "hetsched_gateway_ttft_seconds",
+            "histogram",
+            "Time to first token of requests through the gateway (model, engine kind, SKU, region of the replica).",
+            GATEWAY_LABELS,
+            GATEWAY,
+            buckets=TTFT_BUCKETS,
+        ),
+        _spec(
+            "hetsched_gateway_tpot_seconds",
+            "histogram",
+            "Time per output token after the first, of requests through the gateway.",
+            GATEWAY_LABELS,
+            GATEWAY,
+            buckets=TPOT_BUCKETS,
+        ),
+        _spec(
+            "hetsched_gateway_e2e_seconds",
+            "histogram",
+            "End-to-end latency of requests through the gateway, arrival to last byte.",
+            GATEWAY_LABELS,
+            GATEWAY,
+            buckets=E2E_BUCKETS,
+        ),
+        _spec(
+            "hetsched_gateway_requests_total",
+            "counter",
+            "Requests by outcome (admitted, queued, rejected, failed_over, failed) and reason.",
+            ("model", "outcome", "reason"),
+            GATEWAY,
+        ),
+        _spec(
+            "hetsched_gateway_slo_ttft_seconds",
+            "gauge",
+            "The TTFT target of each model (the SLO alert compares the p99 with it).",
+            ("model",),
+            GATEWAY,
+        ),
+        _spec(
+            "hetsched_gateway_in_flight_requests",
+            "gauge",
+            "Requests the gateway is serving now.",
+            (),
+            GATEWAY,
+        ),
+        _spec(
+            "hetsched_gateway_added_seconds",
+            "histogram",
+            "The gateway's own time in a request before its first upstream byte: auth, routing, admission.",
+            (),
+            GATEWAY,
+            buckets=(0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
         ),
     )
 }

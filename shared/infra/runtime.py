@@ -49,6 +49,8 @@ class Runtime:
     consumers: list[Any] = field(default_factory=list)  # shared.infra.consumers.EventLoop
     # Its Prometheus metrics (``shared.infra.metrics``), served over HTTP once it starts.
     metrics: ServiceMetrics = field(default_factory=lambda: ServiceMetrics("unknown"))
+    # The HTTP front door it serves once started (the gateway's base URL), for its health reply.
+    http_url: str | None = None
     # Its followers (``shared.infra.follow``), built before ``wire`` so that it may hand one to what waits on it.
     read_side: ReadSide | None = None
     # Set when NATS refused its credential: the process stops and exits saying which setting to fix.

@@ -926,6 +926,59 @@ class RebalancerSettings(Section):
     tick_s: float = Field(default=1.0, gt=0, description="How often the rebalancer plans and advances its plans.")
 
 
+class GatewaySettings(Section):
+    """The OpenAI-compatible gateway (docs/GATEWAY.md): where it listens, how it estimates a request's tokens,
+    how long it waits for a replica, how it fails over, and the TTFT targets its SLO alert compares with."""
+
+    title: ClassVar[str] = "Gateway (`settings.gateway`)"
+    model_config = _section_config(f"{PREFIX}GATEWAY_")
+
+    host: str = Field(default="127.0.0.1", description="Address the gateway listens on (`0.0.0.0`: every interface).")
+    port: int = Field(default=8080, ge=0, le=65535, description="Its port (0: a free one; `hetsched status` names it).")
+    region: str | None = Field(
+        default=None,
+        description="The region the gateway runs in: the origin of its `route.select` calls unless a request's "
+        "`x-hetsched-region` header names another.",
+        json_schema_extra=doc_default("the first region of the regions file"),
+    )
+    chars_per_token: float = Field(
+        default=4.0, gt=0, description="Prompt characters per token when it estimates a request's input for admission."
+    )
+    default_output_tokens: int = Field(
+        default=256,
+        gt=0,
+        description="Output tokens admission counts for a request that sets no `max_tokens` "
+        "(or `max_completion_tokens`).",
+    )
+    max_failovers: int = Field(
+        default=2, ge=0, description="Other replicas tried when one fails a request before its first token."
+    )
+    connect_timeout_s: float = Field(default=2.0, gt=0, description="Longest wait to connect to an engine.")
+    first_token_timeout_s: float = Field(
+        default=60.0, gt=0, description="Longest wait for an engine's first token (or whole reply, unstreamed)."
+    )
+    idle_timeout_s: float = Field(default=60.0, gt=0, description="Longest silence of an engine mid-stream.")
+    queue_wait_s: float = Field(
+        default=30.0, gt=0, description="Longest a request waits in admission's queue before a 503."
+    )
+    request_timeout_s: float = Field(
+        default=2.0, gt=0, description="Timeout of one `route.select` or `placement.admit` call."
+    )
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="Largest request body accepted.")
+    keys_refresh_s: float = Field(
+        default=2.0, gt=0, description="How often the API keys are re-read (a revoked key stops working within it)."
+    )
+    usage_flush_s: float = Field(
+        default=1.0, gt=0, description="How often usage is written to Postgres and published as `usage` events."
+    )
+    slo_ttft_ms: float = Field(
+        default=200.0, gt=0, description="TTFT target of every model (`hetsched_gateway_slo_ttft_seconds`)."
+    )
+    slo_ttft_ms_by_model: dict[str, float] = Field(
+        default_factory=dict, description="TTFT targets of some models, a JSON map (model -> ms)."
+    )
+
+
 class Settings(BaseModel):
     """Every knob of hetsched: one section per service and one for the kit. ``Settings()`` reads each section
     from the environment; ``Settings(kit={"nats_url": ...})`` overrides fields by name (the rest still from the
@@ -942,6 +995,7 @@ class Settings(BaseModel):
     reservations: ReservationSettings = Field(default_factory=ReservationSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     rebalancer: RebalancerSettings = Field(default_factory=RebalancerSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway: API keys, routing and admission, proxying and streaming (docs/GATEWAY.md)."""

@@ -1,0 +1,1 @@
+"""The gateway's pure rules: OpenAI requests, quotas, SSE, API keys."""
