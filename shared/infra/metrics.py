@@ -46,6 +46,7 @@ PLACEMENT = "placement"
 RESERVATION = "reservation-filler"
 ROUTER = "cross-region-router"
 REBALANCER = "rebalancer"
+GATEWAY = "gateway"
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +194,67 @@ CATALOGUE: dict[str, MetricSpec] = {
             "Targets a rebalancer detector fires on, per detector.",
             ("detector",),
             REBALANCER,
+        ),
+        # The OpenAI-compatible HTTP gateway's request-level SLO metrics, per model and where it was served.
+        _spec(
+            "hetsched_gateway_ttft_seconds",
+            "histogram",
+            "Time to first token of a request, as the gateway sees it.",
+            ("model", "engine", "sku", "region"),
+            GATEWAY,
+            buckets=(
+                0.005,
+                0.01,
+                0.025,
+                0.05,
+                0.075,
+                0.1,
+                0.15,
+                0.2,
+                0.25,
+                0.3,
+                0.4,
+                0.5,
+                0.75,
+                1.0,
+                1.5,
+                2.0,
+                3.0,
+                5.0,
+                10.0,
+            ),
+        ),
+        _spec(
+            "hetsched_gateway_tpot_seconds",
+            "histogram",
+            "Time per output token after the first, per request.",
+            ("model", "engine", "sku", "region"),
+            GATEWAY,
+            buckets=(0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0),
+        ),
+        _spec(
+            "hetsched_gateway_e2e_seconds",
+            "histogram",
+            "End-to-end latency of a request through the gateway.",
+            ("model", "engine", "sku", "region"),
+            GATEWAY,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0),
+        ),
+        _spec(
+            "hetsched_gateway_requests_total",
+            "counter",
+            "Requests the gateway answered, by outcome (admitted, queued, rejected, failed_over, failed) and "
+            "reason (empty, or why: no_capacity, unauthorized, model_not_found, rate_limited, invalid_request, "
+            "upstream_error).",
+            ("model", "outcome", "reason"),
+            GATEWAY,
+        ),
+        _spec(
+            "hetsched_gateway_slo_ttft_seconds",
+            "gauge",
+            "The TTFT target per model (0.2 s unless set).",
+            ("model",),
+            GATEWAY,
         ),
     )
 }
