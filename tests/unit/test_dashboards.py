@@ -330,9 +330,14 @@ def _variable_query(variable: dict[str, Any]) -> str:
     return str(query["query"] if isinstance(query, dict) else query)
 
 
-def test_the_three_dashboards_load_with_unique_uids_and_titles() -> None:
+def test_the_four_dashboards_load_with_unique_uids_and_titles() -> None:
     dashboards = _dashboards()
-    assert set(dashboards) == {"hetsched-fleet.json", "hetsched-reservations.json", "hetsched-routing.json"}
+    assert set(dashboards) == {
+        "hetsched-fleet.json",
+        "hetsched-gateway.json",
+        "hetsched-reservations.json",
+        "hetsched-routing.json",
+    }
     for name, dashboard in dashboards.items():
         assert dashboard["uid"] == name.removesuffix(".json"), name  # the uid is the file's name: /d/<uid> is stable
         assert dashboard["title"] and dashboard["schemaVersion"] >= 36, name
@@ -485,6 +490,30 @@ def test_idle_cost_is_shown_per_tenant() -> None:
         expr for _, expr in _exprs(dashboard) if "hetsched_reservation_idle_cost_usd_per_hour" in parse(expr).names
     ]
     assert any(_by_labels(expr) == {"tenant"} for expr in exprs)
+
+
+def test_gateway_slo_shows_ttft_quantiles_against_the_target_tpot_e2e_and_outcomes_per_model() -> None:
+    dashboard = _dashboards()["hetsched-gateway.json"]
+    variables = {v["name"]: v for v in _variables(dashboard)}
+    query, label = template_query(_variable_query(variables["model"]))
+    assert query.names == {"hetsched_gateway_requests_total"} and label == "model"
+    shown: dict[tuple[str, str], set[str]] = {}  # (series, quantile or "") -> grouping labels
+    for _, expr in _exprs(dashboard):
+        query = parse(expr)
+        assert "model" in query.labels, f"{expr!r} is not filtered by $model"
+        found = re.match(r"histogram_quantile\((0\.\d+),", expr)
+        for name in query.names:
+            shown.setdefault((name, found.group(1) if found else ""), set()).update(_by_labels(expr))
+    for quantile in ("0.5", "0.99"):
+        assert "model" in shown[("hetsched_gateway_ttft_seconds_bucket", quantile)]
+    assert "model" in shown[("hetsched_gateway_slo_ttft_seconds", "")]
+    assert "model" in shown[("hetsched_gateway_tpot_seconds_bucket", "0.99")]
+    assert "model" in shown[("hetsched_gateway_e2e_seconds_bucket", "0.99")]
+    assert {"outcome", "reason"} <= shown[("hetsched_gateway_requests_total", "")]
+    # The rejection share panel draws the alert's 5% line.
+    share = next(p for p in _panels(dashboard) if p["title"].startswith("Rejected for capacity or failed"))
+    assert 0.05 in {step["value"] for step in share["fieldConfig"]["defaults"]["thresholds"]["steps"]}
+    assert share["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] != "off"
 
 
 # ---------------------------------------------------------------------------------------- provisioning
