@@ -29,7 +29,7 @@ from shared.domain.errors import ErrorCode
 from shared.domain.ledger import DriftDetector
 from shared.domain.reservations import Usage
 from shared.domain.topology.tpu import TpuGrid, TpuType, fragmentation
-from shared.infra.metrics import CATALOGUE, GATEWAY, ServiceMetrics
+from shared.infra.metrics import CATALOGUE, ServiceMetrics
 from shared.infra.service import build_app
 from shared.infra.settings import Settings
 from shared.infra.uow import UnitOfWork, run_committed
@@ -69,9 +69,7 @@ def test_wire_registers_exactly_the_catalogue_metrics_the_service_owns(package: 
 
 
 def test_every_catalogue_metric_has_an_owner_among_the_services() -> None:
-    # The OpenAI-compatible HTTP gateway owns the gateway's metrics; it is not one of services/registry's
-    # NATS services.
-    assert {spec.owner for spec in CATALOGUE.values()} <= {d.name for d in SERVICES.values()} | {GATEWAY}
+    assert {spec.owner for spec in CATALOGUE.values()} <= {d.name for d in SERVICES.values()}
 
 
 def test_a_topology_agent_registers_none_of_the_fleets_metrics() -> None:

@@ -1,0 +1,369 @@
+"""Benchmark: what the gateway adds to a request, on the stack `hetsched up --engines sim` runs.
+
+    python -m tests.bench.gateway [--rate 200] [--seconds 10] [--rounds 2] [--big-kb 200] [--big-n 20]
+                                  [--speedup 20] [--json]
+
+`hetsched up --engines sim` starts in a temporary directory on a one-node fleet (one H100 node, so one
+agent), the gateway on a free port. One API key is issued with the CLI and one llama3.1-8b replica is
+placed (64k context) for its tenant; its simulated engine (`--speedup`: the modelled times divided by it)
+becomes ready. Then, in one run, the same open-loop load goes to the engine's endpoint directly and through
+the gateway: streamed chat completions with short prompts (about 30 tokens, 16 out) at --rate for
+--seconds, the two arms alternating --rounds times; beside each arm a NATS echo (``tests.bench.echo``) is
+timed open loop at the same rate (the bus and two Python clients on this machine at that moment). Then
+--big-n requests with a --big-kb prompt, alternating direct and through the gateway, one at a time.
+
+Each arm prints TTFT (send to the first content chunk) and end-to-end p50/p99/max and its errors; the
+gateway's added latency is the gateway arm's quantile minus the direct arm's. The gateway's own histogram
+(``hetsched_gateway_added_seconds``: arrival to the engine request, routing and admission included) is
+read from its /metrics. Admission's per-replica queue limit and the tenant's token bucket are raised
+(HETSCHED_ADMIT_MAX_QUEUE_DEPTH, HETSCHED_ADMIT_TENANT_RATE) so that one replica takes the whole rate:
+the benchmark measures the gateway, not those policies. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import nats
+
+from hetsched.stack import wait_healthy
+from shared.contracts.subjects import Subjects
+from tests.bench.loadgen import nearest_rank, positive
+
+START_TIMEOUT_S = 240.0
+FLEET = """
+regions:
+  - name: us-west-1
+    clusters:
+      - name: c1
+        racks:
+          - name: r1
+            power_kw: 20
+            nodes:
+              - name: bench-h100-01
+                sku: H100-SXM-80GB
+                gpus: 8
+                topology: nvswitch-8
+"""
+SHORT_PROMPT = "Summarise the benefits of tensor parallelism within one NVLink domain in a sentence."
+MODEL = "llama3.1-8b"
+
+
+@dataclass
+class Arm:
+    name: str
+    ttft_ms: list[float] = field(default_factory=list)
+    e2e_ms: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    sent: int = 0
+
+    def q(self, which: str, quantile: float) -> float:
+        return nearest_rank(sorted(getattr(self, which)), quantile)
+
+    def line(self) -> str:
+        return (
+            f"{self.name:<28} n={len(self.ttft_ms):>5}/{self.sent:<5} errors={self.errors or 0}  "
+            f"TTFT p50 {self.q('ttft_ms', 0.5):7.2f}  p99 {self.q('ttft_ms', 0.99):7.2f}  "
+            f"max {max(self.ttft_ms, default=float('nan')):7.2f} ms   "
+            f"e2e p50 {self.q('e2e_ms', 0.5):7.2f}  p99 {self.q('e2e_ms', 0.99):7.2f} ms"
+        )
+
+    def merge(self, other: Arm) -> None:
+        self.ttft_ms += other.ttft_ms
+        self.e2e_ms += other.e2e_ms
+        self.sent += other.sent
+        for k, v in other.errors.items():
+            self.errors[k] = self.errors.get(k, 0) + v
+
+
+def cli(data_dir: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hetsched.cli", *args, "--data-dir", str(data_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes, arm: Arm) -> None:
+    started = time.perf_counter()
+    first: float | None = None
+    try:
+        async with session.post(url, data=body, headers=headers) as reply:
+            if reply.status != 200:
+                key = f"http {reply.status}"
+                arm.errors[key] = arm.errors.get(key, 0) + 1
+                await reply.read()
+                return
+            async for line in reply.content:
+                if (
+                    first is None
+                    and line.startswith(b"data:")
+                    and b'"content"' in line
+                    and b'"content": ""' not in line
+                ):
+                    first = time.perf_counter()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        key = type(exc).__name__
+        arm.errors[key] = arm.errors.get(key, 0) + 1
+        return
+    done = time.perf_counter()
+    if first is None:
+        arm.errors["no token"] = arm.errors.get("no token", 0) + 1
+        return
+    arm.ttft_ms.append((first - started) * 1000)
+    arm.e2e_ms.append((done - started) * 1000)
+
+
+async def open_loop(rate: float, seconds: float, fire: Any) -> None:
+    tasks: list[asyncio.Task[None]] = []
+    begin = time.perf_counter()
+    for i in range(int(rate * seconds)):
+        delay = begin + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(fire()))
+    await asyncio.gather(*tasks)
+
+
+async def echo_loop(nc: Any, subject: str, rate: float, seconds: float, arm: Arm) -> None:
+    async def once() -> None:
+        arm.sent += 1
+        started = time.perf_counter()
+        try:
+            await nc.request(subject, b"x" * 64, timeout=5)
+        except Exception as exc:
+            arm.errors[type(exc).__name__] = arm.errors.get(type(exc).__name__, 0) + 1
+            return
+        ms = (time.perf_counter() - started) * 1000
+        arm.ttft_ms.append(ms)
+        arm.e2e_ms.append(ms)
+
+    await open_loop(rate, seconds, once)
+
+
+def added_histogram(metrics: str) -> dict[str, float]:
+    """p50/p99 (upper bucket bounds) of hetsched_gateway_added_seconds from the exposition text."""
+    buckets: list[tuple[float, float]] = []
+    for line in metrics.splitlines():
+        found = re.match(r'hetsched_gateway_added_seconds_bucket\{le="([^"]+)"\} (\S+)', line)
+        if found:
+            buckets.append((float(found.group(1)), float(found.group(2))))
+    if not buckets or buckets[-1][1] == 0:
+        return {}
+    total = buckets[-1][1]
+    out = {}
+    for q in (0.5, 0.99):
+        out[f"p{int(q * 100)}_le_ms"] = next(le for le, count in buckets if count >= q * total) * 1000
+    out["count"] = total
+    return out
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="hetsched-bench-gateway-"))
+    data_dir = workdir / "data"
+    fleet = workdir / "fleet.yaml"
+    fleet.write_text(FLEET)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETSCHED_")}
+    env |= {
+        "HETSCHED_GATEWAY_PORT": "0",
+        "HETSCHED_AGENT_SIM_SPEEDUP": str(args.speedup),
+        "HETSCHED_AGENT_STATUS_S": "1",
+        "HETSCHED_AGENT_RECONCILE_S": "0.5",
+        "HETSCHED_ADMIT_MAX_QUEUE_DEPTH": "100000",
+        "HETSCHED_ADMIT_TENANT_RATE": "100000",
+        "HETSCHED_ADMIT_TENANT_BURST": "100000",
+    }
+    log = open(workdir / "up.log", "wb")
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hetsched.cli",
+            "up",
+            "--engines",
+            "sim",
+            "--fleet",
+            str(fleet),
+            "--data-dir",
+            str(data_dir),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    echo: subprocess.Popen[str] | None = None
+    nc: Any = None
+    try:
+        state_file = data_dir / "stack.json"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not state_file.exists():
+            if up.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"hetsched up did not start; see {workdir / 'up.log'}")
+            await asyncio.sleep(0.2)
+        state = json.loads(state_file.read_text())
+        seed = state["nats_nkey_seed_file"]
+        health = await wait_healthy(
+            nats_url=state["nats_url"], subjects=Subjects("hetsched"), deadline_s=START_TIMEOUT_S, nkeys_seed=seed
+        )
+        if any(r.get("status") != "ok" for r in health.values()):
+            raise RuntimeError(f"not healthy: {health}")
+        gateway_url = health["gateway"]["http_url"]
+        issued = cli(data_dir, env, "credentials", "issue", "--tenant", "bench", "--api-key")
+        key = re.search(r"^api_key=(\S+)$", issued.stdout, re.MULTILINE)
+        if key is None:
+            raise RuntimeError(f"no key: {issued.stdout} {issued.stderr}")
+        placed = cli(
+            data_dir, env, "place", "--model", MODEL, "--tenant", "bench", "--context-tokens", "65536",
+            "--concurrency", "4", "--backend", "gpu", "--request-id", f"bench-{uuid.uuid4().hex[:8]}", "--json",
+        )  # fmt: skip
+        if placed.returncode != 0:
+            raise RuntimeError(f"place failed: {placed.stdout} {placed.stderr}")
+        replica_id = json.loads(placed.stdout)["allocation_id"]
+        endpoint = None
+        deadline = time.monotonic() + 180
+        while endpoint is None and time.monotonic() < deadline:
+            shown = cli(data_dir, env, "replicas", "--json")
+            for row in json.loads(shown.stdout or "[]") if shown.returncode == 0 else []:
+                if row.get("replica_id") == replica_id and row.get("state") == "ready":
+                    endpoint = row.get("endpoint")
+            await asyncio.sleep(0.5)
+        if endpoint is None:
+            raise RuntimeError("the replica did not become ready")
+        await asyncio.sleep(2.0)  # its first status report
+        echo_subject = f"bench.echo.{uuid.uuid4().hex[:10]}"
+        echo = subprocess.Popen(
+            [sys.executable, "-m", "tests.bench.echo", state["nats_url"], echo_subject, "--seed", seed],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert echo.stdout is not None
+        await asyncio.to_thread(echo.stdout.readline)
+        nc = await nats.connect(state["nats_url"], nkeys_seed=seed, name="bench-gateway")
+
+        direct_url = f"{endpoint}/v1/chat/completions"
+        gateway_chat = f"{gateway_url}/v1/chat/completions"
+        plain = {"Content-Type": "application/json"}
+        authed = plain | {"Authorization": f"Bearer {key.group(1)}"}
+
+        def body(prompt: str, max_tokens: int) -> bytes:
+            return json.dumps(
+                {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                 "stream": True}
+            ).encode()  # fmt: skip
+
+        short = body(SHORT_PROMPT, 16)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+            for _ in range(20):  # warm: connections, caches
+                await one_stream(session, direct_url, plain, short, Arm("warm"))
+                await one_stream(session, gateway_chat, authed, short, Arm("warm"))
+            direct, through, echo_d, echo_g = (
+                Arm("direct"),
+                Arm("through the gateway"),
+                Arm("echo (direct arm)"),
+                Arm("echo (gateway arm)"),
+            )
+            for _ in range(args.rounds):
+                for arm, url, headers, echo_arm in (
+                    (direct, direct_url, plain, echo_d),
+                    (through, gateway_chat, authed, echo_g),
+                ):
+                    part = Arm(arm.name)
+
+                    async def fire(url: str = url, headers: dict[str, str] = headers, part: Arm = part) -> None:
+                        part.sent += 1
+                        await one_stream(session, url, headers, short, part)
+
+                    await asyncio.gather(
+                        open_loop(args.rate, args.seconds, fire),
+                        echo_loop(nc, echo_subject, args.rate, args.seconds, echo_arm),
+                    )
+                    arm.merge(part)
+                    await asyncio.sleep(1.0)
+            big_prompt = ("lorem ipsum dolor sit amet " * (args.big_kb * 1024 // 27 + 1))[: args.big_kb * 1024]
+            big = body(big_prompt, 4)
+            big_direct, big_through = Arm(f"{args.big_kb} KB direct"), Arm(f"{args.big_kb} KB through the gateway")
+            for _ in range(args.big_n):
+                for arm, url, headers in ((big_direct, direct_url, plain), (big_through, gateway_chat, authed)):
+                    arm.sent += 1
+                    await one_stream(session, url, headers, big, arm)
+        with urllib.request.urlopen(f"{gateway_url}/metrics", timeout=5) as answer:
+            own = added_histogram(answer.read().decode())
+        arms = [direct, through, echo_d, echo_g, big_direct, big_through]
+        result: dict[str, Any] = {
+            "rate": args.rate,
+            "seconds": args.seconds,
+            "rounds": args.rounds,
+            "speedup": args.speedup,
+            "arms": {
+                a.name: {
+                    "n": len(a.ttft_ms),
+                    "sent": a.sent,
+                    "errors": a.errors,
+                    **{f"ttft_p{int(q * 100)}_ms": round(a.q("ttft_ms", q), 3) for q in (0.5, 0.99)},
+                    **{f"e2e_p{int(q * 100)}_ms": round(a.q("e2e_ms", q), 3) for q in (0.5, 0.99)},
+                }
+                for a in arms
+            },
+            "added_ms": {
+                "ttft_p50": round(through.q("ttft_ms", 0.5) - direct.q("ttft_ms", 0.5), 3),
+                "ttft_p99": round(through.q("ttft_ms", 0.99) - direct.q("ttft_ms", 0.99), 3),
+                "e2e_p50": round(through.q("e2e_ms", 0.5) - direct.q("e2e_ms", 0.5), 3),
+                "e2e_p99": round(through.q("e2e_ms", 0.99) - direct.q("e2e_ms", 0.99), 3),
+                "big_ttft_p50": round(big_through.q("ttft_ms", 0.5) - big_direct.q("ttft_ms", 0.5), 3),
+                "big_ttft_p99": round(big_through.q("ttft_ms", 0.99) - big_direct.q("ttft_ms", 0.99), 3),
+            },
+            "gateway_added_histogram": own,
+        }
+        for a in arms:
+            print(a.line())
+        print(f"added by the gateway (gateway arm - direct arm): {result['added_ms']}")
+        print(f"gateway's own time before the engine (its histogram, bucket bounds): {own}")
+        return result
+    finally:
+        if nc is not None:
+            await nc.close()
+        if echo is not None:
+            echo.send_signal(signal.SIGTERM)
+            echo.wait(timeout=10)
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            up.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", type=positive, default=200.0)
+    parser.add_argument("--seconds", type=positive, default=10.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--big-kb", type=int, default=200)
+    parser.add_argument("--big-n", type=int, default=20)
+    parser.add_argument("--speedup", type=positive, default=20.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result = asyncio.run(bench(args))
+    if args.json:
+        print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
