@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway's pure rules: API keys (``keys``)."""
