@@ -7,6 +7,7 @@ from __future__ import annotations
 def register_all_tables() -> None:
     import services.capacity_ledger.tables
     import services.cross_region_router.tables
+    import services.gateway.tables
     import services.placement.tables
     import services.rebalancer.tables
     import services.reservation_filler.tables

@@ -1,31 +1,59 @@
-"""`hetsched credentials issue|list|revoke`: NATS identities for gateways and agents (docs/SECURITY.md).
+"""`hetsched credentials issue|list|revoke`: NATS identities for gateways and agents, and the HTTP
+gateway's API keys (docs/SECURITY.md).
 
-Each credential is an NKey seed file (``nats.connect(nkeys_seed=FILE)``). Issuing or revoking one
+Each NATS credential is an NKey seed file (``nats.connect(nkeys_seed=FILE)``). Issuing or revoking one
 updates ``<data-dir>/nats/identities.json`` and ``auth.conf`` and, when `hetsched up` runs the NATS
 server, asks it to reload (SIGHUP): a revoked identity is disconnected at once.
+
+An API key (``--tenant T --api-key``) is a row of ``gateway.api_keys``, written as the operator (the database
+user of ``HETSCHED_DATABASE_URL``, else of the running `hetsched up`); its plaintext is printed once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import typer
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from hetsched.cli.common import DataDirOption, JsonOption, WideOption, bad_input, console, say, settings_of, table
+from hetsched.cli.common import (
+    NO_STACK_EXIT,
+    DataDirOption,
+    JsonOption,
+    WideOption,
+    bad_input,
+    console,
+    fail,
+    say,
+    settings_of,
+    table,
+)
+from hetsched.lock import stack_running
 from hetsched.stack import read_state, service_permission_map, services, write_identities
+from services.gateway import keystore
 from shared.contracts.permissions import agent_identity, gateway_identity, inbox_prefix, service_identity
 from shared.contracts.subjects import token
+from shared.domain.gateway.keys import ID_PREFIX, ApiKey
 from shared.infra import identity as identities
+from shared.infra.catalog import load_model_groups, load_models
+from shared.infra.db import DatabaseMissing, database_tls, make_engine, missing_database, without_password
 from shared.infra.identity import Registry, reload_server, write_auth_conf
 from shared.infra.identity import nats_dir as identity_dir
 from shared.infra.settings import Settings
 
+T = TypeVar("T")
+
 CREDENTIALS_DIR = "credentials"
 """Under the data dir: where `credentials issue` writes a credential without --out."""
 
-app = typer.Typer(help="NATS credentials: gateways (tenants) and agents (nodes).", no_args_is_help=True)
+app = typer.Typer(
+    help="Credentials: NATS identities of gateways (tenants) and agents (nodes); API keys of the HTTP gateway.",
+    no_args_is_help=True,
+)
 
 
 def _apply(settings: Settings, registry: Registry) -> str:
@@ -48,6 +76,102 @@ def _load(settings: Settings) -> Registry:
     if not (directory / "identities.json").exists():
         bad_input(f"no identities under {directory}: run `hetsched up` there first (or pass --data-dir)")
     return Registry.load(directory)
+
+
+# -- API keys: rows of gateway.api_keys, written as the operator -------------------------------------------------
+
+
+def _database_url(settings: Settings) -> str | None:
+    """The operator's database: ``HETSCHED_DATABASE_URL``, else the one the running `hetsched up` migrated
+    (from its state file; none when no `up` holds the data dir, whatever an old state file says)."""
+    if settings.kit.database_url:
+        return settings.kit.database_url
+    if not stack_running(settings.kit.data_dir):
+        return None
+    url = (read_state(settings) or {}).get("database_url")
+    return str(url) if url else None
+
+
+def _with_database(settings: Settings, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+    """``work`` in one transaction on the operator's database (committed when it returns); no database, or
+    none that answers: one line, exit 2."""
+    url = _database_url(settings)
+    if not url:
+        bad_input(
+            f"no database: no `hetsched up` runs in {settings.kit.data_dir} (pass --data-dir) and "
+            "HETSCHED_DATABASE_URL is not set"
+        )
+
+    async def session() -> T:
+        engine = make_engine(url, pool_size=1, application_name="hetsched-cli", tls=database_tls(settings))
+        try:
+            async with engine.begin() as conn:
+                return await work(conn)
+        finally:
+            await engine.dispose()
+
+    try:
+        return asyncio.run(session())
+    except Exception as exc:
+        if missing_database(exc):
+            bad_input(str(DatabaseMissing(url)))
+        if "gateway" in str(exc) and "does not exist" in str(exc):
+            bad_input(f"the database at {without_password(url)} has no schema gateway yet: migrate it (`hetsched up`)")
+        fail(f"no answer from Postgres at {without_password(url)}: {type(exc).__name__} {exc}", NO_STACK_EXIT)
+
+
+def _check_models(settings: Settings, names: list[str]) -> list[str]:
+    """The allow-list as given, each a model or model group of the catalog; an unknown name is bad input."""
+    models = load_models(settings.kit.model_catalog)
+    known = set(models) | set(load_model_groups(settings.kit.model_groups, models))
+    for name in names:
+        if name not in known:
+            bad_input(f"--model {name}: not a model or model group of the catalog (known: {', '.join(sorted(known))})")
+    return list(dict.fromkeys(names))
+
+
+def _key_row(key: ApiKey) -> dict[str, Any]:
+    """What is shown of a key: never its secret, nor the secret's hash."""
+    return {
+        "id": key.key_id,
+        "kind": "api_key",
+        "tenant": key.tenant,
+        "name": key.name,
+        "priority": key.priority,
+        "rpm": key.rpm,
+        "tpm": key.tpm,
+        "models": sorted(key.models) if key.models is not None else None,
+        "revoked": key.revoked,
+    }
+
+
+def _issue_api_key(
+    *,
+    settings: Settings,
+    tenant: str,
+    name: str | None,
+    priority: int,
+    rpm: int | None,
+    tpm: int | None,
+    models: list[str] | None,
+    as_json: bool,
+) -> None:
+    for option, value in (("--rpm", rpm), ("--tpm", tpm)):
+        if value is not None and value <= 0:
+            bad_input(f"{option} {value}: a quota per minute is at least 1 (leave it out for no limit)")
+    allowed = _check_models(settings, models) if models else None
+
+    async def work(conn: AsyncConnection) -> tuple[ApiKey, str]:
+        return await keystore.issue(conn, tenant=tenant, name=name, priority=priority, rpm=rpm, tpm=tpm, models=allowed)
+
+    key, plaintext = _with_database(settings, work)
+    if as_json:
+        print(json.dumps({"api_key": plaintext, "key_id": key.key_id, **_key_row(key)}, indent=2))
+        return
+    say(f"api_key={plaintext}")
+    say(f"key_id={key.key_id}")
+    say(f"tenant={key.tenant}")
+    say("  shown once: only its hash is stored (lost: revoke it and issue another)")
 
 
 @app.command()
@@ -96,13 +220,44 @@ def issue(
     name: Annotated[
         str | None,
         typer.Option(
-            help="Gateway name (default: the --out file's stem, else the tenants joined by '-' and '-gateway')."
+            help="Gateway name (default: the --out file's stem, else the tenants joined by '-' and '-gateway'); "
+            "with --api-key, the key's name."
+        ),
+    ] = None,
+    api_key: Annotated[
+        bool,
+        typer.Option("--api-key", help="Instead of a NATS credential: an API key of the HTTP gateway for --tenant."),
+    ] = False,
+    priority: Annotated[int, typer.Option(help="With --api-key: the admission priority of its requests.")] = 0,
+    rpm: Annotated[int | None, typer.Option(help="With --api-key: requests per minute (default: no limit).")] = None,
+    tpm: Annotated[int | None, typer.Option(help="With --api-key: tokens per minute (default: no limit).")] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="With --api-key: a model or model group it may call (repeatable; default: every one of the catalog)."
         ),
     ] = None,
     as_json: JsonOption = False,
     data_dir: DataDirOption = None,
 ) -> None:
-    """Write a gateway credential for --tenant T [--tenant U ...], or an agent credential for --agent NODE."""
+    """Write a gateway credential for --tenant T [--tenant U ...], or an agent credential for --agent NODE; or
+    with --api-key, make an API key of the HTTP gateway for one --tenant and print it once."""
+    if api_key:
+        if agent or out or len(tenant or ()) != 1:
+            bad_input("--api-key takes exactly one --tenant, and neither --agent nor --out")
+        _issue_api_key(
+            settings=settings_of(data_dir),
+            tenant=(tenant or [""])[0],
+            name=name,
+            priority=priority,
+            rpm=rpm,
+            tpm=tpm,
+            models=model,
+            as_json=as_json,
+        )
+        return
+    if priority or rpm is not None or tpm is not None or model:
+        bad_input("--priority, --rpm, --tpm and --model are options of an API key: add --api-key")
     if bool(tenant) == bool(agent):
         bad_input("give --tenant (a gateway) or --agent (a node), not both and not neither")
     settings = settings_of(data_dir)
@@ -147,29 +302,70 @@ def list_(
     wide: WideOption = False,
     data_dir: DataDirOption = None,
 ) -> None:
-    """Every identity the NATS server admits (public keys only)."""
-    registry = _load(settings_of(data_dir))
+    """Every identity the NATS server admits (public keys only), then every API key (never a secret or its
+    hash; revoked ones too)."""
+    settings = settings_of(data_dir)
+    has_registry = (identity_dir(settings.kit.data_dir) / "identities.json").exists()
+    if not has_registry and not _database_url(settings):
+        _load(settings)  # neither identities nor a database: says where it looked
+    identities_ = list(Registry.load(identity_dir(settings.kit.data_dir)).identities.values()) if has_registry else []
+    keys = _with_database(settings, keystore.list_keys) if _database_url(settings) else []
     rows = [
         {"id": i.id, "kind": i.kind, "public_key": i.public_key, "tenants": i.tenants, "node": i.node or None}
-        for i in registry.identities.values()
+        for i in identities_
     ]
     if as_json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows + [_key_row(k) for k in keys], indent=2))
         return
-    table(
-        ["id", "kind", "public key", "tenants / node"],
-        [[i.id, i.kind, i.public_key, ", ".join(i.tenants) or i.node or "-"] for i in registry.identities.values()],
-        wide=wide,
-    )
+    if has_registry:
+        table(
+            ["id", "kind", "public key", "tenants / node"],
+            [[i.id, i.kind, i.public_key, ", ".join(i.tenants) or i.node or "-"] for i in identities_],
+            wide=wide,
+        )
+    if keys:
+        if has_registry:
+            console.print()
+
+        def limit(value: int | None) -> str:
+            return "-" if value is None else str(value)
+
+        table(
+            ["api key", "tenant", "name", "priority", "rpm", "tpm", "models", "revoked"],
+            [
+                [
+                    k.key_id,
+                    k.tenant,
+                    k.name or "-",
+                    str(k.priority),
+                    limit(k.rpm),
+                    limit(k.tpm),
+                    ", ".join(sorted(k.models)) if k.models is not None else "all",
+                    "yes" if k.revoked else "no",
+                ]
+                for k in keys
+            ],
+            wide=wide,
+        )
 
 
 @app.command()
 def revoke(
-    identity: Annotated[str, typer.Argument(help="Identity id (see `hetsched credentials list`).")],
+    identity: Annotated[str, typer.Argument(help="Identity id or API key id `key-...` (`hetsched credentials list`).")],
     data_dir: DataDirOption = None,
 ) -> None:
-    """Remove an identity: the server drops its connections when it reloads (at once under `hetsched up`)."""
+    """Remove an identity: the server drops its connections when it reloads (at once under `hetsched up`).
+    An API key id (`key-...`): the key is revoked, and the gateway refuses it from then on."""
     settings = settings_of(data_dir)
+    if identity.startswith(ID_PREFIX):
+
+        async def work(conn: AsyncConnection) -> bool:
+            return await keystore.revoke(conn, identity)
+
+        if not _with_database(settings, work):
+            bad_input(f"{identity}: no such API key (see `hetsched credentials list`)")
+        console.print(f"revoked API key {identity}", markup=False, highlight=False)
+        return
     registry = _load(settings)
     found = registry.identities.get(identity)
     if found is None or found.kind in ("operator", "service"):

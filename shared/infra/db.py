@@ -17,8 +17,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 if TYPE_CHECKING:
     from shared.infra.settings import Settings
 
-# One schema per service (DESIGN §6); only the owner reads or writes its schema.
-SCHEMAS = ("topology", "ledger", "placement", "reservation", "routing", "rebalance")
+# One schema per service (DESIGN §6); only the owner reads or writes its schema. `gateway`: the
+# OpenAI-compatible gateway's API keys and usage (migration 0019).
+SCHEMAS = ("topology", "ledger", "placement", "reservation", "routing", "rebalance", "gateway")
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/hetsched"
 SCRAM_ITERATIONS = 4096
 """Postgres's own default (``scram_iterations``): what a server-side ``PASSWORD 'plain'`` would use."""

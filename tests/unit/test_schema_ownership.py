@@ -36,6 +36,7 @@ OWNERS: dict[str, str] = {
     "reservation": "reservation_filler",
     "routing": "cross_region_router",
     "rebalance": "rebalancer",
+    "gateway": "gateway",
 }
 SCHEMA_OF = {package: schema for schema, package in OWNERS.items()}
 # a service's modules that hold its SQL and table definitions
