@@ -9,7 +9,6 @@ from datetime import date
 from typing import Any
 
 from faststream import FastStream
-from shared.domain.gateway.keys import ApiKey
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.gateway import keystore
@@ -19,6 +18,7 @@ from services.gateway.server import Gateway
 from services.gateway.tables import SCHEMA
 from services.gateway.usage import UsageBook, UsageRow
 from shared.contracts.subjects import Rpc
+from shared.domain.gateway.keys import ApiKey
 from shared.infra.catalog import load_model_groups, load_models, load_regions
 from shared.infra.service import Loop, Runtime, ServiceDefinition, build_app
 from shared.infra.settings import Settings
@@ -37,15 +37,7 @@ async def _add_usage(uow: UnitOfWork, totals: dict[UsageRow, tuple[int, int, int
     await keystore.add_usage(
         uow.session,
         [
-            {
-                "tenant": tenant,
-                "day": day,
-                "model": model,
-                "key_id": key_id,
-                "requests": requests,
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-            }
+            keystore.UsageDelta(tenant, day, model, key_id, requests, prompt, completion)
             for (tenant, day, model, key_id), (requests, prompt, completion) in totals.items()
         ],
     )

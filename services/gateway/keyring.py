@@ -1,6 +1,6 @@
 """The API keys in memory: re-read from the gateway's table every ``keys_refresh_s`` (a revoked key stops
-working within that), and at once, at most every ``MISS_REFRESH_S``, when a request names a key id the
-ring does not know (a key issued a moment ago works at its first request)."""
+working within that), and when a request names a key id the ring does not know, at most once per
+``MISS_REFRESH_S`` (a key issued a moment ago works at its first request, after at most that wait)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ class KeyRing:
         self._quotas: dict[str, Quota] = {}
         self._loaded_at = 0.0
         self._lock = asyncio.Lock()
+        self._miss_lock = asyncio.Lock()
         self.loaded = False
 
     async def refresh(self) -> None:
@@ -61,15 +62,28 @@ class KeyRing:
             return None
         key_id, secret = parsed
         key = self._keys.get(key_id)
-        if key is None and time.monotonic() - self._loaded_at > MISS_REFRESH_S:
-            try:
-                await self.refresh()
-            except Exception as exc:
-                self._log.warning("API keys not refreshed", extra={"error": str(exc)[:200]})
+        if key is None:
+            await self._refresh_for_miss()
             key = self._keys.get(key_id)
         if key is None or key.revoked or not verify(secret, key.secret_hash):
             return None
         return key
+
+    async def _refresh_for_miss(self) -> None:
+        """Read the keys again for a key id not known: at most once per ``MISS_REFRESH_S`` (ids that exist
+        nowhere cost Postgres no more than that), waiting for the next allowed read; misses that wait
+        together share one read."""
+        asked = time.monotonic()
+        wait = self._loaded_at + MISS_REFRESH_S - asked
+        if wait > 0:
+            await asyncio.sleep(wait)
+        async with self._miss_lock:
+            if self._loaded_at >= asked:  # read since this miss came: that read answers it
+                return
+            try:
+                await self.refresh()
+            except Exception as exc:
+                self._log.warning("API keys not refreshed", extra={"error": str(exc)[:200]})
 
     def quota(self, key: ApiKey) -> Quota:
         quota = self._quotas.get(key.key_id)

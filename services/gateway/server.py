@@ -26,7 +26,7 @@ from services.gateway.keyring import KeyRing
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.usage import UsageBook
 from shared.contracts.base import ErrorCode, Rejected
-from shared.contracts.gateway import UsageEvent
+from shared.contracts.gateway import UsageEvent, UsageOutcome
 from shared.contracts.placement import AdmitReply, AdmitRequest, ReleaseReply, ReleaseRequest, Slo
 from shared.contracts.routing import RouteSelectReply, RouteSelectRequest
 from shared.contracts.subjects import Rpc
@@ -177,8 +177,7 @@ class Gateway:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
         await site.start()
-        server = site._server
-        port = server.sockets[0].getsockname()[1] if server is not None and server.sockets else self.settings.port
+        port = int(self._runner.addresses[0][1]) if self._runner.addresses else self.settings.port
         host = "127.0.0.1" if self.settings.host in ("0.0.0.0", "") else self.settings.host
         self.url = f"http://{host}:{port}"
         self.log.info("gateway listening", extra={"url": self.url})
@@ -379,7 +378,7 @@ class Gateway:
             return error.response(request_id)
         self.metrics.outcome(ask.model, "queued" if attempt.queued else "admitted")
         response: web.StreamResponse | None = None
-        outcome = "failed"
+        outcome: UsageOutcome = "failed"
         try:
             while True:
                 try:
@@ -432,7 +431,7 @@ class Gateway:
                     engine=admission.engine,
                     endpoint=api,
                     stream=ask.stream,
-                    outcome=outcome,  # type: ignore[arg-type]
+                    outcome=outcome,
                     prompt_tokens=attempt.prompt_tokens,
                     completion_tokens=attempt.completion_tokens,
                     failovers=attempt.failovers,
