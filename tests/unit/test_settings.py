@@ -34,6 +34,22 @@ ADDED_SINCE = {  # variables added after it
     "HETSCHED_PLACEMENT_FIRST_LEASE_S": "placement.first_lease_s",
     "HETSCHED_PROFILE_DIR": "kit.profile_dir",
     "HETSCHED_ROUTE_WRITE_SPACING_MS": "routing.write_spacing_ms",
+    "HETSCHED_GATEWAY_HOST": "gateway.host",
+    "HETSCHED_GATEWAY_PORT": "gateway.port",
+    "HETSCHED_GATEWAY_REGION": "gateway.region",
+    "HETSCHED_GATEWAY_CHARS_PER_TOKEN": "gateway.chars_per_token",
+    "HETSCHED_GATEWAY_DEFAULT_OUTPUT_TOKENS": "gateway.default_output_tokens",
+    "HETSCHED_GATEWAY_MAX_FAILOVERS": "gateway.max_failovers",
+    "HETSCHED_GATEWAY_CONNECT_TIMEOUT_S": "gateway.connect_timeout_s",
+    "HETSCHED_GATEWAY_FIRST_TOKEN_TIMEOUT_S": "gateway.first_token_timeout_s",
+    "HETSCHED_GATEWAY_IDLE_TIMEOUT_S": "gateway.idle_timeout_s",
+    "HETSCHED_GATEWAY_QUEUE_WAIT_S": "gateway.queue_wait_s",
+    "HETSCHED_GATEWAY_REQUEST_TIMEOUT_S": "gateway.request_timeout_s",
+    "HETSCHED_GATEWAY_MAX_BODY_BYTES": "gateway.max_body_bytes",
+    "HETSCHED_GATEWAY_KEYS_REFRESH_S": "gateway.keys_refresh_s",
+    "HETSCHED_GATEWAY_USAGE_FLUSH_S": "gateway.usage_flush_s",
+    "HETSCHED_GATEWAY_SLO_TTFT_MS": "gateway.slo_ttft_ms",
+    "HETSCHED_GATEWAY_SLO_TTFT_MS_BY_MODEL": "gateway.slo_ttft_ms_by_model",
 }
 
 
