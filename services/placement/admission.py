@@ -1,7 +1,8 @@
 """``placement.admit``: one inference request onto a running replica, engine-aware (API.md "Request path").
 
 ``admit`` reads like the request path: resolve the model or model group -> the replicas serving it in the
-region (placement's own, ``replicas.ReplicaBook``) -> the pure selection (``shared.domain.admission``:
+region that the tenant may use (placement's own, ``replicas.ReplicaBook``; by default only the tenant's
+own replicas and the shared owners', ``HETSCHED_ADMIT_TENANCY``) -> the pure selection (``shared.domain.admission``:
 long context to SSM, strict SLO to the fastest engine, otherwise least cost; a failover order) -> fair
 queueing between tenants (weighted fair queueing with token buckets: in-profile tenants first, by
 virtual finish time) -> count the request's peak KV against the replica's in-memory account (its engine's
@@ -50,6 +51,7 @@ from shared.domain.admission import (
     Candidate,
     FairQueue,
     Selection,
+    Tenancy,
     members,
     select,
     unknown_model,
@@ -108,10 +110,13 @@ class AdmissionHandlers:
         wall: Callable[[], datetime] = lambda: datetime.now(UTC),
         admissible: Callable[[str], bool] = lambda _replica_id: True,
         endpoint: Callable[[str], str | None] = lambda _replica_id: None,
+        tenancy: Tenancy = Tenancy(),
     ) -> None:
         """``rpc`` is kept for callers that pass it; admission itself calls no other service.
         ``admissible``: whether a replica's agents let it take requests (ready, or not reporting lifecycle
-        states at all); ``endpoint``: the replica's endpoint, once ready (``engines.EngineStates``)."""
+        states at all); ``endpoint``: the replica's endpoint, once ready (``engines.EngineStates``);
+        ``tenancy``: whose replicas a tenant's requests may use (by default its own only)."""
+        self._tenancy = tenancy
         self._admissible = admissible
         self._endpoint = endpoint
         self._load_placed = load_placed
@@ -179,7 +184,9 @@ class AdmissionHandlers:
 
     def _select(self, request: AdmitRequest, names: tuple[str, ...], now_ms: float) -> Selection:
         # Only ready replicas take requests: starting, loading, draining, stopped or failed ones never.
-        replicas = [r for r in self._book.serving(names, request.region) if self._admissible(r.replica_id)]
+        # Only the replicas this tenant may use (tenancy) are candidates: no reply names another's.
+        serving = self._book.serving(names, request.region, tenant=request.tenant, tenancy=self._tenancy)
+        replicas = [r for r in serving if self._admissible(r.replica_id)]
         draining = self._moving()
         if draining:  # their requests in flight finish on them; new ones go to the copies
             replicas = [r for r in replicas if r.replica_id not in draining]
@@ -264,6 +271,7 @@ class AdmissionHandlers:
             engine=replica.engine.value,
             model=replica.model,
             region=replica.region,
+            sku=replica.sku,
             kv_bytes=candidate.need_bytes,
             lease_expires_at=self._wall() + timedelta(seconds=request.lease_s),
             explanation=explanation,

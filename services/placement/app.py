@@ -32,7 +32,7 @@ from shared.contracts.placement import (
     ReplicasRequest,
 )
 from shared.contracts.subjects import Context, Rpc
-from shared.domain.admission import AdmitPolicy
+from shared.domain.admission import AdmitPolicy, Tenancy
 from shared.infra.catalog import load_model_groups, load_models, load_skus
 from shared.infra.clock import monotonic_ms
 from shared.infra.faults import fault_hook
@@ -97,6 +97,7 @@ def wire(runtime: Runtime) -> Ctx:
         regions=readmodel.regions,
         admissible=engines.admissible,
         endpoint=engines.endpoint,
+        tenancy=Tenancy.of(settings.placement.admit_tenancy, settings.placement.admit_shared_owners),
     )
     handlers = PlacementHandlers.build(
         view=readmodel,

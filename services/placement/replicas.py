@@ -25,6 +25,7 @@ from shared.domain.admission import (
     KvPool,
     ReplicaAccount,
     ReplicaStatus,
+    Tenancy,
     engine_of,
 )
 from shared.domain.models import ModelSpec
@@ -44,6 +45,7 @@ class Replica:
     tp: int
     kv_pool: Mapping[str, int]  # accelerator id -> KV bytes of the replica there
     nodes: tuple[str, ...] = ()  # every node it spans (the head first); a TPU replica's pod
+    sku: str | None = None  # its accelerators' SKU, as placement chose them
 
     @property
     def accelerators(self) -> tuple[str, ...]:
@@ -89,6 +91,7 @@ def replica_of(owner: str, reply: PlaceReply, models: Mapping[str, ModelSpec]) -
         tp=reply.tp or 1,
         kv_pool=dict.fromkeys(accelerators, share.kv_bytes),
         nodes=nodes,
+        sku=reply.sku,
     )
 
 
@@ -160,12 +163,16 @@ class ReplicaBook:
             return None
         return frozenset(replica.nodes or (replica.node,))
 
-    def serving(self, models: Iterable[str], region: str | None) -> list[Replica]:
+    def serving(self, models: Iterable[str], region: str | None, *, tenant: str, tenancy: Tenancy) -> list[Replica]:
+        """The replicas of ``models`` in ``region`` that ``tenant``'s requests may use (``tenancy``): another
+        tenant's replica is not there at all, so no reply to this tenant can name it."""
         wanted = set(models)
         return [
             r
             for r in self.replicas.values()
-            if r.model in wanted and (region is None or r.region is None or r.region == region)
+            if r.model in wanted
+            and (region is None or r.region is None or r.region == region)
+            and tenancy.allows(tenant, r.owner)
         ]
 
     # -- engine reports and failures -----------------------------------------------------------------

@@ -486,6 +486,7 @@ class AdmitReply(Contract):
     engine: EngineName | None = Field(default=None, description="Engine kind of the replica.", examples=["ssm"])
     model: str | None = Field(default=None, description="The model that serves it.", examples=["mamba2-2.7b"])
     region: str | None = Field(default=None, description="Region of the replica.", examples=["us-west-1"])
+    sku: str | None = Field(default=None, description="SKU of the replica's accelerators.", examples=["H100-SXM-80GB"])
     kv_bytes: Int | None = Field(default=None, description="KV (or SSM state) bytes held.", examples=[1_048_576])
     lease_expires_at: datetime | None = Field(default=None, description="When the hold ends without a release.")
     queue_position: Int | None = Field(default=None, description="When queued: 1 is next.", examples=[None])

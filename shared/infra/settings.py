@@ -13,10 +13,19 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import AliasGenerator, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    AliasGenerator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.contracts.streams import (
@@ -80,6 +89,19 @@ def _mapping_text(value: object) -> object:
             raise ValueError(f'expected a JSON map like {{"name": 1}} (or the deprecated name=value,...), got {part!r}')
         pairs[name.strip()] = number.strip()
     return pairs
+
+
+def _list_text(value: object) -> object:
+    """A list given as text: a JSON list, or names separated by commas (blanks dropped)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a JSON list: {text!r} ({exc.msg})") from None
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _legacy_route_weights(text: str) -> Weights:
@@ -775,10 +797,30 @@ class PlacementSettings(Section):
         "donors MoE > Transformer > SSM. Deprecated, accepted for one release: `transformer=0.4,moe=0.3,ssm=0.3`.",
     )
 
+    admit_tenancy: Literal["own", "any"] = Field(
+        default="own",
+        validation_alias=f"{PREFIX}ADMIT_TENANCY",
+        description="Whose replicas a tenant's requests may use: `own`, only the replicas it placed and those of "
+        "`HETSCHED_ADMIT_SHARED_OWNERS` (another tenant's replicas are never named to it; none of its own: "
+        "`no_capacity`); `any`, every replica, whoever placed it.",
+    )
+    admit_shared_owners: Annotated[tuple[Annotated[str, StringConstraints(min_length=1)], ...], NoDecode] = Field(
+        default=(),
+        validation_alias=f"{PREFIX}ADMIT_SHARED_OWNERS",
+        description="Tenants whose replicas serve every tenant under `own` (a shared pool), comma-separated "
+        '`platform,infra` or a JSON list `["platform"]`.',
+        json_schema_extra=doc_default("empty"),
+    )
+
     @field_validator("admit_tenant_weights", "admit_kv_guarantees", mode="before")
     @classmethod
     def _map(cls, value: object) -> object:
         return _mapping_text(value)
+
+    @field_validator("admit_shared_owners", mode="before")
+    @classmethod
+    def _names(cls, value: object) -> object:
+        return _list_text(value)
 
 
 class ReservationSettings(Section):

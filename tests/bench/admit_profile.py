@@ -45,7 +45,7 @@ from services.placement.lifecycle import Lifecycle
 from services.placement.replicas import Replica, ReplicaBook
 from shared.contracts.placement import AdmitRequest, ReleaseRequest
 from shared.contracts.subjects import Rpc, Subjects
-from shared.domain.admission import AdmitPolicy, engine_of, request_kv_bytes
+from shared.domain.admission import AdmitPolicy, Tenancy, engine_of, request_kv_bytes
 from shared.infra.bus import dispatch
 from shared.infra.catalog import load_model_groups, load_models
 from shared.infra.clock import monotonic_ms
@@ -124,6 +124,8 @@ class Placement:
             ),
             timer=timer,
             log=logging.getLogger("admit-profile"),
+            # The replicas above are "platform"'s, a shared pool that serves the 50 tenants.
+            tenancy=Tenancy.of(p.admit_tenancy, (*p.admit_shared_owners, "platform")),
         )
         # The release of an admission never reaches the store, the ledger or the tally.
         lifecycle = Lifecycle(

@@ -92,6 +92,8 @@ class FullStack:
         self.fleet_file = workdir / "fleet.yaml"
         self.fleet_file.write_text(yaml.safe_dump(fleet))
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("HETSCHED_")}  # embedded servers
+        # The admitted replicas are placed by "platform" and serve every tenant: a shared pool.
+        self.env["HETSCHED_ADMIT_SHARED_OWNERS"] = "platform"
         if profile_dir is not None:  # every service profiles its whole run (HETSCHED_PROFILE_DIR)
             self.env["HETSCHED_PROFILE_DIR"] = str(profile_dir.resolve())
         self.up: subprocess.Popen[bytes] | None = None

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +69,12 @@ class LedgerHarness:
         services: tuple[str, ...] = (),
         want_accelerators: int | None = None,
         ready_s: float = 60,
+        service_env: Mapping[str, str] | None = None,
     ) -> None:
         self.ready_s = ready_s  # how long the ledger may take to learn the fleet
         self.fleet = fleet
         self.extra_services = services
+        self.service_env = dict(service_env or {})  # extra variables for the ``services`` (not the ledger's)
         self.want = want_accelerators
         self.servers = dataclasses.replace(servers, run_id=uuid.uuid4().hex[:10], started=[])
         self.workdir = workdir
@@ -147,7 +150,7 @@ class LedgerHarness:
         self.start("topology_discovery", HETSCHED_TOPOLOGY_INVENTORY=str(fleet))
         self.start("capacity_ledger")
         for package in self.extra_services:
-            self.start(package)
+            self.start(package, **self.service_env)
         self.nc = await nats.connect(self.servers.nats_url)
         want = self.want or self.nodes * 8
         deadline = time.monotonic() + self.ready_s

@@ -81,6 +81,8 @@ async def _main(args: argparse.Namespace) -> None:
                 Path(tmp),
                 fleet=fleet(),
                 services=("placement", "cross_region_router"),
+                # The replicas are "platform"'s, a shared pool that serves the 50 tenants.
+                service_env={"HETSCHED_ADMIT_SHARED_OWNERS": "platform"},
                 want_accelerators=len(REGIONS) * NODES_PER_REGION * 8,
             ) as h:
                 await placement_ready(h)

@@ -124,7 +124,7 @@ class Stack:
 
     async def admit(self, request_id: str, model: str = "llama3.1-8b") -> AdmitReply | Rejected:
         body = AdmitRequest(
-            request_id=request_id, tenant="acme", model=model, input_tokens=500, output_tokens=64, region="us-west-1"
+            request_id=request_id, tenant=TENANT, model=model, input_tokens=500, output_tokens=64, region="us-west-1"
         )
         return await self.rpc.ask(Rpc.PLACEMENT_ADMIT, body, AdmitReply)
 

@@ -71,6 +71,7 @@ class Stack:
         self.settings = settings
         self.regions_file = regions_file
         self.replicas: dict[str, tuple[str, str]] = {}  # name -> (allocation id, node)
+        self.skus: dict[str, str | None] = {}  # name -> the SKU placement chose
 
     async def place(self, name: str, model: str, region: str) -> None:
         reply = await self.rpc.ask(
@@ -89,6 +90,7 @@ class Stack:
         assert isinstance(reply, PlaceReply) and reply.status == "placed", reply
         assert reply.allocation_id is not None
         self.replicas[name] = (reply.allocation_id, reply.placements[0].node)
+        self.skus[name] = reply.sku
 
     async def report(self, name: str, **load: Any) -> None:
         allocation_id, node = self.replicas[name]
@@ -114,7 +116,12 @@ async def stack(
         "topology_discovery", name="rq_topology", HETSCHED_TOPOLOGY_INVENTORY=str(demo_fleet_path())
     )
     service_processes.start("capacity_ledger", name="rq_ledger")
-    service_processes.start("placement", name="rq_placement", HETSCHED_ENGINE_STALE_S=str(STALE_S))
+    service_processes.start(
+        "placement",
+        name="rq_placement",
+        HETSCHED_ENGINE_STALE_S=str(STALE_S),
+        HETSCHED_ADMIT_SHARED_OWNERS="platform",  # the replicas below are a shared pool: every tenant uses them
+    )
     service_processes.start(
         "cross_region_router",
         name="rq_router",
@@ -180,8 +187,10 @@ async def test_a_64k_request_goes_to_the_ssm_replica_and_is_counted_until_releas
         return reply if isinstance(reply, AdmitReply) and reply.status == "admitted" else None
 
     reply = await wait_for(long_one, 15, what="the replicas are in rotation")
+    assert reply is not None
     assert (reply.replica_id, reply.engine) == (stack.replicas["ssm"][0], "ssm")
     assert reply.allocation_id and reply.kv_bytes
+    assert reply.sku is not None and reply.sku == stack.skus["ssm"]
     before = await ledger_events(stack)
     ledger_ids = {e["payload"].get("allocation_id") for e in before}
     assert reply.allocation_id not in ledger_ids  # counted in placement's memory, not a ledger allocation

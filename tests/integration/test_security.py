@@ -446,8 +446,10 @@ async def release_as(caller: Caller, bus: SecureBus, tenant: str, allocation_id:
 
 async def test_failed_replica_id_counts_only_for_a_replica_the_caller_has_an_admission_on(bus: SecureBus) -> None:
     """Row 2: acme naming globex's replica as failed took it out of rotation for globex until its engine
-    reported again. Now acme's word counts only once acme holds an admission on that replica; before
-    that it is ignored, and the reply says so."""
+    reported again. Now a tenant's word counts only once it holds an admission on that replica, and a
+    tenant's requests never land on another tenant's replica (``HETSCHED_ADMIT_TENANCY=own``): acme's word
+    on globex's replica is ignored, and acme's answer is the `no_capacity` of a tenant with no replica,
+    naming nothing of globex's."""
     globex = await bus.connect(gateway_identity("globex-gw"))
     acme = await bus.connect(gateway_identity("acme-gw"))
     model = "llama3.1-8b"
@@ -456,18 +458,22 @@ async def test_failed_replica_id_counts_only_for_a_replica_the_caller_has_an_adm
     assert first["replica_id"] == replica["allocation_id"]
 
     probe = await admit_as(acme, bus, "acme", model, failed_replica_id=replica["allocation_id"])
-    assert probe["status"] == "admitted" and probe["replica_id"] == replica["allocation_id"], probe
-    assert probe["failed_replica_ignored"] is True and "failed_replica_id ignored" in probe["explanation"]
-    again = await admit_as(globex, bus, "globex", model)
+    assert probe["status"] == "rejected" and probe["error"]["code"] == "no_capacity", probe
+    assert probe["error"]["details"] == {"failed_replica_ignored": True}
+    assert replica["allocation_id"] not in json.dumps(probe)
+    plain = await admit_as(acme, bus, "acme", model)  # the same answer as without naming it
+    assert (plain["status"], plain["error"]["code"]) == ("rejected", "no_capacity"), plain
+    assert replica["allocation_id"] not in json.dumps(plain)
+    again = await admit_as(globex, bus, "globex", model)  # still in rotation: acme's word did not count
     assert again["status"] == "admitted" and again["replica_id"] == replica["allocation_id"], again
 
-    # acme now holds an admission on it: its word is heard (the only replica leaves rotation).
-    heard = await admit_as(acme, bus, "acme", model, failed_replica_id=replica["allocation_id"])
+    # globex holds admissions on it: its word is heard (its only replica leaves rotation).
+    heard = await admit_as(globex, bus, "globex", model, failed_replica_id=replica["allocation_id"])
     assert heard["status"] == "rejected" and heard["error"]["code"] == "no_capacity", heard
     assert heard["error"]["details"] == {"failed_replica_ignored": False}
 
-    for caller, tenant, hold in ((acme, "acme", probe), (globex, "globex", first), (globex, "globex", again)):
-        assert (await release_as(caller, bus, tenant, hold["allocation_id"]))["status"] == "released"
+    for hold in (first, again):
+        assert (await release_as(globex, bus, "globex", hold["allocation_id"]))["status"] == "released"
     back = await admitted_to(globex, bus, "globex", replica)  # its engine reports: back in rotation
     assert (await release_as(globex, bus, "globex", back["allocation_id"]))["status"] == "released"
     assert (await release_as(globex, bus, "globex", replica["allocation_id"]))["status"] == "released"

@@ -194,7 +194,7 @@ async def test_a_routed_request_is_one_trace_and_a_placement_s_event_carries_it_
                 Rpc.ROUTE_SELECT,
                 RouteSelectRequest(
                     request_id=f"tr-{attempt}",
-                    tenant="west-co",
+                    tenant="platform",  # the tenant that placed the replica: its requests may use it
                     model="chat-long",
                     input_tokens=1000,
                     output_tokens=256,

@@ -50,6 +50,8 @@ ADDED_SINCE = {  # variables added after it
     "HETSCHED_GATEWAY_USAGE_FLUSH_S": "gateway.usage_flush_s",
     "HETSCHED_GATEWAY_SLO_TTFT_MS": "gateway.slo_ttft_ms",
     "HETSCHED_GATEWAY_SLO_TTFT_MS_BY_MODEL": "gateway.slo_ttft_ms_by_model",
+    "HETSCHED_ADMIT_TENANCY": "placement.admit_tenancy",
+    "HETSCHED_ADMIT_SHARED_OWNERS": "placement.admit_shared_owners",
 }
 
 
@@ -157,6 +159,33 @@ def test_tenant_weights_from_json_yaml_or_the_deprecated_text(monkeypatch: pytes
 def test_bad_tenant_weights_fail_the_start(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
     monkeypatch.setenv("HETSCHED_ADMIT_TENANT_WEIGHTS", text)
     with pytest.raises(ValidationError):
+        Settings()
+
+
+def test_admission_keeps_tenants_on_their_own_replicas_by_default() -> None:
+    placement = Settings().placement
+    assert (placement.admit_tenancy, placement.admit_shared_owners) == ("own", ())
+
+
+@pytest.mark.parametrize("text", ["platform,infra", " platform , infra, ", '["platform", "infra"]'])
+def test_shared_owners_from_a_comma_list_or_json(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setenv("HETSCHED_ADMIT_SHARED_OWNERS", text)
+    monkeypatch.setenv("HETSCHED_ADMIT_TENANCY", "any")
+    placement = Settings().placement
+    assert (placement.admit_tenancy, placement.admit_shared_owners) == ("any", ("platform", "infra"))
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("HETSCHED_ADMIT_TENANCY", "shared"),
+        ("HETSCHED_ADMIT_SHARED_OWNERS", '["platform"'),
+        ("HETSCHED_ADMIT_SHARED_OWNERS", '[""]'),
+    ],
+)
+def test_a_bad_tenancy_setting_fails_the_start(monkeypatch: pytest.MonkeyPatch, name: str, text: str) -> None:
+    monkeypatch.setenv(name, text)
+    with pytest.raises(ValidationError, match=name):
         Settings()
 
 

@@ -6,7 +6,8 @@ how one node's KV pool is shared between engines. Pure: time is ``now_ms`` from 
 * ``select``: candidates, the rule that picks among them, the failover order;
 * ``fair``: per-tenant weighted fair queueing shaped by token buckets;
 * ``pool``: a node's KV pool with a guarantee per engine and borrowing from idle engines;
-* ``account``: one replica's in-flight requests, estimated against its engine's reports.
+* ``account``: one replica's in-flight requests, estimated against its engine's reports;
+* ``tenancy``: whose replicas a tenant's requests may use.
 """
 
 from shared.domain.admission.account import EngineReport, InFlight, ReplicaAccount
@@ -27,6 +28,7 @@ from shared.domain.admission.select import (
     least_cost,
     select,
 )
+from shared.domain.admission.tenancy import Tenancy, TenancyMode
 
 __all__ = [
     "DONOR_ORDER",
@@ -46,6 +48,8 @@ __all__ = [
     "ReplicaStatus",
     "Rule",
     "Selection",
+    "Tenancy",
+    "TenancyMode",
     "TokenBucket",
     "engine_of",
     "failover_order",

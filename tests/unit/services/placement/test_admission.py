@@ -28,7 +28,7 @@ from shared.contracts.placement import (
 )
 from shared.contracts.subjects import Rpc, Subjects
 from shared.contracts.topology import EngineStatusEvent
-from shared.domain.admission import AdmitPolicy, Engine
+from shared.domain.admission import AdmitPolicy, Engine, Tenancy
 from shared.infra.catalog import load_models
 from shared.infra.rpc import RpcClient
 
@@ -58,19 +58,30 @@ class NoCalls(RpcClient):
         raise AssertionError(f"admission called {rpc} on the request path")
 
 
-def _replica(replica_id: str, model: str, node: str, *, kv_gb: float = 40, region: str = "us-west-1") -> Replica:
+def _replica(
+    replica_id: str,
+    model: str,
+    node: str,
+    *,
+    kv_gb: float = 40,
+    region: str = "us-west-1",
+    owner: str = "platform",
+    sku: str | None = None,
+) -> Replica:
+    """A replica of ``owner`` (by default the platform team's shared pool, which serves every tenant)."""
     spec = MODELS[model]
     from shared.domain.admission import engine_of
 
     return Replica(
         replica_id=replica_id,
-        owner="platform",
+        owner=owner,
         model=model,
         engine=engine_of(spec),
         node=node,
         region=region,
         tp=1,
         kv_pool={f"{node}/gpu0": int(kv_gb * GB)},
+        sku=sku,
     )
 
 
@@ -89,8 +100,14 @@ def _status(replica: Replica, **figures: Any) -> EngineStatusEvent:
     return EngineStatusEvent(**values)
 
 
+SHARED = Tenancy.of("own", {"platform"})  # the platform team's replicas serve every tenant
+
+
 def _stack(
-    *replicas: Replica, fairness: Fairness | None = None, draining: set[str] | None = None
+    *replicas: Replica,
+    fairness: Fairness | None = None,
+    draining: set[str] | None = None,
+    tenancy: Tenancy = SHARED,
 ) -> tuple[AdmissionHandlers, NoCalls, Clock, ReplicaBook]:
     book = ReplicaBook(models=MODELS)
     for replica in replicas:
@@ -107,6 +124,7 @@ def _stack(
         timer=clock,
         log=log,
         draining=lambda: draining if draining is not None else set(),
+        tenancy=tenancy,
     )
     return handlers, ledger, clock, book
 
@@ -557,3 +575,124 @@ async def test_a_release_lets_a_waiting_request_in_at_once(monkeypatch: pytest.M
         assert handlers.queue_depths() == {} and [h.request_id for h in book.holds.values()] == ["big-2"]
     finally:
         loop.cancel()
+
+
+# -- tenancy: a tenant's requests land only on its own replicas (and the shared owners') ----------------
+
+
+async def test_under_own_a_tenants_request_never_lands_on_another_tenants_only_replica() -> None:
+    """globex's replica is the only one serving the model: acme is told `no_capacity` exactly as if there
+    were none, with nothing of globex's replica in the answer; globex itself is admitted on it."""
+    theirs = _replica("r-globex", "llama3.1-8b", "n1", owner="globex")
+    handlers, _ledger, _clock, book = _stack(theirs, tenancy=Tenancy())
+    handlers.on_engine_status(_status(theirs, queue_depth=0))
+
+    refused = await handlers.admit(_ask("a-1", tenant="acme", model="llama3.1-8b"))
+    empty, _l, _c, _b = _stack(tenancy=Tenancy())
+    nothing = await empty.admit(_ask("a-1", tenant="acme", model="llama3.1-8b"))
+    assert isinstance(refused, Rejected) and refused.error.code is ErrorCode.NO_CAPACITY
+    assert refused == nothing  # the same code, message and details as with no replica at all
+    assert "r-globex" not in refused.model_dump_json()
+    assert handlers.queue_depths() == {} and book.holds == {}
+
+    own = await handlers.admit(_ask("g-1", tenant="globex", model="llama3.1-8b"))
+    assert isinstance(own, AdmitReply) and own.status == "admitted" and own.replica_id == "r-globex"
+
+
+async def test_under_own_another_tenants_less_loaded_replica_is_neither_chosen_nor_named() -> None:
+    """globex's replica is idle and fast, acme's own is busier: acme's request goes to its own, and neither
+    the explanation nor the failover names globex's; a busy own replica queues rather than spilling over."""
+    mine = _replica("r-acme", "llama3.1-8b", "n1", owner="acme")
+    theirs = _replica("r-globex", "llama3.1-8b", "n2", owner="globex")
+    handlers, _ledger, _clock, _book = _stack(mine, theirs, tenancy=Tenancy())
+    handlers.on_engine_status(_status(mine, latency_p50_ms=150.0, queue_depth=5))
+    handlers.on_engine_status(_status(theirs, latency_p50_ms=20.0, queue_depth=0))
+
+    reply = await handlers.admit(_ask("a-1", tenant="acme", model="llama3.1-8b"))
+    assert isinstance(reply, AdmitReply) and reply.status == "admitted" and reply.replica_id == "r-acme"
+    assert reply.failover == []
+    assert "r-globex" not in reply.model_dump_json()
+
+    handlers.on_engine_status(_status(mine, queue_depth=16))  # acme's replica is full: acme waits for it
+    waits = await handlers.admit(_ask("a-2", tenant="acme", model="llama3.1-8b"))
+    assert isinstance(waits, AdmitReply) and waits.status == "queued"
+    assert "r-globex" not in waits.model_dump_json()
+    handlers.on_engine_status(_status(mine, healthy=False))  # nothing of its own can serve: no_capacity
+    gone = await handlers.admit(_ask("a-3", tenant="acme", model="llama3.1-8b"))
+    assert isinstance(gone, Rejected) and gone.error.code is ErrorCode.NO_CAPACITY
+    assert "r-acme" in gone.error.message and "r-globex" not in gone.model_dump_json()
+
+
+async def test_a_shared_owners_replica_serves_every_tenant_beside_its_own() -> None:
+    shared = _replica("r-pool", "llama3.1-8b", "n1", owner="platform")
+    theirs = _replica("r-globex", "llama3.1-8b", "n2", owner="globex")
+    handlers, _ledger, _clock, _book = _stack(shared, theirs, tenancy=Tenancy.of("own", ["platform"]))
+    handlers.on_engine_status(_status(shared, latency_p50_ms=150.0, queue_depth=5))
+    handlers.on_engine_status(_status(theirs, latency_p50_ms=20.0, queue_depth=0))
+
+    acme = await handlers.admit(_ask("a-1", tenant="acme", model="llama3.1-8b"))
+    assert isinstance(acme, AdmitReply) and acme.replica_id == "r-pool" and acme.failover == []
+    globex = await handlers.admit(_ask("g-1", tenant="globex", model="llama3.1-8b"))
+    assert isinstance(globex, AdmitReply) and globex.replica_id == "r-globex" and globex.failover == ["r-pool"]
+    handlers.on_engine_status(_status(theirs, healthy=False))
+    spill = await handlers.admit(_ask("g-2", tenant="globex", model="llama3.1-8b"))
+    assert isinstance(spill, AdmitReply) and spill.replica_id == "r-pool"
+
+
+async def test_any_lets_every_tenant_use_every_replica_as_before() -> None:
+    mine = _replica("r-acme", "llama3.1-8b", "n1", owner="acme")
+    theirs = _replica("r-globex", "llama3.1-8b", "n2", owner="globex")
+    handlers, _ledger, _clock, _book = _stack(mine, theirs, tenancy=Tenancy.of("any"))
+    handlers.on_engine_status(_status(mine, latency_p50_ms=150.0, queue_depth=5))
+    handlers.on_engine_status(_status(theirs, latency_p50_ms=20.0, queue_depth=0))
+
+    reply = await handlers.admit(_ask("a-1", tenant="acme", model="llama3.1-8b"))
+    assert isinstance(reply, AdmitReply) and reply.replica_id == "r-globex" and reply.failover == ["r-acme"]
+    other = await handlers.admit(_ask("z-1", tenant="zeta", model="llama3.1-8b"))  # placed nothing at all
+    assert isinstance(other, AdmitReply) and other.status == "admitted"
+
+
+async def test_naming_another_tenants_replica_as_failed_is_ignored_and_tells_nothing_of_it() -> None:
+    mine = _replica("r-acme", "llama3.1-8b", "n1", owner="acme")
+    theirs = _replica("r-globex", "llama3.1-8b", "n2", owner="globex")
+    handlers, _ledger, _clock, book = _stack(mine, theirs, tenancy=Tenancy())
+    handlers.on_engine_status(_status(mine, queue_depth=0))
+    handlers.on_engine_status(_status(theirs, queue_depth=0))
+    held = await handlers.admit(_ask("g-1", tenant="globex", model="llama3.1-8b"))
+    assert isinstance(held, AdmitReply) and held.replica_id == "r-globex"
+
+    probe = await handlers.admit(_ask("a-1", tenant="acme", model="llama3.1-8b", failed_replica_id="r-globex"))
+    unknown = await handlers.admit(_ask("a-2", tenant="acme", model="llama3.1-8b", failed_replica_id="r-nope"))
+    for reply in (probe, unknown):  # the same answer for another tenant's replica as for one that does not exist
+        assert isinstance(reply, AdmitReply) and reply.replica_id == "r-acme"
+        assert reply.failed_replica_ignored is True and reply.failover == []
+        assert "r-globex" not in (reply.explanation or "")
+    assert book.status(theirs).healthy  # still in globex's rotation
+
+
+async def test_the_admitted_reply_carries_the_replicas_sku() -> None:
+    gpu = _replica("r-h100", "llama3.1-8b", "n1", sku="H100-SXM-80GB")
+    handlers, _ledger, _clock, _book = _stack(gpu)
+    handlers.on_engine_status(_status(gpu))
+    reply = await handlers.admit(_ask("s-1", model="llama3.1-8b"))
+    assert isinstance(reply, AdmitReply) and reply.status == "admitted" and reply.sku == "H100-SXM-80GB"
+
+
+def test_a_placed_reply_gives_its_replica_the_sku_and_owner() -> None:
+    placed = PlaceReply(
+        status="placed",
+        request_id="p1",
+        allocation_id="al-1",
+        model="llama3.1-8b",
+        sku="H100-SXM-80GB",
+        region="us-west-1",
+        tp=1,
+        placements=[NodePlacement(node="n1", accelerators=["n1/gpu0"])],
+        hbm_per_accelerator=AcceleratorShare(
+            weights_bytes=16 * GB, kv_bytes=40 * GB, activation_bytes=GB, workspace_bytes=GB, total_bytes=58 * GB
+        ),
+    )
+    replica = replica_of("acme", placed, MODELS)
+    assert replica is not None and (replica.owner, replica.sku) == ("acme", "H100-SXM-80GB")
+    bare = replica_of("acme", placed.model_copy(update={"sku": None}), MODELS)
+    assert bare is not None and bare.sku is None

@@ -257,7 +257,7 @@ async def test_admission_chooses_only_ready_replicas_and_names_the_endpoint() ->
     engines.report(report("al-3", "n-3", "ready", endpoint="http://n-3:8100"), wall())
 
     def ask(rid: str) -> AdmitRequest:
-        return AdmitRequest(request_id=rid, tenant="t", model="llama3.1-8b", input_tokens=100, output_tokens=10)
+        return AdmitRequest(request_id=rid, tenant="acme", model="llama3.1-8b", input_tokens=100, output_tokens=10)
 
     for rid in ("a", "b", "c"):
         reply = await admission.admit(ask(rid))
