@@ -10,7 +10,6 @@ import time
 from collections.abc import Awaitable, Callable
 
 from shared.domain.gateway.keys import ApiKey, parse_key, verify
-
 from shared.domain.gateway.quota import Quota
 
 MISS_REFRESH_S = 0.5

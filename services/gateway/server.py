@@ -20,7 +20,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from shared.domain.gateway.keys import ApiKey
 
 from services.gateway.keyring import KeyRing
 from services.gateway.metrics import GatewayMetrics
@@ -30,6 +29,7 @@ from shared.contracts.gateway import UsageEvent, UsageOutcome
 from shared.contracts.placement import AdmitReply, AdmitRequest, ReleaseReply, ReleaseRequest, Slo
 from shared.contracts.routing import RouteSelectReply, RouteSelectRequest
 from shared.contracts.subjects import Rpc
+from shared.domain.gateway.keys import ApiKey
 from shared.domain.gateway.openai import Api, Ask, BadRequest, error_body, parse_ask, upstream_body
 from shared.domain.gateway.quota import retry_after
 from shared.domain.gateway.sse import read_line, usage_counts

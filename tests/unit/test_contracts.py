@@ -107,6 +107,7 @@ def test_one_stream_per_context_with_dedup_and_short_telemetry() -> None:
         "ROUTING",
         "REBALANCE",
         "TELEMETRY",
+        "GATEWAY",
         "DEADLETTER",
     }
     assert all(s.duplicate_window_s > 0 and s.file_storage for s in specs.values())

@@ -31,6 +31,7 @@ FOLLOWERS: dict[str, set[tuple[Context, Start, str | None]]] = {
     "reservation_filler": set(),
     "cross_region_router": set(),
     "rebalancer": {(Context.TELEMETRY, Start.NEW, None)},
+    "gateway": set(),
 }
 
 # What subscribing outside the kit looks like: a call of one of these, or one of these imported.

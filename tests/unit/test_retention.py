@@ -26,6 +26,7 @@ def test_every_stream_has_a_max_age_and_a_size_cap_from_the_settings(tmp_path: P
         "ROUTING": 7 * DAY,
         "REBALANCE": 7 * DAY,
         "TELEMETRY": 3600.0,
+        "GATEWAY": 7 * DAY,
         "DEADLETTER": 14 * DAY,
     }
     assert {s.max_bytes for s in specs.values()} == {5 * 1024**3}
