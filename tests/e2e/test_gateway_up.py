@@ -50,9 +50,9 @@ regions:
 """
 
 
-def place(data_dir: Path, env: dict[str, str], tenant: str, model: str, request_id: str) -> str:
+def place(data_dir: Path, env: dict[str, str], tenant: str, model: str, request_id: str, context: int = 65536) -> str:
     placed = cli(
-        data_dir, env, "place", "--model", model, "--tenant", tenant, "--context-tokens", "65536",
+        data_dir, env, "place", "--model", model, "--tenant", tenant, "--context-tokens", str(context),
         "--concurrency", "2", "--backend", "gpu", "--request-id", request_id, "--json",
     )  # fmt: skip
     assert placed.returncode == 0, placed.stdout + placed.stderr
@@ -154,7 +154,7 @@ def test_an_openai_client_through_the_gateway(tmp_path: Path) -> None:
             "fast-1": place(data_dir, env, "acme", "llama3.1-8b", "gw-fast-1"),
             "fast-2": place(data_dir, env, "acme", "llama3.1-8b", "gw-fast-2"),
             "ssm": place(data_dir, env, "acme", "mamba2-2.7b", "gw-ssm"),
-            "globex": place(data_dir, env, "globex", "llama3-8b", "gw-globex"),
+            "globex": place(data_dir, env, "globex", "llama3-8b", "gw-globex", context=8192),
         }
         operator = Operator(state)
         endpoints: dict[str, str] = {}
