@@ -62,6 +62,27 @@ regions:
 """
 SHORT_PROMPT = "Summarise the benefits of tensor parallelism within one NVLink domain in a sentence."
 MODEL = "llama3.1-8b"
+BIG_MODEL = "mamba2-2.7b"  # an SSM: a 200 KB prompt (about 51k tokens) costs it no KV
+
+
+async def place_ready(data_dir: Path, env: dict[str, str], model: str, context: int, concurrency: int) -> str:
+    """Place a replica for the bench tenant; its endpoint once ready."""
+    placed = cli(
+        data_dir, env, "place", "--model", model, "--tenant", "bench", "--context-tokens", str(context),
+        "--concurrency", str(concurrency), "--backend", "gpu", "--request-id", f"bench-{uuid.uuid4().hex[:8]}",
+        "--json",
+    )  # fmt: skip
+    if placed.returncode != 0:
+        raise RuntimeError(f"place failed: {placed.stdout} {placed.stderr}")
+    replica_id = json.loads(placed.stdout)["allocation_id"]
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        shown = cli(data_dir, env, "replicas", "--json")
+        for row in json.loads(shown.stdout)["replicas"] if shown.returncode == 0 else []:
+            if row.get("replica_id") == replica_id and row.get("state") == "ready" and row.get("endpoint"):
+                return str(row["endpoint"])
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"the {model} replica did not become ready")
 
 
 @dataclass
@@ -229,23 +250,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         key = re.search(r"^api_key=(\S+)$", issued.stdout, re.MULTILINE)
         if key is None:
             raise RuntimeError(f"no key: {issued.stdout} {issued.stderr}")
-        placed = cli(
-            data_dir, env, "place", "--model", MODEL, "--tenant", "bench", "--context-tokens", "65536",
-            "--concurrency", "4", "--backend", "gpu", "--request-id", f"bench-{uuid.uuid4().hex[:8]}", "--json",
-        )  # fmt: skip
-        if placed.returncode != 0:
-            raise RuntimeError(f"place failed: {placed.stdout} {placed.stderr}")
-        replica_id = json.loads(placed.stdout)["allocation_id"]
-        endpoint = None
-        deadline = time.monotonic() + 180
-        while endpoint is None and time.monotonic() < deadline:
-            shown = cli(data_dir, env, "replicas", "--json")
-            for row in json.loads(shown.stdout or "[]") if shown.returncode == 0 else []:
-                if row.get("replica_id") == replica_id and row.get("state") == "ready":
-                    endpoint = row.get("endpoint")
-            await asyncio.sleep(0.5)
-        if endpoint is None:
-            raise RuntimeError("the replica did not become ready")
+        endpoints = {}
+        for model, context, concurrency in ((MODEL, 4096, 64), (BIG_MODEL, 65536, 8)):
+            endpoints[model] = await place_ready(data_dir, env, model, context, concurrency)
+        endpoint, big_endpoint = endpoints[MODEL], endpoints[BIG_MODEL]
         await asyncio.sleep(2.0)  # its first status report
         echo_subject = f"bench.echo.{uuid.uuid4().hex[:10]}"
         echo = subprocess.Popen(
@@ -262,9 +270,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         plain = {"Content-Type": "application/json"}
         authed = plain | {"Authorization": f"Bearer {key.group(1)}"}
 
-        def body(prompt: str, max_tokens: int) -> bytes:
+        def body(prompt: str, max_tokens: int, model: str = MODEL) -> bytes:
             return json.dumps(
-                {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                  "stream": True}
             ).encode()  # fmt: skip
 
@@ -298,10 +306,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     arm.merge(part)
                     await asyncio.sleep(1.0)
             big_prompt = ("lorem ipsum dolor sit amet " * (args.big_kb * 1024 // 27 + 1))[: args.big_kb * 1024]
-            big = body(big_prompt, 4)
+            big = body(big_prompt, 4, BIG_MODEL)
+            big_direct_url = f"{big_endpoint}/v1/chat/completions"
             big_direct, big_through = Arm(f"{args.big_kb} KB direct"), Arm(f"{args.big_kb} KB through the gateway")
             for _ in range(args.big_n):
-                for arm, url, headers in ((big_direct, direct_url, plain), (big_through, gateway_chat, authed)):
+                for arm, url, headers in ((big_direct, big_direct_url, plain), (big_through, gateway_chat, authed)):
                     arm.sent += 1
                     await one_stream(session, url, headers, big, arm)
         with urllib.request.urlopen(f"{gateway_url}/metrics", timeout=5) as answer:
