@@ -195,7 +195,6 @@ def _checks(reply: dict[str, Any], *, wide: bool) -> str:
 def gateway() -> None:
     """Run the OpenAI-compatible gateway in the foreground (`hetsched up` starts one): the settings of
     `settings.gateway` (HETSCHED_GATEWAY_*), NATS and Postgres from the environment, as every service."""
-    from services.gateway.app import SERVICE, bootstrap
-    from shared.infra.service import run_service
+    from services.gateway.app import main
 
-    run_service(bootstrap, name=SERVICE.name)
+    main()

@@ -1,7 +1,6 @@
 """`python -m services.gateway` (what `hetsched gateway` runs)."""
 
-from services.gateway.app import SERVICE, bootstrap
-from shared.infra.service import run_service
+from services.gateway.app import main
 
 if __name__ == "__main__":
-    run_service(bootstrap, name=SERVICE.name)
+    main()

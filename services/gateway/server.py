@@ -25,14 +25,14 @@ from services.gateway.keyring import KeyRing
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.usage import UsageBook
 from shared.contracts.base import ErrorCode, Rejected
-from shared.contracts.gateway import UsageEvent, UsageOutcome
+from shared.contracts.gateway import UsageOutcome, UsageRecord
 from shared.contracts.placement import AdmitReply, AdmitRequest, ReleaseReply, ReleaseRequest, Slo
 from shared.contracts.routing import RouteSelectReply, RouteSelectRequest
 from shared.contracts.subjects import Rpc
 from shared.domain.gateway.keys import ApiKey
 from shared.domain.gateway.openai import Api, Ask, BadRequest, error_body, parse_ask, upstream_body
 from shared.domain.gateway.quota import retry_after
-from shared.domain.gateway.sse import read_line, usage_counts
+from shared.domain.gateway.sse import read_line, split_events, usage_counts
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.settings import GatewaySettings
 
@@ -110,6 +110,7 @@ class Attempt:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     failed_replicas: list[str] = field(default_factory=list)
+    broken: bool = False  # the engine failed after the first token: the stream ended with an error event
 
     @property
     def labels(self) -> tuple[str, str, str, str]:
@@ -383,7 +384,7 @@ class Gateway:
             while True:
                 try:
                     response = await self._proxy(request, api, body, ask, attempt, request_id, arrived)
-                    outcome = "completed" if response.status < 400 else "failed"
+                    outcome = "completed" if response.status < 400 and not attempt.broken else "failed"
                     break
                 except UpstreamFailed as failure:
                     self.metrics.outcome(ask.model, "failed_over", "upstream_error")
@@ -418,7 +419,7 @@ class Gateway:
                     attempt.labels, ttft_s=attempt.ttft_s, e2e_s=e2e, completion_tokens=attempt.completion_tokens
                 )
             self.usage.record(
-                UsageEvent(
+                UsageRecord(
                     request_id=request_id,
                     tenant=key.tenant,
                     key_id=key.key_id,
@@ -568,6 +569,23 @@ class Gateway:
 
     # -- the engine ------------------------------------------------------------------------------
 
+    @staticmethod
+    def _usage(events: bytes, ask: Ask, attempt: Attempt) -> bytes:
+        """Events that name usage: the counts of the usage chunk kept, the chunk itself dropped unless the
+        client asked for it."""
+        kept: list[bytes] = []
+        for event in events.split(b"\n\n"):
+            if not event:
+                continue
+            if b'"usage"' in event and b'"usage": null' not in event and b'"usage":null' not in event:
+                chunk = read_line(event.strip())
+                if chunk.usage is not None:
+                    attempt.prompt_tokens, attempt.completion_tokens = usage_counts(chunk.usage)
+                    if chunk.usage_only and not ask.include_usage:
+                        continue
+            kept.append(event + b"\n\n")
+        return b"".join(kept)
+
     def _headers(self, attempt: Attempt, request_id: str) -> dict[str, str]:
         a = attempt.admission
         headers = {REQUEST_ID_HEADER: request_id}
@@ -686,16 +704,19 @@ class Gateway:
         await response.prepare(request)
         await response.write(b"".join(held))
         try:
-            async for line in upstream.content:
-                if b'"usage"' in line and b'"usage": null' not in line and b'"usage":null' not in line:
-                    chunk = read_line(line)
-                    if chunk.usage is not None:
-                        attempt.prompt_tokens, attempt.completion_tokens = usage_counts(chunk.usage)
-                        if chunk.usage_only and not ask.include_usage:
-                            continue
-                await response.write(line)
+            # Then whole events as they come, one write per read: only an event naming usage is looked at.
+            tail = b""
+            while data := await upstream.content.readany():
+                events, tail = split_events(tail + data)
+                if events and b'"usage"' in events:
+                    events = self._usage(events, ask, attempt)
+                if events:
+                    await response.write(events)
+            if tail:
+                await response.write(tail)
         except (aiohttp.ClientError, TimeoutError) as exc:
             # After the first token a request does not move: the client gets an error event and the end.
+            attempt.broken = True
             self.log.warning("engine failed mid-stream", extra={"request_id": request_id, "error": str(exc)[:200]})
             error = error_body("the engine failed mid-stream", type="server_error", code="upstream_error")
             await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")

@@ -1,6 +1,7 @@
 """Usage, off the request path: each answered request is kept in memory, and every ``usage_flush_s`` one
-transaction adds them to the tenants' totals (``gateway.usage``) and writes one `usage` event per request
-to the outbox (the relay publishes them on the GATEWAY stream for billing). A crash loses at most the
+transaction adds them to the tenants' totals (``gateway.usage``) and writes to the outbox one `usage` event
+per tenant with its requests (the relay publishes them on the GATEWAY stream for billing): a few events a
+second whatever the request rate. A crash loses at most the
 requests of one flush interval; a Postgres outage keeps them in memory (up to ``MAX_PENDING``) until it
 is back."""
 
@@ -12,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from datetime import date
 
-from shared.contracts.gateway import USAGE, UsageEvent
+from shared.contracts.gateway import MAX_USAGE_RECORDS, USAGE, UsageEvent, UsageRecord
 from shared.contracts.subjects import Context
 from shared.infra.uow import UnitOfWork
 
@@ -22,7 +23,27 @@ MAX_PENDING = 200_000
 UsageRow = tuple[str, date, str, str]  # tenant, day, model, key_id
 
 
-def totals(events: list[UsageEvent]) -> dict[UsageRow, tuple[int, int, int]]:
+def batches(records: list[UsageRecord]) -> list[UsageEvent]:
+    """One event per tenant (more when a tenant has over ``MAX_USAGE_RECORDS``), records in arrival order."""
+    by_tenant: dict[str, list[UsageRecord]] = defaultdict(list)
+    for record in records:
+        by_tenant[record.tenant].append(record)
+    events: list[UsageEvent] = []
+    for tenant, mine in by_tenant.items():
+        for start in range(0, len(mine), MAX_USAGE_RECORDS):
+            part = mine[start : start + MAX_USAGE_RECORDS]
+            events.append(
+                UsageEvent(
+                    tenant=tenant,
+                    requests=part,
+                    prompt_tokens=sum(r.prompt_tokens for r in part),
+                    completion_tokens=sum(r.completion_tokens for r in part),
+                )
+            )
+    return events
+
+
+def totals(events: list[UsageRecord]) -> dict[UsageRow, tuple[int, int, int]]:
     """Requests, prompt and completion tokens per tenant, day, model and key."""
     out: dict[UsageRow, list[int]] = defaultdict(lambda: [0, 0, 0])
     for e in events:
@@ -48,10 +69,10 @@ class UsageBook:
         self._every_s = every_s
         self._log = log
         self._wake_relay = wake_relay
-        self.pending: list[UsageEvent] = []
+        self.pending: list[UsageRecord] = []
         self._lock = asyncio.Lock()
 
-    def record(self, event: UsageEvent) -> None:
+    def record(self, event: UsageRecord) -> None:
         self.pending.append(event)
         if len(self.pending) > MAX_PENDING:
             dropped = len(self.pending) - MAX_PENDING
@@ -67,8 +88,8 @@ class UsageBook:
 
             async def work(uow: UnitOfWork) -> None:
                 await self._add(uow, totals(batch))
-                for event in batch:
-                    uow.emit(Context.GATEWAY, USAGE, event, tenant=event.tenant, correlation_id=event.request_id)
+                for event in batches(batch):
+                    uow.emit(Context.GATEWAY, USAGE, event, tenant=event.tenant)
 
             try:
                 await self._run(work)

@@ -1,8 +1,8 @@
 """The gateway's events (`<prefix>.events.gateway.<name>`): what billing consumes.
 
 The gateway speaks OpenAI-compatible HTTP to applications (docs/GATEWAY.md); on NATS it is a client of
-`route.select` and `placement.admit`, and it publishes one `usage` event per request it proxied, with the
-token counts the engine answered.
+`route.select` and `placement.admit`, and it publishes `usage` events: per tenant, the requests it proxied
+since the last one, each with the token counts the engine answered.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ USAGE = GatewayEventName.USAGE
 UsageOutcome = Literal["completed", "failed", "cancelled"]
 
 
-class UsageEvent(Contract):
-    """Payload of `usage`: one request the gateway proxied to an engine, with the engine's token counts."""
+class UsageRecord(Contract):
+    """One request the gateway proxied to an engine, with the engine's token counts."""
 
     request_id: str = Field(description="The gateway's request id (`x-request-id` of the reply).", examples=["gw-1"])
     tenant: str = Field(description="The API key's tenant.", examples=["acme"])
@@ -57,3 +57,18 @@ class UsageEvent(Contract):
     ttft_ms: Float | None = Field(default=None, description="Time to first token at the gateway.", examples=[84.0])
     e2e_ms: Float = Field(description="From the request's arrival to its last byte.", examples=[2210.0])
     started_at: datetime = Field(description="When the request arrived (UTC).")
+
+
+MAX_USAGE_RECORDS = 500
+"""Requests in one `usage` event at most (a tenant with more in one interval gets several events)."""
+
+
+class UsageEvent(Contract):
+    """Payload of `usage`: a tenant's requests the gateway answered in one flush interval, and their sums."""
+
+    tenant: str = Field(description="The tenant all its requests belong to.", examples=["acme"])
+    requests: list[UsageRecord] = Field(
+        max_length=MAX_USAGE_RECORDS, description="The requests, in the order they arrived."
+    )
+    prompt_tokens: Int = Field(ge=0, description="Their prompt tokens, summed.", examples=[8120])
+    completion_tokens: Int = Field(ge=0, description="Their completion tokens, summed.", examples=[1280])

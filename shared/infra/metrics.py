@@ -252,7 +252,7 @@ CATALOGUE: dict[str, MetricSpec] = {
             "The gateway's own time in a request before its first upstream byte: auth, routing, admission.",
             (),
             GATEWAY,
-            buckets=(0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+            buckets=(0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1),
         ),
     )
 }

@@ -211,6 +211,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "HETSCHED_ADMIT_TENANT_RATE": "100000",
         "HETSCHED_ADMIT_TENANT_BURST": "100000",
     }
+    if args.profile:  # every service profiles its whole run (HETSCHED_PROFILE_DIR); printed at the end
+        env["HETSCHED_PROFILE_DIR"] = str((workdir / "profiles").resolve())
     log = open(workdir / "up.log", "wb")
     up = subprocess.Popen(
         [
@@ -357,6 +359,22 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             up.wait(timeout=120)
         except subprocess.TimeoutExpired:
             up.kill()
+        if args.profile:
+            print_profiles(workdir / "profiles")
+
+
+def print_profiles(directory: Path) -> None:
+    import io
+    import pstats
+
+    for path in sorted(directory.glob("*.prof")):
+        if not path.name.startswith(("gateway", "cross-region-router", "placement")):
+            continue
+        out = io.StringIO()
+        stats = pstats.Stats(str(path), stream=out)
+        stats.sort_stats("tottime").print_stats(25)
+        print(f"== {path.name}: total {stats.total_tt:.1f} s CPU (profiled)")  # type: ignore[attr-defined]
+        print("\n".join(out.getvalue().splitlines()[6:40]))
 
 
 def main() -> None:
@@ -368,6 +386,11 @@ def main() -> None:
     parser.add_argument("--big-n", type=int, default=20)
     parser.add_argument("--speedup", type=positive, default=20.0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the services; print the gateway's, router's and placement's top functions",
+    )
     args = parser.parse_args()
     result = asyncio.run(bench(args))
     if args.json:

@@ -90,9 +90,10 @@ async def usage_events(state: dict[str, Any], *, tenant: str, want: int, timeout
                 msg = await sub.next_msg(timeout=1)
             except nats.errors.TimeoutError:
                 continue
-            event = json.loads(msg.data)
-            if event["payload"]["tenant"] == tenant:
-                found.append(event["payload"])
+            event = json.loads(msg.data)["payload"]
+            if event["tenant"] == tenant:  # one event per tenant and interval, with its requests
+                assert event["completion_tokens"] == sum(r["completion_tokens"] for r in event["requests"])
+                found += event["requests"]
         await sub.unsubscribe()
         return found
     finally:

@@ -25,6 +25,14 @@ class Chunk:
 NOTHING = Chunk(token=False, usage=None, usage_only=False, done=False)
 
 
+def split_events(data: bytes) -> tuple[bytes, bytes]:
+    """(the whole events in ``data``, each ending with its blank line; what follows the last of them)."""
+    end = data.rfind(b"\n\n")
+    if end < 0:
+        return b"", data
+    return data[: end + 2], data[end + 2 :]
+
+
 def read_line(line: bytes) -> Chunk:
     """What one line of an SSE stream holds (blank lines, comments and unparsable data hold nothing)."""
     if not line.startswith(b"data:"):

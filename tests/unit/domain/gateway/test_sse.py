@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.domain.gateway.sse import read_line, usage_counts
+from shared.domain.gateway.sse import read_line, split_events, usage_counts
 
 
 def test_a_token_a_usage_chunk_and_the_end() -> None:
@@ -22,3 +22,9 @@ def test_what_is_not_data_holds_nothing() -> None:
         chunk = read_line(line)
         assert not chunk.token and chunk.usage is None and not chunk.done
     assert usage_counts({"prompt_tokens": -1, "completion_tokens": "3"}) == (0, 0)
+
+
+def test_whole_events_are_split_from_a_partial_one() -> None:
+    assert split_events(b'data: {"a": 1}\n\ndata: {"b"') == (b'data: {"a": 1}\n\n', b'data: {"b"')
+    assert split_events(b"data: [DO") == (b"", b"data: [DO")
+    assert split_events(b"data: 1\n\ndata: 2\n\n") == (b"data: 1\n\ndata: 2\n\n", b"")
