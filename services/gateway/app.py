@@ -136,15 +136,13 @@ def main() -> None:
     """``python -m services.gateway`` and ``hetsched gateway``: the service on uvloop where it is installed (the
     gateway relays every streamed token: libuv's loop costs it less per event than asyncio's own)."""
     import asyncio
-    import os
 
     from shared.infra.service import run_service
 
     try:
         import uvloop
 
-        if not os.environ.get("NO_UVLOOP_TEMP"):
-            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:  # pragma: no cover - a platform without it runs asyncio's loop
         pass
     run_service(bootstrap, name=SERVICE.name)
