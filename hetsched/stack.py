@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -116,6 +117,19 @@ def _running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be bound now (0: any port, always)."""
+    if port == 0:
+        return True
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def server_liveness(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -287,6 +301,10 @@ class Stack:
         env["HETSCHED_SUBJECT_PREFIX"] = self.settings.kit.subject_prefix
         env["HETSCHED_STREAM_PREFIX"] = self.settings.kit.stream_prefix
         env["HETSCHED_TOPOLOGY_INVENTORY"] = str(self.fleet_path())
+        if package == "gateway" and "HETSCHED_GATEWAY_PORT" not in os.environ:
+            gateway = self.settings.gateway
+            if not port_free(gateway.host, gateway.port):  # taken: any free port (`status` names the URL)
+                env["HETSCHED_GATEWAY_PORT"] = "0"
         if self.engines != "none" and "HETSCHED_REBALANCE_WAIT_FOR_READY" not in os.environ:
             # Every GPU node runs an engine agent: a move always waits for its copy's engine to be ready,
             # even on a node whose agent had no engine to report on before the copy came.

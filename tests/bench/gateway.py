@@ -180,7 +180,8 @@ async def echo_loop(nc: Any, subject: str, rate: float, seconds: float, arm: Arm
 
 
 def added_histogram(metrics: str) -> dict[str, float]:
-    """p50/p99 (upper bucket bounds) of hetsched_gateway_added_seconds from the exposition text."""
+    """p50/p99 of hetsched_gateway_added_seconds from the exposition text, interpolated within buckets (as
+    Prometheus's histogram_quantile does)."""
     buckets: list[tuple[float, float]] = []
     for line in metrics.splitlines():
         found = re.match(r'hetsched_gateway_added_seconds_bucket\{le="([^"]+)"\} (\S+)', line)
@@ -189,10 +190,17 @@ def added_histogram(metrics: str) -> dict[str, float]:
     if not buckets or buckets[-1][1] == 0:
         return {}
     total = buckets[-1][1]
-    out = {}
+    out: dict[str, float] = {"count": total}
     for q in (0.5, 0.99):
-        out[f"p{int(q * 100)}_le_ms"] = next(le for le, count in buckets if count >= q * total) * 1000
-    out["count"] = total
+        rank = q * total
+        low_le, low_count = 0.0, 0.0
+        for le, count in buckets:
+            if count >= rank:
+                inside = (rank - low_count) / (count - low_count) if count > low_count else 1.0
+                value = le if le == float("inf") else low_le + (le - low_le) * inside
+                out[f"p{int(q * 100)}_ms"] = round(value * 1000, 3)
+                break
+            low_le, low_count = le, count
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from services.registry import SERVICES
 from tests.system_tools import ensure_tool
 from tests.waiting import wait_for_sync
 
@@ -78,11 +79,13 @@ def test_a_real_prometheus_scrapes_every_service_of_hetsched_up(tmp_path: Path) 
                 return None
             report: dict[str, Any] = json.loads(status.stdout)
             services = report.get("services", {})
-            if len(services) == 6 and all(s.get("status") == "ok" and s.get("metrics_url") for s in services.values()):
+            if len(services) == len(SERVICES) and all(
+                s.get("status") == "ok" and s.get("metrics_url") for s in services.values()
+            ):
                 return report
             return None
 
-        report = wait_for_sync(healthy, START_TIMEOUT_S, interval_s=1.0, what="six healthy services with metrics")
+        report = wait_for_sync(healthy, START_TIMEOUT_S, interval_s=1.0, what="every service healthy with metrics")
         targets = {name: urllib.parse.urlparse(s["metrics_url"]) for name, s in report["services"].items()}
         port = _free_port()
         config = {
@@ -117,9 +120,9 @@ def test_a_real_prometheus_scrapes_every_service_of_hetsched_up(tmp_path: Path) 
                 results = _query(base, "up")
             except OSError:
                 return False
-            return len(results) == 6 and all(r["value"][1] == "1" for r in results)
+            return len(results) == len(SERVICES) and all(r["value"][1] == "1" for r in results)
 
-        wait_for_sync(all_up, 60, interval_s=0.5, what="Prometheus scrapes the six services")
+        wait_for_sync(all_up, 60, interval_s=0.5, what="Prometheus scrapes every service")
         rules = _get(f"{base}/api/v1/rules")
         loaded = [r["name"] for g in rules["data"]["groups"] for r in g["rules"]]
         assert loaded, "the alert rules are loaded"

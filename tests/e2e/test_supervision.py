@@ -1,5 +1,5 @@
 """`hetsched up` supervises its embedded servers: a SIGKILLed nats-server or Postgres is reaped and
-restarted on its port with its data, the state file names the new pid, and the six services ride it out
+restarted on its port with its data, the state file names the new pid, and the services ride it out
 (healthy again, `hetsched place` works); a server that cannot come back stops `up` naming it."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from hetsched.stack import ServerDied, Stack, server_liveness
+from services.registry import SERVICES
 from shared.infra.settings import Settings
 from tests.waiting import wait_for_sync
 
@@ -47,7 +48,7 @@ def _cli(data_dir: Path, env: dict[str, str], *args: str) -> subprocess.Complete
 
 
 def _whole_again(data_dir: Path, env: dict[str, str], request_id: str) -> dict[str, Any]:
-    """Wait for `hetsched status` to show six healthy services, then for a placement to succeed."""
+    """Wait for `hetsched status` to show every service healthy, then for a placement to succeed."""
     last: list[subprocess.CompletedProcess[str]] = []
 
     def healthy() -> dict[str, Any] | None:
@@ -55,10 +56,10 @@ def _whole_again(data_dir: Path, env: dict[str, str], request_id: str) -> dict[s
         return json.loads(last[-1].stdout) if last[-1].returncode == 0 else None
 
     try:
-        report = wait_for_sync(healthy, RECOVER_TIMEOUT_S, interval_s=0.5, what="hetsched status: six healthy")
+        report = wait_for_sync(healthy, RECOVER_TIMEOUT_S, interval_s=0.5, what="hetsched status: all healthy")
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{last[-1].stdout}{last[-1].stderr}") from exc
-    assert len(report["services"]) == 6 and all(s["status"] == "ok" for s in report["services"].values())
+    assert len(report["services"]) == len(SERVICES) and all(s["status"] == "ok" for s in report["services"].values())
     place = (
         "place",
         *("--model", "llama3-8b", "--tenant", "acme", "--context-tokens", "4096", "--backend", "gpu"),
