@@ -232,6 +232,7 @@ async def test_the_operators_pass_gives_every_stream_its_limits(bus: Bus) -> Non
         stream_name(Context.ROUTING, stream_prefix=bus.settings.kit.stream_prefix): ROUTING_MAX_AGE_S,
         stream_name(Context.REBALANCE, stream_prefix=bus.settings.kit.stream_prefix): 7 * 86_400.0,
         stream_name(Context.TELEMETRY, stream_prefix=bus.settings.kit.stream_prefix): 3600.0,
+        stream_name(Context.GATEWAY, stream_prefix=bus.settings.kit.stream_prefix): 7 * 86_400.0,
         deadletter_stream_name(stream_prefix=bus.settings.kit.stream_prefix): 14 * 86_400.0,
     }
     assert {s.name for s in specs} == set(wanted)
