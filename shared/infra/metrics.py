@@ -52,6 +52,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4,
 TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
 GATEWAY_LABELS = ("model", "engine", "sku", "region")
+ADDED_BUCKETS = (0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +253,7 @@ CATALOGUE: dict[str, MetricSpec] = {
             "The gateway's own time in a request before its first upstream byte: auth, routing, admission.",
             (),
             GATEWAY,
-            buckets=(0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1),
+            buckets=ADDED_BUCKETS,
         ),
     )
 }
