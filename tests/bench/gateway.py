@@ -40,9 +40,11 @@ from typing import Any
 
 import aiohttp
 import nats
+import psutil
 
 from hetsched.stack import wait_healthy
 from shared.contracts.subjects import Subjects
+from tests.bench.full_stack import cpu_seconds, machine_busy_s
 from tests.bench.loadgen import nearest_rank, positive
 
 START_TIMEOUT_S = 240.0
@@ -110,6 +112,33 @@ class Arm:
         self.sent += other.sent
         for k, v in other.errors.items():
             self.errors[k] = self.errors.get(k, 0) + v
+
+
+def cpu_by_part(state: dict[str, Any], engine_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far of the parts a request touches: the gateway, router, placement, the engine, NATS,
+    Postgres (with its backends), this client, and the whole machine (every core, busy)."""
+    services = state.get("services", {})
+    pids = {
+        "gateway": services.get("gateway"),
+        "router": services.get("cross_region_router"),
+        "placement": services.get("placement"),
+        "engine": engine_pid,
+        "nats": state.get("servers", {}).get("nats_pid"),
+        "postgres": state.get("servers", {}).get("postgres_pid"),
+        "client": os.getpid(),
+    }
+    out = {name: cpu_seconds(pid, tree=name == "postgres") for name, pid in pids.items() if pid}
+    out["machine"] = machine_busy_s()
+    return out
+
+
+def engine_pid_of(endpoint: str) -> int | None:
+    port = int(endpoint.rsplit(":", 1)[1])
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "hetsched.engines.sim_server" in " ".join(cmdline) and str(port) in cmdline:
+            return int(proc.pid)
+    return None
 
 
 def cli(data_dir: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -298,6 +327,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 Arm("echo (direct arm)"),
                 Arm("echo (gateway arm)"),
             )
+            cpu: dict[str, dict[str, float]] = {direct.name: {}, through.name: {}}
+            engine_pid = engine_pid_of(endpoint)
             for _ in range(args.rounds):
                 for arm, url, headers, echo_arm in (
                     (direct, direct_url, plain, echo_d),
@@ -309,10 +340,14 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                         part.sent += 1
                         await one_stream(session, url, headers, short, part)
 
+                    before = cpu_by_part(state, engine_pid)
                     await asyncio.gather(
                         open_loop(args.rate, args.seconds, fire),
                         echo_loop(nc, echo_subject, args.rate, args.seconds, echo_arm),
                     )
+                    after = cpu_by_part(state, engine_pid)
+                    for name in after:
+                        cpu[arm.name][name] = cpu[arm.name].get(name, 0.0) + after[name] - before.get(name, 0.0)
                     arm.merge(part)
                     await asyncio.sleep(1.0)
             big_prompt = ("lorem ipsum dolor sit amet " * (args.big_kb * 1024 // 27 + 1))[: args.big_kb * 1024]
@@ -350,11 +385,21 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "big_ttft_p99": round(big_through.q("ttft_ms", 0.99) - big_direct.q("ttft_ms", 0.99), 3),
             },
             "gateway_added_histogram": own,
+            "cpu_per_request_ms": {
+                arm: {k: round(v * 1000 / (args.rate * args.seconds * args.rounds), 3) for k, v in parts.items()}
+                for arm, parts in cpu.items()
+            },
+            "machine_busy_share": {
+                arm: round(parts.get("machine", 0.0) / (psutil.cpu_count() * args.seconds * args.rounds), 3)
+                for arm, parts in cpu.items()
+            },
         }
         for a in arms:
             print(a.line())
         print(f"added by the gateway (gateway arm - direct arm): {result['added_ms']}")
-        print(f"gateway's own time before the engine (its histogram, bucket bounds): {own}")
+        print(f"gateway's own time before the engine (its histogram): {own}")
+        print(f"CPU ms per request by part (machine: all cores): {result['cpu_per_request_ms']}")
+        print(f"share of the machine's cores busy during each arm: {result['machine_busy_share']}")
         return result
     finally:
         if nc is not None:
