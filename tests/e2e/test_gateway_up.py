@@ -255,8 +255,14 @@ def test_an_openai_client_through_the_gateway(tmp_path: Path) -> None:
         assert refused.value.status_code == 503 and refused.value.code == "no_capacity"
         assert replicas["globex"] not in str(refused.value.body)
         globex = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key=globex_key, max_retries=0, timeout=60)
+        # Sessions are the tenant's own: the same session id from both tenants lands on each one's replica.
+        session = {"x-session-id": "s-shared"}
+        mine_in_session = client.chat.completions.with_raw_response.create(
+            model="llama3.1-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_headers=session
+        )
+        assert mine_in_session.headers["x-hetsched-replica-id"] in (replicas["fast-1"], replicas["fast-2"])
         served = globex.chat.completions.with_raw_response.create(
-            model="llama3-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            model="llama3-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_headers=session
         )
         assert served.headers["x-hetsched-replica-id"] == replicas["globex"]
         with pytest.raises(openai.APIStatusError):  # nor the other way round
