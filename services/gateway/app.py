@@ -124,7 +124,7 @@ SERVICE = ServiceDefinition(
         Loop("usage-flush", lambda ctx: ctx.usage.run),
     ),
     checks=_checks,
-    calls=(Rpc.ROUTE_SELECT, Rpc.PLACEMENT_ADMIT, Rpc.PLACEMENT_RELEASE),
+    calls=(Rpc.ROUTE_SELECT, Rpc.PLACEMENT_ADMIT, Rpc.PLACEMENT_RELEASE, Rpc.PLACEMENT_RENEW),
 )
 
 

@@ -26,7 +26,15 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.usage import UsageBook
 from shared.contracts.base import ErrorCode, Rejected
 from shared.contracts.gateway import UsageOutcome, UsageRecord
-from shared.contracts.placement import AdmitReply, AdmitRequest, ReleaseReply, ReleaseRequest, Slo
+from shared.contracts.placement import (
+    AdmitReply,
+    AdmitRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    RenewReply,
+    RenewRequest,
+    Slo,
+)
 from shared.contracts.routing import RouteSelectReply, RouteSelectRequest
 from shared.contracts.subjects import Rpc
 from shared.domain.gateway.keys import ApiKey
@@ -37,6 +45,8 @@ from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.settings import GatewaySettings
 
 REQUEST_ID_HEADER = "x-request-id"
+ROUTED_LEASE_S: int = AdmitRequest.model_fields["lease_s"].default
+"""The lease of an admission `route.select` makes (it asks admission with the default)."""
 QUEUE_POLL_S = 0.02
 """How often a queued admission is asked again."""
 
@@ -116,6 +126,21 @@ class Attempt:
     def labels(self) -> tuple[str, str, str, str]:
         a = self.admission
         return (a.model or "", a.engine or "", a.sku or "", a.region or "")
+
+
+class Renewals:
+    """A timer that calls ``renew`` every ``every_s`` until cancelled."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, every_s: float, renew: Callable[[], None]) -> None:
+        self._loop, self._every_s, self._renew = loop, every_s, renew
+        self._handle = loop.call_later(every_s, self._tick)
+
+    def _tick(self) -> None:
+        self._renew()
+        self._handle = self._loop.call_later(self._every_s, self._tick)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 class Gateway:
@@ -378,6 +403,7 @@ class Gateway:
             self.metrics.outcome(ask.model, "rejected", reason)
             return error.response(request_id)
         self.metrics.outcome(ask.model, "queued" if attempt.queued else "admitted")
+        keeper = self._keep(attempt, key.tenant)
         response: web.StreamResponse | None = None
         outcome: UsageOutcome = "failed"
         try:
@@ -411,6 +437,7 @@ class Gateway:
             outcome = "cancelled"
             raise
         finally:
+            keeper.cancel()
             e2e = time.perf_counter() - arrived
             admission = attempt.admission
             self._spawn(self._release(admission, key.tenant))
@@ -497,6 +524,7 @@ class Gateway:
             region=region,
             hint=ask.hint,
             session_id=ask.session_id,
+            lease_s=self.settings.admission_lease_s,
             **extra,
         )
 
@@ -551,6 +579,32 @@ class Gateway:
             error = reply.error
             raise refusal(error.code if error else "no_capacity", error.message if error else "no other replica")
         return reply
+
+    def _keep(self, attempt: Attempt, tenant: str) -> Renewals:
+        """Renew the request's admission every half lease while it runs (a long generation keeps its KV
+        counted); cancelled when the request ends. A timer, not a task per request."""
+        return Renewals(
+            asyncio.get_running_loop(),
+            min(self.settings.admission_lease_s, ROUTED_LEASE_S) / 2,  # route.select admits with its default
+            lambda: self._spawn(self._renew(attempt.admission, tenant)),
+        )
+
+    async def _renew(self, admission: AdmitReply, tenant: str) -> None:
+        if admission.allocation_id is None:
+            return
+        try:
+            await self.rpc.ask(
+                Rpc.PLACEMENT_RENEW,
+                RenewRequest(
+                    allocation_id=admission.allocation_id, tenant=tenant, lease_s=self.settings.admission_lease_s
+                ),
+                RenewReply,
+                timeout_s=self.settings.request_timeout_s,
+            )
+        except RpcError as exc:
+            self.log.warning(
+                "admission not renewed", extra={"allocation": admission.allocation_id, "error": exc.reason}
+            )
 
     async def _release(self, admission: AdmitReply, tenant: str) -> None:
         if admission.allocation_id is None:

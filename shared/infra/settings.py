@@ -1007,6 +1007,13 @@ class GatewaySettings(Section):
         default=2.0, gt=0, description="Timeout of one `route.select` or `placement.admit` call."
     )
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="Largest request body accepted.")
+    admission_lease_s: int = Field(
+        default=300,
+        gt=1,
+        le=86400,
+        description="How long an admission counts a request's KV without a release; renewed every half of it "
+        "while the request runs.",
+    )
     keys_refresh_s: float = Field(
         default=2.0, gt=0, description="How often the API keys are re-read (a revoked key stops working within it)."
     )

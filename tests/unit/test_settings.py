@@ -46,6 +46,7 @@ ADDED_SINCE = {  # variables added after it
     "HETSCHED_GATEWAY_QUEUE_WAIT_S": "gateway.queue_wait_s",
     "HETSCHED_GATEWAY_REQUEST_TIMEOUT_S": "gateway.request_timeout_s",
     "HETSCHED_GATEWAY_MAX_BODY_BYTES": "gateway.max_body_bytes",
+    "HETSCHED_GATEWAY_ADMISSION_LEASE_S": "gateway.admission_lease_s",
     "HETSCHED_GATEWAY_KEYS_REFRESH_S": "gateway.keys_refresh_s",
     "HETSCHED_GATEWAY_USAGE_FLUSH_S": "gateway.usage_flush_s",
     "HETSCHED_GATEWAY_SLO_TTFT_MS": "gateway.slo_ttft_ms",
