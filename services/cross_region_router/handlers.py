@@ -1,7 +1,8 @@
 """Handlers of the cross-region-router service (API.md "Request path").
 
 ``select`` reads like the route: validate -> the region by the pure rules (``shared.domain.routing.choose``:
-affinity tier, cheaper acceptable region, fallback; damping; in-flight sessions stay) -> admit there
+affinity tier, a cheaper acceptable region when the affinity region is full, draining or down, fallback;
+damping; in-flight sessions stay; each region priced by the SKUs of its replicas of the model) -> admit there
 (``placement.admit``; a region whose admission answers ``no_capacity`` counts as full for this request and
 the next tier is tried) -> remember the tenant's region (with ``route_switched`` when it changed, in one
 unit of work), the session's region and the traffic (affinity) -> reply.
@@ -10,8 +11,8 @@ What it keeps in memory it loads from its own tables at start and writes through
 sessions' regions before the reply (group commit; a request whose region did not change writes nothing),
 traffic counts every ``HETSCHED_ROUTE_FLUSH_MS`` (statistics for affinity: a crash loses at most that
 much of them). Capacity per region is learnt from events, never from another service's tables: the
-replicas placement announces (PLACEMENT ``placement_decided``, and ``placement_released`` when one is
-released or its lease expires), kept in ``routing.replicas`` and folded into ``ReplicaRegions`` once the
+replicas placement announces with their SKUs (PLACEMENT ``placement_decided``, and ``placement_released``
+when one is released or its lease expires), kept in ``routing.replicas`` and folded into ``ReplicaRegions`` once the
 consumer's transaction commits. Memory changes only after the transaction that writes it commits.
 """
 
@@ -187,7 +188,7 @@ class RoutingHandlers:
         self._seen = dict.fromkeys(self._sessions, now.timestamp())
         self._traffic = {t: Traffic(counts) for t, counts in loaded.traffic.items()}
         self._states = {r: RegionState(s) for r, s in loaded.regions.items() if r in self._regions}
-        self._replicas = ReplicaRegions((r.allocation_id, r.region, r.model) for r in loaded.replicas)
+        self._replicas = ReplicaRegions((r.allocation_id, r.region, r.model, r.sku) for r in loaded.replicas)
         self._loaded = True
 
     # -- route.select ------------------------------------------------------------------------------------
@@ -214,9 +215,15 @@ class RoutingHandlers:
         traffic = self._traffic.setdefault(request.tenant, Traffic())
         full: set[str] = set()
         previous = self._tenants.get(request.tenant)
+        # Each region is priced by the SKUs its replicas of the model serve on (the cheapest of them); a
+        # region where none is known, at its mean price.
+        skus = {region: found for region in self._regions if (found := self._replicas.skus(region, names))}
+        ask = RouteAsk(
+            tenant=request.tenant, origin=request.origin_region, sku=None, in_flight=request.in_flight, skus=skus
+        )
         while True:
             decision = choose(
-                RouteAsk(tenant=request.tenant, origin=request.origin_region, sku=None, in_flight=request.in_flight),
+                ask,
                 regions=self._regions,
                 states=self._states,
                 capacity=lambda region: region not in full and self._replicas.serves(region, names),
@@ -389,7 +396,7 @@ class RoutingHandlers:
             return
         replica = StoredReplica(reply.allocation_id, reply.region, payload.model, reply.sku)
         await self._store.add_replica(session=uow.session, replica=replica)
-        uow.after_commit(lambda: self._replicas.add(replica.allocation_id, replica.region, replica.model))
+        uow.after_commit(lambda: self._replicas.add(replica.allocation_id, replica.region, replica.model, replica.sku))
 
     async def on_placement_released(
         self, *, uow: UnitOfWork, event: EventEnvelope, payload: PlacementReleasedEvent

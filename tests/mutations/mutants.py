@@ -564,9 +564,9 @@ MUTANTS: tuple[Mutant, ...] = (
         file="services/cross_region_router/handlers.py",
         find=(
             "        uow.after_commit(lambda: self._replicas.add(replica.allocation_id, replica.region, "
-            "replica.model))\n"
+            "replica.model, replica.sku))\n"
         ),
-        replace="        self._replicas.add(replica.allocation_id, replica.region, replica.model)\n",
+        replace="        self._replicas.add(replica.allocation_id, replica.region, replica.model, replica.sku)\n",
         tests=(ROUTER_UNIT,),
     ),
     Mutant(

@@ -7,7 +7,7 @@ are 0), so the weights trade terms of the same [0, 1] scale against each other.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.domain.routing.regions import Region
@@ -54,6 +54,14 @@ def price_of(region: Region, sku: str | None) -> float:
     return region.mean_price()
 
 
+def serving_price(region: Region, skus: Collection[str]) -> float:
+    """The accelerator-hour price of what serves the request in the region: the cheapest of ``skus`` (the
+    SKUs of the replicas that would serve it there) that the region prices; the region's mean price when
+    none of them is priced there (or none is known)."""
+    known = [float(region.price_usd_per_hour[sku]) for sku in skus if sku in region.price_usd_per_hour]
+    return min(known) if known else region.mean_price()
+
+
 def power_usd_per_hour(region: Region, power_kw: float = DEFAULT_POWER_KW) -> float:
     """What one accelerator drawing ``power_kw`` costs per hour there, facility overhead (PUE) included."""
     return power_kw * region.pue * region.power_usd_per_kwh
@@ -72,13 +80,19 @@ def costs(
     affinity: Mapping[str, float],
     weights: Weights,
     power_kw: float = DEFAULT_POWER_KW,
+    skus: Mapping[str, Collection[str]] | None = None,
 ) -> dict[str, CostTerms]:
     """Cost terms of each candidate for a request from ``origin`` served on ``sku`` (None: unknown).
 
+    ``skus``: per region, the SKUs that would serve the request there; a region listed prices at the
+    cheapest of them (``serving_price``), a region not listed at ``sku``'s price (``price_of``).
     A region missing from ``affinity`` has affinity 0. Lower total is better.
     """
+    per_region = skus or {}
     rtt_ms = {r.name: origin.rtt_to(r.name) for r in candidates}
-    price = {r.name: price_of(r, sku) for r in candidates}
+    price = {
+        r.name: serving_price(r, per_region[r.name]) if per_region.get(r.name) else price_of(r, sku) for r in candidates
+    }
     power = {r.name: power_usd_per_hour(r, power_kw) for r in candidates}
     liking = {r.name: max(0.0, affinity.get(r.name, 0.0)) for r in candidates}
     n_rtt, n_price, n_power, n_affinity = (_normalised(t) for t in (rtt_ms, price, power, liking))

@@ -1,15 +1,19 @@
-"""Choosing the region for one request: affinity, then a cheaper acceptable region, then any region
-with capacity (SLO relaxed); damped per tenant, sticky per in-flight session.
+"""Choosing the region for one request: affinity, then a cheaper acceptable region when the affinity
+region cannot take it, then any region with capacity (SLO relaxed); damped per tenant, sticky per
+in-flight session.
 
 Order of the rules in ``choose``:
 
 1. An in-flight session stays in its region while that region is not down (drain and full included).
-2. The fresh choice: the cost tier (a region within ``cost_rtt_slack_ms`` of the affinity region's RTT,
-   at least ``cost_saving`` cheaper, with a lower total cost), else the affinity region while it is up
-   with capacity, else the fallback tier (lowest total cost among up regions with capacity, TTFT SLO
-   relaxed), else no region.
+2. The fresh choice: the affinity region while it is up with capacity; else, when it is full, draining
+   or down, the cost tier (an up region with capacity within ``cost_rtt_slack_ms`` of the affinity
+   region's RTT and at least ``cost_saving`` cheaper than it, the lowest total cost among them); else the
+   fallback tier (lowest total cost among up regions with capacity, TTFT SLO relaxed); else no region.
 3. Damping: a tenant whose current region is up with capacity and who switched less than
    ``damping_s`` ago keeps that region instead of the fresh choice.
+
+A region's price is the accelerator-hour price of the SKU that would serve the request there
+(``RouteAsk.skus``; the cheapest when several do), else of ``RouteAsk.sku``, else the region's mean.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from shared.domain.routing.affinity import AffinityRule, Traffic, affinity
-from shared.domain.routing.cost import CostTerms, Weights, costs, price_of
+from shared.domain.routing.cost import CostTerms, Weights, costs, price_of, serving_price
 from shared.domain.routing.regions import Region
 
 
@@ -70,12 +74,15 @@ class SessionRoute:
 @dataclass(frozen=True, slots=True)
 class RouteAsk:
     """One request to route: who sends it, from which region, served on which SKU (None: unknown);
-    ``in_flight``: it continues a stream of its session."""
+    ``in_flight``: it continues a stream of its session. ``skus``: per region, the SKUs of the replicas
+    that would serve it there; a region listed is priced at the cheapest of them, one not listed at
+    ``sku``'s price (the region's mean when ``sku`` is None or not sold there)."""
 
     tenant: str
     origin: str
     sku: str | None
     in_flight: bool
+    skus: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +160,9 @@ class _View:
         return self.origin.rtt_to(name)
 
     def price(self, name: str) -> float:
-        return price_of(self.regions[name], self.ask.sku)
+        serving = self.ask.skus.get(name)
+        region = self.regions[name]
+        return serving_price(region, serving) if serving else price_of(region, self.ask.sku)
 
     def costs_over(self, names: list[str]) -> dict[str, CostTerms]:
         return costs(
@@ -162,6 +171,7 @@ class _View:
             sku=self.ask.sku,
             affinity=self.affinity,
             weights=self.policy.weights,
+            skus=self.ask.skus,
         )
 
     def _affinity_region(self) -> str:
@@ -193,30 +203,26 @@ class _View:
 
 def _fresh_choice(view: _View) -> _Choice | None:
     home = view.affinity_region
-    home_open = home in view.costs
-    cheaper = [
-        name
-        for name in view.eligible
-        if view.cheaper_acceptable(name) and (not home_open or view.costs[name].total < view.costs[home].total)
-    ]
-    if cheaper:
-        best = min(cheaper, key=lambda name: (view.costs[name].total, name))
-        saving = 1.0 - view.price(best) / view.price(home) if view.price(home) > 0 else 0.0
-        return _Choice(
-            best,
-            Tier.COST,
-            f"{saving:.0%} cheaper than affinity region {home} ({view.price(best):.2f} vs "
-            f"{view.price(home):.2f} USD/h), RTT {view.rtt_ms(best):g} ms within {home}'s "
-            f"{view.rtt_ms(home):g} + {view.policy.cost_rtt_slack_ms:g} ms, total cost {view.costs[best].total:.3f}"
-            + (f" < {view.costs[home].total:.3f}" if home_open else f" ({home} is {view.condition(home)})"),
-        )
-    if home_open:
+    if home in view.costs:  # up with capacity
         why = (
             f"affinity region (affinity {view.affinity[home]:.2f})"
             if view.has_history
             else f"no traffic in the last {view.policy.affinity.window_days} days: nearest region to {view.ask.origin}"
         )
         return _Choice(home, Tier.AFFINITY, f"{why}, RTT {view.rtt_ms(home):g} ms, up with capacity")
+    # The affinity region is full, draining or down: a cheaper region near enough, else any region.
+    cheaper = [name for name in view.eligible if view.cheaper_acceptable(name)]
+    if cheaper:
+        best = min(cheaper, key=lambda name: (view.costs[name].total, name))
+        saving = 1.0 - view.price(best) / view.price(home) if view.price(home) > 0 else 0.0
+        return _Choice(
+            best,
+            Tier.COST,
+            f"affinity region {home} is {view.condition(home)}; {saving:.0%} cheaper than it "
+            f"({view.price(best):.2f} vs {view.price(home):.2f} USD/h), RTT {view.rtt_ms(best):g} ms within "
+            f"{home}'s {view.rtt_ms(home):g} + {view.policy.cost_rtt_slack_ms:g} ms, "
+            f"total cost {view.costs[best].total:.3f}",
+        )
     if view.eligible:
         best = min(view.eligible, key=lambda name: (view.costs[name].total, name))
         return _Choice(

@@ -1,5 +1,5 @@
 """Damping: a tenant changes region at most once per 30 minutes, unless its region is down, draining
-or full. Prices move between calls (each call gets the regions' tables of its moment)."""
+or full. Prices and capacity move between calls (each call gets the regions' tables of its moment)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from shared.domain.routing import RegionState, RoutePolicy, TenantRoute, Tier, next_tenant_route
 from tests.unit.domain.routing.builders import MINUTE, T0, ask, route, traffic_in, world
 
-CHEAP_EU = world(eu=2.6)  # eu >= 30% below east: the cost tier wants eu
+CHEAP_EU = world(eu=2.6)  # eu >= 30% below east: the cost tier takes eu when east is full
 PLAIN = world(eu=3.6)  # eu only 10% below east: the tenant stays home (east)
 
 
@@ -20,24 +20,33 @@ def first_route() -> TenantRoute:
     return tenant
 
 
-def test_within_30_minutes_a_cheaper_region_does_not_move_the_tenant() -> None:
+def moved_to_eu_while_east_was_full() -> TenantRoute:
     tenant = first_route()
-    for minutes in (10, 29, 29.99):
-        decision = route(
-            ask("eu"), regions=CHEAP_EU, traffic=traffic_in("east"), tenant=tenant, now_s=T0 + minutes * MINUTE
-        )
-        assert (decision.region, decision.kept_by, decision.switched) == ("east", "damping", False)
-        assert decision.tier is Tier.AFFINITY and decision.relaxed_ttft_ms is None
-        assert "eu (cost) would be chosen" in decision.reason
-        assert next_tenant_route(tenant, decision, T0 + minutes * MINUTE) == tenant  # switch time kept
-
-
-def test_after_30_minutes_the_switch_happens() -> None:
-    tenant = first_route()
-    now = T0 + 30 * MINUTE
-    decision = route(ask("eu"), regions=CHEAP_EU, traffic=traffic_in("east"), tenant=tenant, now_s=now)
+    now = T0 + 1 * MINUTE
+    decision = route(ask("eu"), regions=CHEAP_EU, traffic=traffic_in("east"), tenant=tenant, full=("east",), now_s=now)
     assert (decision.region, decision.tier, decision.switched, decision.kept_by) == ("eu", Tier.COST, True, None)
-    assert next_tenant_route(tenant, decision, now) == TenantRoute("eu", now)
+    moved = next_tenant_route(tenant, decision, now)
+    assert moved == TenantRoute("eu", now)
+    return moved
+
+
+def test_within_30_minutes_the_tenant_does_not_move_back_when_its_home_has_room_again() -> None:
+    tenant = moved_to_eu_while_east_was_full()
+    for minutes in (10, 29, 29.99):
+        now = tenant.switched_at_s + minutes * MINUTE
+        decision = route(ask("eu"), regions=CHEAP_EU, traffic=traffic_in("east"), tenant=tenant, now_s=now)
+        assert (decision.region, decision.kept_by, decision.switched) == ("eu", "damping", False)
+        assert decision.tier is Tier.COST and decision.relaxed_ttft_ms is None
+        assert "east (affinity) would be chosen" in decision.reason
+        assert next_tenant_route(tenant, decision, now) == tenant  # switch time kept
+
+
+def test_after_30_minutes_the_switch_back_happens() -> None:
+    tenant = moved_to_eu_while_east_was_full()
+    now = tenant.switched_at_s + 30 * MINUTE
+    decision = route(ask("eu"), regions=CHEAP_EU, traffic=traffic_in("east"), tenant=tenant, now_s=now)
+    assert (decision.region, decision.tier, decision.switched, decision.kept_by) == ("east", Tier.AFFINITY, True, None)
+    assert next_tenant_route(tenant, decision, now) == TenantRoute("east", now)
 
 
 def test_the_tenant_is_then_held_in_the_new_region_for_30_minutes() -> None:
@@ -72,16 +81,16 @@ def test_staying_put_is_not_damping() -> None:
 
 
 def test_damping_is_a_policy_parameter() -> None:
-    tenant = first_route()
+    tenant = moved_to_eu_while_east_was_full()
     decision = route(
         ask("eu"),
         regions=CHEAP_EU,
         traffic=traffic_in("east"),
         tenant=tenant,
-        now_s=T0 + 5 * MINUTE,
+        now_s=tenant.switched_at_s + 5 * MINUTE,
         policy=RoutePolicy(damping_s=300.0),
     )
-    assert (decision.region, decision.switched) == ("eu", True)
+    assert (decision.region, decision.switched) == ("east", True)
 
 
 def test_a_rejection_changes_nothing_remembered() -> None:

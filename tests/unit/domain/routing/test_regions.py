@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from shared.domain.hardware import CatalogError
-from shared.domain.routing import Region, RegionState, Tier, parse_regions, price_of
+from shared.domain.routing import Region, RegionState, RouteAsk, Tier, parse_regions, price_of, serving_price
 from tests.unit.domain.routing.builders import H100, ask, route, traffic_in
 
 CATALOG = Path(__file__).resolve().parents[4] / "shared" / "catalog"
@@ -49,16 +49,39 @@ def test_the_shipped_figures_show_the_differences_the_router_works_with() -> Non
 
 
 def test_the_cost_tier_can_be_seen_with_the_shipped_figures() -> None:
-    # A European user of a tenant whose traffic goes to us-east-1: eu-west-1 is nearer and >= 30% cheaper.
-    decision = route(ask("eu-west-1"), regions=shipped(), traffic=traffic_in("us-east-1"))
-    assert (decision.region, decision.tier) == ("eu-west-1", Tier.COST)
-    # From us-east-1 itself the tenant stays home: eu-west-1 is 68 ms away, beyond 0 + 20 ms.
-    home = route(ask("us-east-1"), regions=shipped(), traffic=traffic_in("us-east-1"))
+    # A European user of a tenant whose traffic goes to us-east-1: while us-east-1 has room it serves
+    # (affinity first); when it is full, eu-west-1 is near enough (0 ms) and >= 30% cheaper on H100.
+    home = route(ask("eu-west-1"), regions=shipped(), traffic=traffic_in("us-east-1"))
     assert (home.region, home.tier) == ("us-east-1", Tier.AFFINITY)
+    decision = route(ask("eu-west-1"), regions=shipped(), traffic=traffic_in("us-east-1"), full=("us-east-1",))
+    assert (decision.region, decision.tier) == ("eu-west-1", Tier.COST)
+    assert decision.cost is not None and decision.cost.price_usd_per_hour == 2.70
+    # From us-east-1 itself eu-west-1 is 68 ms away, beyond 0 + 20 ms: a full or drained home falls back.
+    full = route(ask("us-east-1"), regions=shipped(), traffic=traffic_in("us-east-1"), full=("us-east-1",))
+    assert full.tier is Tier.FALLBACK
     drained = route(
         ask("us-east-1"), regions=shipped(), traffic=traffic_in("us-east-1"), states={"us-east-1": RegionState.DRAIN}
     )
     assert drained.tier is Tier.FALLBACK and drained.region in {"us-west-1", "eu-west-1"}
+
+
+def test_with_the_shipped_figures_the_serving_sku_decides_not_the_regions_mean() -> None:
+    # The regions' means over every SKU are only ~12% apart: without a known SKU the cost tier does not
+    # fire; with the SKU each region serves the model on (H100 in both), it does, at H100's prices.
+    regions = shipped()
+    unknown = route(ask("eu-west-1", sku=None), regions=regions, traffic=traffic_in("us-east-1"), full=("us-east-1",))
+    assert unknown.tier is Tier.FALLBACK
+    assert unknown.cost is not None and unknown.cost.price_usd_per_hour == regions["eu-west-1"].mean_price()
+    by_region = {"us-east-1": (H100,), "eu-west-1": (H100,), "us-west-1": (H100,)}
+    served = route(
+        RouteAsk(tenant="acme", origin="eu-west-1", sku=None, in_flight=False, skus=by_region),
+        regions=regions,
+        traffic=traffic_in("us-east-1"),
+        full=("us-east-1",),
+    )
+    assert (served.region, served.tier) == ("eu-west-1", Tier.COST)
+    assert served.cost is not None and served.cost.price_usd_per_hour == 2.70
+    assert "(2.70 vs 4.00 USD/h)" in served.reason
 
 
 def test_region_helpers() -> None:
@@ -66,6 +89,9 @@ def test_region_helpers() -> None:
     assert region.rtt_to("r") == 0.0 and region.rtt_to("s") == 12.0
     assert region.mean_price() == 2.0  # (1 + 3) / 2
     assert price_of(region, "b") == 3.0 and price_of(region, None) == 2.0 and price_of(region, "zzz") == 2.0
+    # What serves the request: the cheapest SKU priced there; the mean when none of them is.
+    assert serving_price(region, ("b", "a")) == 1.0 and serving_price(region, ("b", "zzz")) == 3.0
+    assert serving_price(region, ("zzz",)) == 2.0 and serving_price(region, ()) == 2.0
     with pytest.raises(KeyError):
         region.rtt_to("unknown")
 

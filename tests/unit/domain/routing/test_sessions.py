@@ -74,5 +74,12 @@ def test_an_in_flight_session_in_a_region_gone_from_the_catalog_moves() -> None:
 
 def test_a_session_not_in_flight_follows_the_tenant() -> None:
     session = SessionRoute("east", in_flight=False)
-    decision = route(ask("eu"), regions=world(eu=2.6), traffic=traffic_in("east"), tenant=TENANT_EAST, session=session)
+    decision = route(
+        ask("eu"),
+        regions=world(eu=2.6),
+        full=("east",),
+        traffic=traffic_in("east"),
+        tenant=TENANT_EAST,
+        session=session,
+    )
     assert (decision.region, decision.tier, decision.switched, decision.kept_by) == ("eu", Tier.COST, True, None)

@@ -151,10 +151,12 @@ class Router:
         assert isinstance(reply, RouteSelectReply), reply
         return reply
 
-    async def decided(self, allocation_id: str, region: str, model: str = "llama3-8b") -> None:
+    async def decided(
+        self, allocation_id: str, region: str, model: str = "llama3-8b", *, sku: str | None = None
+    ) -> None:
         """placement_decided, applied in its own (consumer) transaction."""
         await self.uow.run(
-            lambda uow: self.handlers.on_placement_decided(uow=uow, **decided(allocation_id, region, model))
+            lambda uow: self.handlers.on_placement_decided(uow=uow, **decided(allocation_id, region, model, sku=sku))
         )
 
     async def released(self, allocation_id: str) -> None:
@@ -178,9 +180,17 @@ def full_in(*regions: str) -> Callable[[BaseModel], BaseModel]:
     return answer
 
 
-def decided(allocation_id: str, region: str, model: str = "llama3-8b", *, status: str = "placed") -> dict[str, Any]:
-    """The handler arguments of a ``placement_decided`` event."""
-    reply = PlaceReply(status=status, request_id=f"p-{allocation_id}", allocation_id=allocation_id, region=region)  # type: ignore[arg-type]
+def decided(
+    allocation_id: str, region: str, model: str = "llama3-8b", *, status: str = "placed", sku: str | None = None
+) -> dict[str, Any]:
+    """The handler arguments of a ``placement_decided`` event (a replica on ``sku``, None: not said)."""
+    reply = PlaceReply(
+        status=status,  # type: ignore[arg-type]
+        request_id=f"p-{allocation_id}",
+        allocation_id=allocation_id,
+        region=region,
+        sku=sku,
+    )
     payload = PlacementEvent(request_id=reply.request_id, tenant="acme", model=model, reply=reply, decision_ms=0.1)
     return {"event": _envelope("placement_decided", payload), "payload": payload}
 
@@ -201,14 +211,14 @@ def router(
     regions: Mapping[str, Region] | None = None,
     admit: list[Answer] | None = None,
     policy: RoutePolicy | None = None,
-    replicas: Iterable[tuple[str, str]] = (),
+    replicas: Iterable[tuple[str, str] | tuple[str, str, str]] = (),
     store: FakeStore | None = None,
 ) -> Router:
     """A router over the test world (east, west, eu: ``tests.unit.domain.routing.builders.world``) with a
-    ``llama3-8b`` replica in each of ``replicas`` (allocation id, region) seeded in its table."""
+    ``llama3-8b`` replica in each of ``replicas`` (allocation id, region[, SKU]) seeded in its table."""
     store = store or FakeStore()
-    for allocation_id, region in replicas:
-        store.replicas[allocation_id] = StoredReplica(allocation_id, region, "llama3-8b")
+    for allocation_id, region, *sku in replicas:
+        store.replicas[allocation_id] = StoredReplica(allocation_id, region, "llama3-8b", sku[0] if sku else None)
     clock = FakeClock(NOW)
     uow = FakeUnitOfWork(clock, source="cross-region-router")
     rpc = FakeRpc(placement_admit=admit or [admitted])

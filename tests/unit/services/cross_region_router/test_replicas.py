@@ -18,7 +18,7 @@ LLAMA = ("llama3-8b",)
 
 
 def test_a_region_serves_a_model_while_it_holds_one_of_its_replicas() -> None:
-    replicas = ReplicaRegions([("al-1", "east", "llama3-8b"), ("al-2", "east", "llama3-8b")])
+    replicas = ReplicaRegions([("al-1", "east", "llama3-8b", None), ("al-2", "east", "llama3-8b", None)])
     replicas.add("al-3", "west", "llama3-70b")
     assert replicas.serves("east", LLAMA) and not replicas.serves("west", LLAMA)
     assert replicas.serves("west", ("llama3-8b", "llama3-70b"))  # a group: any member

@@ -17,7 +17,7 @@ from shared.contracts.subjects import Rpc
 from shared.domain.routing import day_of
 from shared.infra.rpc import RpcError
 from tests.fakes import NOW
-from tests.unit.domain.routing.builders import world
+from tests.unit.domain.routing.builders import A100, H100, world
 from tests.unit.services.cross_region_router.fakes import FakeStore, Router, full_in, router
 
 pytestmark = pytest.mark.asyncio
@@ -25,6 +25,9 @@ pytestmark = pytest.mark.asyncio
 EVERYWHERE = (("al-e", "east"), ("al-w", "west"), ("al-u", "eu"))
 TODAY = day_of(NOW.timestamp())
 CHEAP_EU = world(eu=1.0)  # eu's mean price (H100 and A100) far below east's: the cost tier wants it
+# east serves on H100 (4.0 USD/h), eu on A100 (2.5), west on H100 (4.4): by SKU eu is 37.5% below east; by the
+# regions' means (east 3.25, eu 3.05) only 6%.
+BY_SKU = (("al-e", "east", H100), ("al-w", "west", H100), ("al-u", "eu", A100))
 
 
 def with_history(region: str, *, requests: int = 100) -> FakeStore:
@@ -91,11 +94,48 @@ async def test_the_affinity_region_wins_while_it_is_up_with_capacity() -> None:
     assert reply.cost is not None and reply.cost.affinity == 1.0
 
 
-async def test_a_much_cheaper_region_near_the_origin_wins_by_the_cost_tier() -> None:
+async def test_a_much_cheaper_region_near_the_origin_waits_while_the_affinity_region_has_room() -> None:
     r = router(regions=CHEAP_EU, replicas=EVERYWHERE, store=with_history("east"))
     reply = await r.routed(origin_region="eu")
+    assert (reply.region, reply.tier) == ("east", "affinity")
+    assert admitted_regions(r) == ["east"]
+
+
+async def test_the_cost_tier_takes_a_much_cheaper_near_region_when_the_affinity_region_is_full() -> None:
+    r = router(regions=CHEAP_EU, replicas=EVERYWHERE, store=with_history("east"), admit=[full_in("east")])
+    reply = await r.routed(origin_region="eu")
     assert (reply.region, reply.tier) == ("eu", "cost")
-    assert "cheaper than affinity region east" in (reply.explanation or "")
+    assert "affinity region east is full" in (reply.explanation or "")
+    assert admitted_regions(r) == ["east", "eu"]
+
+
+async def test_each_region_is_priced_by_the_sku_its_replicas_serve_on() -> None:
+    r = router(replicas=BY_SKU, store=with_history("east"), admit=[full_in("east")])
+    reply = await r.routed(origin_region="eu")
+    assert (reply.region, reply.tier) == ("eu", "cost")
+    assert reply.cost is not None and reply.cost.price_usd_per_hour == 2.5
+    assert "(2.50 vs 4.00 USD/h)" in (reply.explanation or "")
+
+
+async def test_without_known_skus_a_region_is_priced_at_its_mean() -> None:
+    r = router(replicas=EVERYWHERE, store=with_history("east"), admit=[full_in("east")])
+    reply = await r.routed(origin_region="eu")
+    assert (reply.region, reply.tier) == ("eu", "fallback")
+    assert reply.cost is not None and reply.cost.price_usd_per_hour == 3.05  # (3.6 + 2.5) / 2
+
+
+async def test_the_cheapest_sku_serving_in_a_region_prices_it_and_a_released_one_no_longer_does() -> None:
+    r = router(replicas=(("al-e", "east", H100),), store=with_history("east"), admit=[full_in("east")])
+    await r.decided("al-u1", "eu", sku=H100)
+    await r.decided("al-u2", "eu", sku=A100)
+    cheap = await r.routed(origin_region="eu", request_id="r1")
+    assert (cheap.region, cheap.tier) == ("eu", "cost")
+    assert cheap.cost is not None and cheap.cost.price_usd_per_hour == 2.5
+    await r.released("al-u2")
+    r.clock.advance(3600)  # past damping
+    plain = await r.routed(origin_region="eu", request_id="r2")
+    assert (plain.region, plain.tier) == ("eu", "fallback")  # H100: 3.6 is only 10% below 4.0
+    assert plain.cost is not None and plain.cost.price_usd_per_hour == 3.6
 
 
 async def test_the_fallback_tier_relaxes_the_ttft_slo_it_asks_admission_with() -> None:
@@ -149,24 +189,31 @@ async def test_admission_unreachable_is_an_internal_admission_error_in_a_routed_
 
 
 async def test_damping_holds_the_tenant_then_the_switch_is_written_with_its_event() -> None:
-    r = router(replicas=EVERYWHERE, store=with_history("east"))
+    r = router(regions=CHEAP_EU, replicas=EVERYWHERE, store=with_history("east"))
     assert (await r.routed(origin_region="eu")).region == "east"
-    r.regions_file.append(CHEAP_EU)  # operators cut eu's price
-    assert r.handlers.reload_regions()
-
-    r.clock.advance(10 * 60)
-    held = await r.routed(origin_region="eu")
-    assert (held.region, held.switched) == ("east", False)
-    assert "kept by damping" in (held.explanation or "") and "eu (cost) would be chosen" in (held.explanation or "")
-    assert r.uow.names() == []
-
-    r.clock.advance(21 * 60)  # 31 minutes after the first route
+    r.clock.advance(60)
+    r.rpc.script[Rpc.PLACEMENT_ADMIT] = [full_in("east")]  # east fills up: the tenant moves at once
     moved = await r.routed(origin_region="eu")
     assert (moved.region, moved.tier, moved.switched) == ("eu", "cost", True)
     (event,) = r.uow.named("route_switched")
     assert (event["from_region"], event["to_region"], event["tier"]) == ("east", "eu", "cost")
     assert r.store.tenants["acme"].region == "eu"
-    assert r.store.tenants["acme"].switched_at == NOW + timedelta(minutes=31)
+    assert r.store.tenants["acme"].switched_at == NOW + timedelta(minutes=1)
+
+    r.rpc.script[Rpc.PLACEMENT_ADMIT] = [full_in()]  # east has room again
+    r.clock.advance(10 * 60)
+    held = await r.routed(origin_region="eu")
+    assert (held.region, held.switched) == ("eu", False)
+    assert "kept by damping" in (held.explanation or "") and "east (affinity) would be chosen" in (
+        held.explanation or ""
+    )
+    assert len(r.uow.named("route_switched")) == 1
+
+    r.clock.advance(21 * 60)  # 31 minutes after the switch
+    back = await r.routed(origin_region="eu")
+    assert (back.region, back.tier, back.switched) == ("east", "affinity", True)
+    assert [e["to_region"] for e in r.uow.named("route_switched")] == ["eu", "east"]
+    assert r.store.tenants["acme"].switched_at == NOW + timedelta(minutes=32)
 
 
 async def test_a_request_whose_region_did_not_change_writes_nothing() -> None:
@@ -308,5 +355,6 @@ async def test_the_flush_loop_takes_the_new_regions_file_and_a_bad_one_keeps_the
     finally:
         loop.cancel()
     assert r.regions_file == [] and r.store.traffic[("acme", "east", TODAY)] == 101
-    r.clock.advance(3600)  # past damping
-    assert (await r.routed(origin_region="eu")).region == "eu"
+    r.rpc.script[Rpc.PLACEMENT_ADMIT] = [full_in("east")]
+    moved = await r.routed(origin_region="eu")  # with the old prices: the fallback tier
+    assert (moved.region, moved.tier) == ("eu", "cost")
