@@ -2,7 +2,9 @@
 cross-region router as processes; replicas placed through `placement.place`, engines reporting their status
 as `hetsched engine-sim` does. A 64k-token request goes to the SSM replica, a stale replica leaves rotation,
 admission counts requests in memory (the ledger sees none of them), 100 in-flight sessions keep their region
-while prices move under them and move at once when it goes down, bad input is refused on both subjects."""
+while prices move under them and move at once when it goes down, a tenant whose home region is full takes
+the cheaper region at the price of the SKU serving there (and stays home while it has room), bad input is
+refused on both subjects."""
 
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from shared.contracts.placement import (
 from shared.contracts.routing import RouteRegionReply, RouteRegionRequest, RouteSelectReply, RouteSelectRequest
 from shared.contracts.streams import stream_name
 from shared.contracts.subjects import Context, Rpc, Subjects
+from shared.domain.routing import parse_regions
 from shared.infra.catalog import demo_fleet_path, packaged_file
 from shared.infra.rpc import RpcClient
 from shared.infra.settings import Settings
@@ -149,6 +152,14 @@ async def stack(
     await wait_for(placed_ssm, 30, what="placement sees the demo fleet")
     await s.place("tf", "llama3.1-8b", "us-west-1")
     await s.place("east", "llama3.1-8b", "us-east-1")
+    seen = iter(range(10_000))
+
+    async def router_sees_east() -> bool:  # placement_decided reaches the router through its consumer
+        n = next(seen)
+        reply = await s.route(request_id=f"sees-east-{n}", tenant=f"sees-east-{n}", origin_region="eu-west-1")
+        return isinstance(reply, RouteSelectReply) and reply.region == "us-east-1"
+
+    await wait_for(router_sees_east, 30, what="the router knows the replica in us-east-1")
     yield s
     # The session's database is shared with later modules: give back what this one placed (its
     # admissions' holds end with their replicas).
@@ -271,6 +282,93 @@ async def test_route_select_routes_and_admits_in_the_chosen_region(stack: Stack)
     assert reply.admission.region == "us-west-1"
 
 
+async def _release_admission(stack: Stack, reply: RouteSelectReply, tenant: str) -> None:
+    if reply.admission is not None and reply.admission.allocation_id is not None:
+        done = await stack.rpc.ask(
+            Rpc.PLACEMENT_RELEASE,
+            ReleaseRequest(allocation_id=reply.admission.allocation_id, tenant=tenant),
+            ReleaseReply,
+        )
+        assert isinstance(done, ReleaseReply) and done.status == "released", done
+
+
+async def _admission_in(stack: Stack, region: str, *, admitted: bool) -> None:
+    """Wait until placement's admission in ``region`` answers as the engines' last reports say: admitted
+    (the admission released at once), or no_capacity."""
+    probes = iter(range(10_000))
+
+    async def answers() -> bool:
+        n = next(probes)
+        reply = await stack.admit(request_id=f"probe-{region}-{n}", model="chat-long", input_tokens=500, region=region)
+        if isinstance(reply, AdmitReply) and reply.status == "admitted" and reply.allocation_id is not None:
+            done = await stack.rpc.ask(
+                Rpc.PLACEMENT_RELEASE, ReleaseRequest(allocation_id=reply.allocation_id, tenant="acme"), ReleaseReply
+            )
+            assert isinstance(done, ReleaseReply) and done.status == "released", done
+            return admitted
+        return not admitted and isinstance(reply, Rejected) and reply.error.code.value == "no_capacity"
+
+    await wait_for(answers, 10, what=f"admission in {region} {'admits' if admitted else 'answers no_capacity'}")
+
+
+async def _from_home(stack: Stack, tenant: str, rid: str, *, home_full: bool) -> RouteSelectReply:
+    """A tenant whose traffic goes to us-east-1 (its first request from eu-west-1 lands there, the nearest
+    region serving the group) asks again from eu-west-1, admitted for real: us-east-1's engine reports
+    itself unhealthy (``home_full``: its admission answers no_capacity) or idle; us-west-1's are idle. The
+    admission made is released."""
+    first = await stack.route(request_id=f"{rid}-home", tenant=tenant, origin_region="eu-west-1")
+    assert isinstance(first, RouteSelectReply) and (first.region, first.tier) == ("us-east-1", "affinity"), first
+    await stack.report("east", queue_depth=0, healthy=not home_full)
+    await _admission_in(stack, "us-east-1", admitted=not home_full)
+    await stack.report("tf", queue_depth=0, base_latency_ms=40)
+    await stack.report("ssm", queue_depth=0, base_latency_ms=100)
+    await _admission_in(stack, "us-west-1", admitted=True)
+    reply = await stack.route(request_id=rid, tenant=tenant, origin_region="eu-west-1", admit=True)
+    assert isinstance(reply, RouteSelectReply) and reply.status == "routed", reply
+    await _release_admission(stack, reply, tenant)
+    return reply
+
+
+async def test_a_tenant_whose_home_is_full_takes_the_cost_tier_at_its_serving_skus_price(stack: Stack) -> None:
+    # us-west-1 (70 ms from eu-west-1, within us-east-1's 60 + 20) sells the SKUs its replicas of the group
+    # run on at half the price of us-east-1's SKU, and every other SKU at twice us-east-1's: by the regions'
+    # means it is dearer, by what serves the request there it is 50% cheaper.
+    east_sku, west_skus = stack.skus["east"], {stack.skus["tf"], stack.skus["ssm"]}
+    assert east_sku is not None and None not in west_skus
+    doc = yaml.safe_load(stack.regions_file.read_text())
+    east_prices = doc["regions"]["us-east-1"]["price_usd_per_hour"]
+    cheap = round(0.5 * east_prices[east_sku], 2)
+    west_prices = {sku: round(2.0 * price, 4) for sku, price in east_prices.items()} | dict.fromkeys(west_skus, cheap)
+    doc["regions"]["us-west-1"]["price_usd_per_hour"] = west_prices
+    regions = parse_regions(doc)
+    assert regions["us-west-1"].mean_price() > regions["us-east-1"].mean_price()
+    stack.regions_file.write_text(yaml.safe_dump(doc))
+    try:
+        probes = iter(range(1000))
+
+        async def moved() -> RouteSelectReply | None:  # the fallback tier until the router reloads the file
+            n = next(probes)
+            reply = await _from_home(stack, f"full-home-{n}", f"fh-{n}", home_full=True)
+            return reply if reply.tier == "cost" else None
+
+        reply = await wait_for(moved, 15, what="the cost tier once us-east-1 is full")
+        assert reply is not None and reply.region == "us-west-1" and reply.relaxed_ttft_ms is None
+        assert reply.cost is not None and reply.cost.price_usd_per_hour == cheap  # not us-west-1's mean
+        assert "affinity region us-east-1 is full" in (reply.explanation or "")
+        assert reply.admission is not None and (reply.admission.status, reply.admission.region) == (
+            "admitted",
+            "us-west-1",
+        )
+
+        # While us-east-1 has room the tenant stays there, though us-west-1 is still 50% cheaper.
+        home = await _from_home(stack, "roomy-home", "rh-1", home_full=False)
+        assert (home.region, home.tier, home.switched) == ("us-east-1", "affinity", False)
+        assert home.cost is not None and home.cost.price_usd_per_hour == east_prices[east_sku]
+        assert home.admission is not None and home.admission.status == "admitted"
+    finally:
+        _regions(stack.regions_file, us_west_factor=2.0)
+
+
 async def test_in_flight_sessions_keep_their_region_while_prices_move_and_move_when_it_goes_down(
     stack: Stack,
 ) -> None:
@@ -283,7 +381,7 @@ async def test_in_flight_sessions_keep_their_region_while_prices_move_and_move_w
         assert isinstance(reply, RouteSelectReply) and reply.status == "routed", reply
         return reply
 
-    # us-west-1 costs twice us-east-1: every session starts in us-east-1 (nearest to eu-west-1).
+    # No history: every session starts in us-east-1, the nearest region to eu-west-1 that serves the group.
     first = await asyncio.gather(*(route(t, s, f"{s}-0", in_flight=False) for t, s in sessions))
     assert {r.region for r in first} == {"us-east-1"}
 
@@ -302,9 +400,9 @@ async def test_in_flight_sessions_keep_their_region_while_prices_move_and_move_w
 
     probes = iter(range(1000))
 
-    async def new_tenants_go_west() -> bool:  # the move is real: a tenant without history now takes the cost tier
+    async def new_tenants_go_west() -> bool:  # the move is real: a tenant whose home is full takes the cost tier
         n = next(probes)
-        reply = await route(f"newcomer-{n}", f"new-s-{n}", f"new-r-{n}", in_flight=False)
+        reply = await _from_home(stack, f"newcomer-{n}", f"new-r-{n}", home_full=True)
         return reply.region == "us-west-1" and reply.tier == "cost"
 
     await wait_for(new_tenants_go_west, 10, what="the router reloads the new prices")
