@@ -768,3 +768,24 @@ async def test_a_loading_replica_is_not_judged_until_ready_and_its_grace_has_pas
     await rig.handlers.tick_once()
     assert [p.kind for p in rig.store.plan_list()] == ["replicate"]
     assert [a["allocation_id"] for a in rig.uow.named("drift_alarm")] == ["r1"]  # 76 GB used of 20 GB
+
+
+async def test_after_a_restart_copies_made_for_hot_replicas_and_the_cap_are_remembered() -> None:
+    first = Rig(FakeRpc(placement_place=[place_reply("r1-copy", "a", 1)]))
+    await first.deliver(first.profiled(node("a")), first.placed(placed("r1", "a", 0)))
+    run_for(first, WINDOW_S, host="a", used={0: 0.95}, reports=[load_report("r1", "a", kv_usage=0.9, running=12)])
+    await first.handlers.tick_once()
+    await first.deliver(first.placed(placed("r1-copy", "a", 1)))
+    assert [p.kind for p in first.store.plan_list()] == ["replicate"]
+
+    # A new process on the same tables, allowed one copy of the model an hour.
+    config = dataclasses.replace(CONFIG, replicate_per_model_hour=1)
+    rig = Rig(FakeRpc(placement_place=[place_reply("r1-copy-2", "a", 1)]), store=first.store, config=config)
+    rig.now = first.now
+    await rig.handlers.start()
+    assert rig.view.unproven == {"r1-copy"}
+    busy = load_report("r1", "a", kv_usage=0.9, running=12)
+    run_for(rig, WINDOW_S, host="a", used={0: 0.95, 1: 0.95}, reports=[busy])  # r1 hot again; the copy full
+    await rig.handlers.tick_once()
+    assert [p.target for p in rig.store.plan_list()] == ["r1"]  # the copy not judged, r1 capped
+    assert any("within the hour" in a.what for a in rig.store.action_rows)
