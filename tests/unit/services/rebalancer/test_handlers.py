@@ -693,6 +693,16 @@ async def test_a_tightly_packed_replica_whose_engine_is_idle_is_never_replicated
     assert "hbm_hot" not in {t.rule for t in rig.handlers.detectors.pending}
 
 
+async def test_once_its_engine_has_reported_a_replicas_hbm_is_not_read_for_hot() -> None:
+    no_cold = dataclasses.replace(CONFIG, cold=Rule("hbm_cold", 0.30, 10 * 3600, above=False))
+    rig = Rig(FakeRpc(placement_place=[place_reply("r1-copy", "a", 1)]), config=no_cold)
+    await rig.deliver(rig.profiled(node("a")), rig.placed(placed("r1", "a", 0)))
+    rig.handlers.on_engine_status(load_report("r1", "a", kv_usage=0.1, running=1), rig.now)
+    run_for(rig, 600, host="a", used={0: 0.95}, reports=[])  # its GPU full (preallocated), no more reports
+    await rig.handlers.tick_once()
+    assert rig.store.plan_list() == []
+
+
 async def test_a_replica_over_085_of_its_kv_is_replicated_once_and_its_copy_only_once_it_carries_load() -> None:
     rig = Rig(FakeRpc(placement_place=[place_reply("r1-copy", "a", 1), place_reply("r1-copy-2", "b", 0)]))
     await rig.deliver(rig.profiled(node("a")), rig.placed(placed("r1", "a", 0)))
