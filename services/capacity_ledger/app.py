@@ -46,7 +46,11 @@ def wire(runtime: Runtime) -> Ctx:
         ceiling=settings.ledger.ceiling,
         default_lease_s=settings.ledger.default_lease_s,
         sweep_period_s=settings.ledger.sweep_ms / 1000,
-        drift=DriftDetector(threshold=settings.ledger.drift_threshold, consecutive=settings.ledger.drift_consecutive),
+        drift=DriftDetector(
+            threshold=settings.ledger.drift_threshold,
+            consecutive=settings.ledger.drift_consecutive,
+            grace_s=settings.ledger.drift_grace_s,
+        ),
         max_payload=lambda: runtime.nats.max_payload,
         log=runtime.log,
         crossing_budget=settings.ledger.cross_domain_budget_bytes_per_s,

@@ -144,13 +144,18 @@ class FleetEventHandlers:
     # -- TELEMETRY events ----------------------------------------------------------------------
 
     async def on_gpu_telemetry(self, *, uow: UnitOfWork, event: EventEnvelope, payload: GpuTelemetryEvent) -> None:
-        """Observed HBM use against what the ledger reserved; drift is reported once per episode."""
+        """Observed HBM use against what the ledger reserved; drift is reported once per episode. An
+        accelerator whose newest replica was committed within the detector's grace is not checked."""
         used = {g.index: g.memory_used_bytes for g in payload.gpus if g.memory_used_bytes is not None}
         if not used:
             return
+        newest = await self._store.newest_replica_commits(session=uow.session, node=payload.node)
         for acc in await self._store.node_accelerators(session=uow.session, node=payload.node):
             observed = used.get(acc.index) if acc.index >= 0 else None  # a TPU chip has no GPU index
             if observed is None:
+                continue
+            if self._drift.settling(newest.get(acc.id), uow.now):  # its engine may still be loading
+                uow.after_commit(partial(self._settling, acc))
                 continue
             drift, streak = self._drift.judge(
                 accelerator_id=acc.id, observed_bytes=observed, reserved_bytes=acc.reserved, usable_bytes=acc.usable
@@ -170,6 +175,13 @@ class FleetEventHandlers:
                     ),
                     causation_id=event.event_id,
                 )
+
+    def _settling(self, acc: AcceleratorCapacity) -> None:
+        """A sample within the grace after a placement: no streak, and no drift shown."""
+        self._drift.record(acc.id, 0)
+        if self._metrics is not None and acc.id in self._drifting:
+            self._drifting.discard(acc.id)
+            self._metrics.drift(acc.id, 0)
 
     def _observed(self, acc: AcceleratorCapacity, observed: int, *, streak: int, reported: bool) -> None:
         self._drift.record(acc.id, streak)

@@ -26,6 +26,8 @@ class RebalanceConfig:
     wait_for_ready: WaitForReady = WaitForReady.AUTO
     ready_timeout_s: float = 900.0
     agent_stale_s: float = 30.0  # a node runs engines while it reported a replica_state within this
+    state_grace_s: float = 120.0  # a replica is judged this long after its ranks' last state change
+    replicate_per_model_hour: int = 2  # copies of one tenant's model per hour
     defrag_block: tuple[int, ...] = (8, 8)
 
     @property
@@ -74,4 +76,6 @@ def config_of(settings: Settings) -> RebalanceConfig:
         # An agent that runs engines republishes each one's replica_state every status interval: three of
         # them missed, it runs none there (or no agent does).
         agent_stale_s=3 * settings.agent.status_s,
+        state_grace_s=settings.rebalancer.state_grace_s,
+        replicate_per_model_hour=settings.rebalancer.replicate_per_model_hour,
     )

@@ -1,6 +1,9 @@
-"""The rebalancer's detectors and their input: GPU telemetry samples (HBM, PCIe, drift per allocation) and
-TPU fragmentation, turned into firing and clearing targets (``shared.domain.rebalance.detect``) that the
-next tick plans. Also the TELEMETRY subscription that feeds them."""
+"""The rebalancer's detectors and their input: engine reports (each replica's load: KV cache use, queue,
+requests running), GPU telemetry samples (HBM for replicas whose engine never reported, PCIe, drift per
+allocation) and TPU fragmentation, turned into firing and clearing targets
+(``shared.domain.rebalance.detect``) that the next tick plans. A replica is judged only once it serves
+(``shared.domain.rebalance.signals``): while it is not, its targets are forgotten, so a window starts
+again once it is."""
 
 from __future__ import annotations
 
@@ -11,11 +14,12 @@ from datetime import datetime
 from services.rebalancer.config import RebalanceConfig
 from services.rebalancer.readmodel import RebalanceView
 from shared.contracts.rebalance import DetectorView, TargetView
-from shared.contracts.topology import GpuTelemetryEvent
+from shared.contracts.topology import EngineStatusEvent, GpuTelemetryEvent
 from shared.domain.fleet import AcceleratorId
 from shared.domain.hardware import Sku
 from shared.domain.placement.view import PcieSample, pcie_utilisation
 from shared.domain.rebalance.detect import SustainedDetector, Transition
+from shared.domain.rebalance.signals import carried, judged, load_figure
 from shared.domain.topology.tpu import fragmentation
 
 
@@ -73,12 +77,49 @@ class Detectors:
 
     # -- telemetry (the kit follows TELEMETRY and calls this: ``app.py`` follows) -----------------------
 
+    def judged(self, allocation_id: str, now: datetime) -> bool:
+        """Whether the replica (or replica allocation) may be judged at ``now`` (``signals.judged``)."""
+        view = self._view
+        nodes = view.nodes_of(allocation_id)
+        if not nodes and (allocation := view.allocations.get(allocation_id)) is not None:
+            nodes = frozenset(AcceleratorId.parse(a).host for a in allocation.bytes)
+        runs = view.agent_runs_engines(nodes, now, stale_s=self._config.agent_stale_s)
+        return judged(
+            view.ranks.get(allocation_id), agent_runs_engines=runs, now=now, grace_s=self._config.state_grace_s
+        )
+
+    def _hot_allowed(self, allocation_id: str, now: datetime) -> bool:
+        """Judged, and not a copy made for a hot replica that has carried no load yet."""
+        return allocation_id not in self._view.unproven and self.judged(allocation_id, now)
+
+    def engine_reported(self, report: EngineStatusEvent, at: datetime) -> list[Transition]:
+        """A replica's engine report (folded into the view already): its load through the hot detector. A
+        copy made for a hot replica that shows load for the first time is judged from now on."""
+        view = self._view
+        load = view.loads.get(report.replica_id)
+        if load is None or load.at != at:  # a replica unknown, or a report older than the one kept
+            return []
+        key = report.replica_id
+        if key in view.unproven and carried(load, view.ranks.get(key)):
+            view.unproven.discard(key)
+        if self._hot_allowed(key, at):
+            out = self._see(self._config.hot.name, key, load_figure(load), at)
+        else:
+            out = self._forget(self._config.hot.name, key)
+        self.pending += out
+        return out
+
+    def _forget(self, rule: str, key: str) -> list[Transition]:
+        gone = self.by_rule[rule].forget(key)
+        return [gone] if gone is not None else []
+
     def observe(self, sample: GpuTelemetryEvent, at: datetime) -> list[Transition]:
         """One node's GPU sample through the detectors; the transitions are planned on the next tick."""
         profile = self._view.profiles.get(sample.node)
         util: dict[str, float] = {}
         used: dict[str, int] = {}
-        total_used = total = 0
+        sizes: dict[str, int] = {}
+        total = 0
         for gpu in sample.gpus:
             if gpu.memory_used_bytes is None or gpu.memory_free_bytes is None:
                 continue
@@ -88,19 +129,34 @@ class Detectors:
             acc = profile.accelerator_id(gpu.index) if profile is not None else f"{sample.node}/gpu{gpu.index}"
             util[acc] = gpu.memory_used_bytes / size
             used[acc] = gpu.memory_used_bytes
-            total_used += gpu.memory_used_bytes
+            sizes[acc] = size
             total += size
         out: list[Transition] = []
         on_node = self._view.replicas_on(sample.node)
+        loads = self._view.loads
+        hot = self._config.hot.name
+        all_judged = True
         for replica in on_node:
+            key = replica.allocation_id
+            if not self.judged(key, at):
+                all_judged = False
+            if key in loads:
+                continue  # its engine reports itself: judged on its reports (``engine_reported``)
             figures = [util[a] for a in replica.accelerators if a in util]
-            if figures:
-                out += self._see(self._config.hot.name, replica.allocation_id, max(figures), at)
-        if total and on_node:
-            out += self._see(self._config.cold.name, sample.node, total_used / total, at)
-        elif not on_node:
-            gone = self.by_rule[self._config.cold.name].forget(sample.node)
-            out += [gone] if gone is not None else []
+            if figures and self._hot_allowed(key, at):
+                out += self._see(hot, key, max(figures), at)
+            elif figures:
+                out += self._forget(hot, key)
+        if not on_node or not all_judged:  # nothing to consolidate, or a replica there does not serve yet
+            out += self._forget(self._config.cold.name, sample.node)
+        elif total:
+            # Each GPU weighs its size; one of a replica whose engine reports itself reads that engine's load.
+            engine_of = {a: loads[r.allocation_id] for r in on_node if r.allocation_id in loads for a in r.accelerators}
+            weighted = sum(
+                size * (load_figure(engine_of[acc]) if acc in engine_of else used[acc] / size)
+                for acc, size in sizes.items()
+            )
+            out += self._see(self._config.cold.name, sample.node, weighted / total, at)
         if profile is not None:
             pcie = pcie_utilisation(
                 profile,
@@ -130,6 +186,10 @@ class Detectors:
                 holders[acc] = holders.get(acc, 0) + 1
         out: list[Transition] = []
         for allocation in here:
+            if not self.judged(allocation.allocation_id, at):  # its engine starts or loads: not measurable yet
+                out += self._forget(self._config.drift_alarm.name, allocation.allocation_id)
+                out += self._forget(self._config.drift.name, allocation.allocation_id)
+                continue
             mine = [a for a in allocation.bytes if AcceleratorId.on_host(a, node)]  # exactly this node's
             if not mine or any(holders.get(a, 0) != 1 or a not in used for a in mine):
                 continue

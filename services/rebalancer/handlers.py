@@ -9,8 +9,12 @@ windows with hysteresis from ``shared.domain.rebalance.detect``) turn samples in
 firing becomes a plan (``planner``; ``shared.domain.rebalance.plans``, ``tpu_defrag``) that runs
 make-before-break through placement (``runner``):
 
-- ``hbm_hot`` (a replica's GPUs above 0.85 for 60 s): ``replicate``, a copy onto idle capacity;
-- ``hbm_cold`` (a node below 0.30 for 300 s): ``consolidate``, its replicas moved so the node idles;
+- ``hbm_hot`` (a replica's engine above 0.85 of its KV cache, or with requests waiting, for 60 s; its GPUs'
+  HBM use where the engine never reported): ``replicate``, a copy onto idle capacity, at most
+  ``HETSCHED_REBALANCE_REPLICATE_PER_MODEL_HOUR`` of one tenant's model an hour; a copy is not itself
+  judged hot before it has carried load;
+- ``hbm_cold`` (a node's GPUs, each read as its replica's engine load or its HBM use, below 0.30 for
+  300 s): ``consolidate``, its replicas moved so the node idles;
 - ``tpu_fragmentation`` (a pod above 0.3): ``defragment``, slices moved out of an 8x8 block;
 - ``pcie_hot`` (a node above 0.7 for 60 s): ``throttle``, placement takes no new replica there until it
   clears (``throttle_started`` / ``throttle_ended``);
@@ -18,6 +22,10 @@ make-before-break through placement (``runner``):
   on one clique;
 - ``hbm_drift`` per allocation (|observed - reserved| > 10% of it, checked every 10 s): an alarm at once
   (``drift_alarm``), and ``replace`` when it lasts.
+
+Hot, cold and drift judge a replica only once it serves: where its node's agent reports lifecycle, every
+rank ``ready`` and ``HETSCHED_REBALANCE_STATE_GRACE_S`` past the last state change
+(``shared.domain.rebalance.signals``).
 
 A plan places every copy first (placement.place with the replica's own request, a new id, the old GPUs
 withheld), then, move by move, drains each old replica once its copy's engine is ready (every rank's
@@ -79,6 +87,9 @@ from shared.infra.rpc import RpcClient
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
 RECENT = 50
+RECENT_PLANS = 1000
+"""Plans read at start for the copies made for hot replicas (not judged hot before they carry load) and the
+per-model cap on copies."""
 BROKEN_SCAN_S = 5.0
 """How often every NVLinked TP group is checked against its node's current cliques."""
 
@@ -153,6 +164,8 @@ class RebalanceHandlers:
         self._rebuild(loaded)
         plans = await self._uow.run(lambda uow: self._store.plans(session=uow.session, states=("open", "running")))
         self.progress.active = {view.target for view in plans if view.kind != "throttle"}
+        recent = await self._uow.run(lambda uow: self._store.recent_plans(session=uow.session, limit=RECENT_PLANS))
+        self.planner.remember_copies([view for view in recent if view.kind == "replicate"])
 
         async def unthrottle(uow: UnitOfWork) -> None:
             for node in sorted(loaded.throttles):
@@ -182,8 +195,10 @@ class RebalanceHandlers:
         return self.detectors.observe(sample, at)
 
     def on_engine_status(self, report: EngineStatusEvent, at: datetime) -> None:
-        """A replica's engine report made at ``at`` (what it has in flight, read when it drains)."""
+        """A replica's engine report made at ``at``: what it has in flight (read when it drains), and its load
+        (the hot detector's input once it serves)."""
         self.view.engine_reported(report, at)
+        self.detectors.engine_reported(report, at)
 
     def on_replica_state(self, report: ReplicaStateEvent, at: datetime) -> None:
         """A rank's lifecycle state made at ``at`` by its node's agent (a copy serves once every rank is ready)."""

@@ -15,7 +15,14 @@ from services.rebalancer.mapping import plan_view
 from services.rebalancer.progress import Progress
 from services.rebalancer.readmodel import RebalanceView
 from services.rebalancer.store import RebalanceStore
-from shared.contracts.rebalance import DetectorEvent, DriftAlarmEvent, NodeThrottleEvent, PlanEvent, RebalanceEventName
+from shared.contracts.rebalance import (
+    DetectorEvent,
+    DriftAlarmEvent,
+    NodeThrottleEvent,
+    PlanEvent,
+    PlanView,
+    RebalanceEventName,
+)
 from shared.contracts.subjects import Context
 from shared.domain.fleet import NodeProfile, tpu_chip_id
 from shared.domain.hardware import Sku
@@ -33,6 +40,7 @@ from shared.infra.fleet_view import SnapshotError, fetch_view
 from shared.infra.rpc import RpcClient, RpcError
 from shared.infra.uow import UnitOfWork, UnitOfWorkFactory
 
+HOUR_S = 3600.0
 REPLACE_RETRY_S = 300.0
 """A broken group whose re-placement could not be planned or failed is tried again after this long."""
 
@@ -91,9 +99,18 @@ class Planner:
                 later = {config.cold.name, config.drift.name, config.fragmentation.name}
                 self._progress.retry += [t for t in transitions if t.fired and t.rule in later]
                 self._progress.changed_nodes |= changed_nodes
+        capped: list[str] = []
         for t in fired.get(config.hot.name, []):
             replica = self._view.replicas.get(t.key)
             if replica is not None and replica.allocation_id not in self._progress.active:
+                model = (replica.tenant, replica.request.model)
+                if not self._may_replicate(model, now):
+                    capped.append(
+                        f"{t.rule} on {t.key}: no copy, {config.replicate_per_model_hour} of {replica.tenant}'s "
+                        f"{replica.request.model} made within the hour"
+                    )
+                    continue
+                self._progress.replicated.setdefault(model, []).append(now)
                 reason = f"{t.rule} {t.value:.2f} > {config.hot.threshold} for {config.hot.window_s:g} s"
                 plans.append(replicate_plan(replica, _plan_id(), now, reason=reason))
         if snapshot is not None:
@@ -127,10 +144,32 @@ class Planner:
                     plan_id=plan.plan_id,
                     what=f"{plan.kind} planned for {plan.target}: {plan.reason}",
                 )
+            for what in capped:
+                await self._store.add_action(session=uow.session, at=uow.now, plan_id=None, what=what)
             await self._store.trim_actions(session=uow.session)
             uow.after_commit(lambda: self._progress.active.update(plan.target for plan in plans))
 
         await self._uow.run(work)
+
+    def _may_replicate(self, model: tuple[str, str], now: datetime) -> bool:
+        """Fewer than ``replicate_per_model_hour`` copies of this tenant's model planned within the hour."""
+        recent = [at for at in self._progress.replicated.get(model, []) if (now - at).total_seconds() < HOUR_S]
+        self._progress.replicated[model] = recent
+        return len(recent) < self._config.replicate_per_model_hour
+
+    def remember_copies(self, plans: list[PlanView]) -> None:
+        """At start: the replicate plans recorded (any state), for the per-model cap (those whose replica is
+        known) and the copies not judged hot before they carry load (those still placed; whether one
+        carried load before the restart is not kept, so each has to show it again)."""
+        for view in plans:
+            replica = self._view.replicas.get(view.target)
+            if replica is not None:
+                self._progress.replicated.setdefault((replica.tenant, replica.request.model), []).append(
+                    view.created_at
+                )
+            for step in view.steps:
+                if step.new_allocation_id is not None and step.new_allocation_id in self._view.replicas:
+                    self._view.unproven.add(step.new_allocation_id)
 
     async def _consolidating(self) -> bool:
         """Whether a consolidation plan is open or running."""

@@ -29,6 +29,7 @@ class Progress:
     resumed: dict[str, datetime] = field(default_factory=dict)
     throttled: set[str] = field(default_factory=set)  # nodes whose cold starts are throttled
     replace_tried: dict[str, datetime] = field(default_factory=dict)  # TP group -> when its re-placement was tried
+    replicated: dict[tuple[str, str], list[datetime]] = field(default_factory=dict)  # (tenant, model) -> copies planned
     # Planned on the next tick, outside any transaction (planning may read the fleet over RPC):
     changed_nodes: set[str] = field(default_factory=set)  # nodes whose NVLink graph changed
     retry: list[Transition] = field(default_factory=list)  # fired, announced, not planned yet

@@ -20,6 +20,7 @@ from shared.domain.fleet import AcceleratorId, NodeProfile
 from shared.domain.rebalance.drain import EngineReport
 from shared.domain.rebalance.plans import Replica
 from shared.domain.rebalance.ready import EngineRanks
+from shared.domain.rebalance.signals import EngineLoad, engine_load
 from shared.domain.topology.tpu import TpuGrid, TpuSlice, TpuType, allocate
 from shared.infra.profiles import profile_from_payload
 
@@ -43,6 +44,8 @@ class RebalanceView:
     requests: dict[str, PlaceRequest] = field(default_factory=dict)
     allocations: dict[str, Allocation] = field(default_factory=dict)
     engines: dict[str, EngineReport] = field(default_factory=dict)  # replica -> its engine's latest report
+    loads: dict[str, EngineLoad] = field(default_factory=dict)  # replica -> its engine's latest load
+    unproven: set[str] = field(default_factory=set)  # copies made for hot replicas that carried no load yet
     ranks: dict[str, EngineRanks] = field(default_factory=dict)  # replica -> its ranks' lifecycle states
     agents: dict[str, datetime] = field(default_factory=dict)  # node -> its last replica_state (it runs engines)
     by_node: dict[str, set[str]] = field(default_factory=dict)  # node -> replica allocations on it
@@ -71,6 +74,8 @@ class RebalanceView:
         self.replicas.pop(allocation_id, None)
         self.requests.pop(allocation_id, None)
         self.engines.pop(allocation_id, None)
+        self.loads.pop(allocation_id, None)
+        self.unproven.discard(allocation_id)
         self.ranks.pop(allocation_id, None)
         self.nvlinked.discard(allocation_id)
 
@@ -99,6 +104,14 @@ class RebalanceView:
         if known is not None and known.at > at:
             return
         self.engines[event.replica_id] = EngineReport(event.queue_depth, event.kv_used_bytes, at)
+        self.loads[event.replica_id] = engine_load(
+            kv_usage=event.kv_usage,
+            kv_used_bytes=event.kv_used_bytes,
+            kv_total_bytes=event.kv_total_bytes,
+            queue_depth=event.queue_depth,
+            running=event.running_requests,
+            at=at,
+        )
 
     def replica_state(self, event: ReplicaStateEvent, at: datetime) -> None:
         """A rank's ``replica_state`` made at ``at``: its node runs engines (whatever the replica), and the
@@ -141,6 +154,12 @@ class RebalanceView:
         self.pods[event.pod] = event
 
     # -- reads ---------------------------------------------------------------------------------------
+
+    def agent_runs_engines(self, nodes: frozenset[str], now: datetime, *, stale_s: float) -> bool:
+        """An agent on one of ``nodes`` reported some replica's lifecycle within ``stale_s`` of ``now``."""
+        return any(
+            (last := self.agents.get(node)) is not None and (now - last).total_seconds() < stale_s for node in nodes
+        )
 
     def replicas_on(self, node: str) -> list[Replica]:
         return [r for r in self.replicas.values() if r.node == node]

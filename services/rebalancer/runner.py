@@ -110,6 +110,8 @@ class PlanRunner:
                     after = step_done(plan, index, new_allocation_id=reply.allocation_id)
                     nodes = frozenset(p.node for p in reply.placements)
                     self._progress.copies[reply.allocation_id] = CopyPlaced(at=self._clock(), nodes=nodes)
+                    if plan.kind == "replicate":  # not judged hot itself before it carries load
+                        self._view.unproven.add(reply.allocation_id)
                     where = ", ".join(a for p in reply.placements for a in p.accelerators) or (
                         reply.tpu_slice.pod if reply.tpu_slice else "?"
                     )

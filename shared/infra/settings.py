@@ -544,6 +544,12 @@ class LedgerSettings(Section):
         validation_alias=f"{PREFIX}DRIFT_CONSECUTIVE",
         description="Telemetry samples in a row over the threshold before a `drift_detected` event.",
     )
+    drift_grace_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="An accelerator holding a replica allocation committed less than this long ago is not checked "
+        "for drift: its engine is still starting and loading its weights (0: checked at once).",
+    )
 
 
 class TopologySettings(Section):
@@ -907,9 +913,20 @@ class RebalancerSettings(Section):
     title: ClassVar[str] = "Rebalancer (`settings.rebalancer`)"
     model_config = _section_config(f"{PREFIX}REBALANCE_")
 
-    hot_util: float = Field(default=0.85, gt=0, le=1, description="A replica whose GPUs stay above this HBM use ...")
+    hot_util: float = Field(
+        default=0.85,
+        gt=0,
+        le=1,
+        description="A replica whose engine's KV cache use (or, for an engine that never reported, its GPUs' HBM "
+        "use) stays above this ...",
+    )
     hot_window_s: float = Field(default=60.0, ge=0, description="... for this long gets a copy (`replicate`).")
-    cold_util: float = Field(default=0.30, gt=0, le=1, description="A node that stays below this HBM use ...")
+    cold_util: float = Field(
+        default=0.30,
+        gt=0,
+        le=1,
+        description="A node whose GPUs' load (each replica's engine KV cache use, else HBM use) stays below this ...",
+    )
     cold_window_s: float = Field(
         default=300.0, ge=0, description="... for this long has its replicas moved off it (`consolidate`)."
     )
@@ -964,6 +981,17 @@ class RebalancerSettings(Section):
         gt=0,
         description="A copy whose engine has not reported `ready` this long after it was placed is released and "
         "its old replica kept (the move rolls back); a large model's cold load takes minutes.",
+    )
+    state_grace_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="Where the nodes' agents report the engines' lifecycle (`replica_state`), a replica is judged "
+        "hot, cold or drifting only once every rank is `ready` and this long after its last state change.",
+    )
+    replicate_per_model_hour: int = Field(
+        default=2,
+        ge=0,
+        description="Most copies the rebalancer makes of one tenant's model in any hour (`replicate`; 0: none).",
     )
     tick_s: float = Field(default=1.0, gt=0, description="How often the rebalancer plans and advances its plans.")
 

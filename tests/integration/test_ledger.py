@@ -417,6 +417,30 @@ async def test_drift_after_two_samples_over_ten_percent_once_per_episode(ledger:
     assert again[1]["payload"]["difference_bytes"] == 25 * GB
 
 
+async def test_no_drift_on_a_gpu_whose_replica_was_just_committed(ledger: Client, settings: Settings) -> None:
+    """HETSCHED_LEDGER_DRIFT_GRACE_S (600 s by default): a replica's engine still loading holds nothing of
+    its reservation, and that is not drift; a GPU with nothing reserved beside it drifts as ever."""
+    reply = await call(ledger, settings, Rpc.LEDGER_COMMIT, commit("l40s-01/gpu2", 30))
+    assert reply["status"] == "committed", reply
+
+    async def drifts(index: int) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in await ledger_events(ledger, settings, "drift_detected")
+            if e["payload"]["accelerator_id"] == f"l40s-01/gpu{index}"
+        ]
+
+    try:
+        # gpu2: 30 GB reserved, 0 used (its engine loads); gpu3: nothing reserved, 30 GB used (drift).
+        gpus = [{"index": 2, "memory_used_bytes": 0}, {"index": 3, "memory_used_bytes": 30 * GB}]
+        for _ in range(3):
+            await publish(ledger, settings, Context.TELEMETRY, "gpu", {"node": "l40s-01", "gpus": gpus})
+        await wait_for(lambda: drifts(3), 15, interval_s=0.2, what="drift on l40s-01/gpu3")
+        assert not await drifts(2)  # the same samples, judged together: gpu2 is within its grace
+    finally:
+        await call(ledger, settings, Rpc.LEDGER_RELEASE, {"allocation_id": reply["allocation_id"], "tenant": "acme"})
+
+
 async def test_a_request_commit_is_refused_typed_and_changes_nothing(ledger: Client, settings: Settings) -> None:
     """The ledger holds replicas only: admissions are counted by placement in memory, so a `request`
     commit (a KV hold inside a replica, as the ledger once took) is refused and writes nothing."""

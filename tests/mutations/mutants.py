@@ -659,4 +659,28 @@ MUTANTS: tuple[Mutant, ...] = (
         replace="        if False:  # the replica's lease end as `placement.replicas` lists it",
         tests=(PLACEMENT_UNIT, "tests/integration/test_replica_listing.py"),
     ),
+    Mutant(
+        name="rebalancer_judges_engines_not_serving",
+        what="the rebalancer judges a replica whose engine starts or loads (drift alarms, hot and cold on it)",
+        file="shared/domain/rebalance/signals.py",
+        find="    if not ranks.ready:\n        return False\n    changed = ranks.changed_at\n",
+        replace="    changed = ranks.changed_at\n",
+        tests=(REBALANCER_UNIT, "tests/unit/domain/rebalance/test_signals.py"),
+    ),
+    Mutant(
+        name="rebalancer_hot_on_hbm_despite_engine_reports",
+        what="a replica whose engine reports its load is still judged hot on its GPUs' HBM use",
+        file="services/rebalancer/detectors.py",
+        find="            if key in loads:\n                continue",
+        replace="            if False:\n                continue",
+        tests=(REBALANCER_UNIT,),
+    ),
+    Mutant(
+        name="ledger_drift_without_grace",
+        what="the ledger checks drift on a GPU whose replica was just committed (its engine still loading)",
+        file="services/capacity_ledger/fleet.py",
+        find="            if self._drift.settling(newest.get(acc.id), uow.now):",
+        replace="            if False:",
+        tests=(LEDGER_UNIT,),
+    ),
 )

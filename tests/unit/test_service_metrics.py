@@ -130,6 +130,9 @@ class OneNode:
     async def node_accelerators(self, *, session: Any, node: str) -> list[AcceleratorCapacity]:
         return [a for a in self.accelerators if a.node == node]
 
+    async def newest_replica_commits(self, *, session: Any, node: str) -> dict[str, datetime]:
+        return {}  # no replica committed lately: every GPU is checked
+
 
 async def test_the_drift_gauge_shows_the_difference_while_the_detector_reports_drift() -> None:
     metrics = ServiceMetrics("capacity-ledger")

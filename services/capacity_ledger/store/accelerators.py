@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -194,3 +195,20 @@ async def node_accelerators(*, session: AsyncSession, node: str) -> list[Acceler
         .all()
     )
     return [capacity_of(r) for r in rows]
+
+
+async def newest_replica_commits(*, session: AsyncSession, node: str) -> dict[str, datetime]:
+    """For each of a node's accelerators holding an active replica allocation: when the newest of them was
+    committed (the drift check leaves an accelerator alone while its engine may still be loading)."""
+    rows = (
+        await session.execute(
+            text(
+                "SELECT s.accelerator_id, max(al.created_at) AS newest FROM ledger.shares s "
+                "JOIN ledger.allocations al ON al.id = s.allocation_id "
+                "JOIN ledger.accelerators acc ON acc.id = s.accelerator_id "
+                "WHERE acc.node = :node AND s.active AND al.kind = 'replica' GROUP BY s.accelerator_id"
+            ),
+            {"node": node},
+        )
+    ).all()
+    return {r.accelerator_id: r.newest for r in rows}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,11 +23,21 @@ class DriftDetector:
     """A difference over ``threshold`` x usable HBM in ``consecutive`` samples in a row is drift.
 
     Reported once per episode (the sample that completes the streak); a sample back inside the band
-    ends the episode, so the next streak is reported again."""
+    ends the episode, so the next streak is reported again.
+
+    An accelerator holding a replica committed less than ``grace_s`` ago is ``settling``: the ledger reserves
+    before the engine starts, and an engine still loading its weights holds far less than its reservation,
+    so such a sample says nothing (its caller skips it, and its streak ends)."""
 
     threshold: float = 0.10
     consecutive: int = 2
+    grace_s: float = 0.0
     _streak: dict[str, int] = field(default_factory=dict)
+
+    def settling(self, newest_commit: datetime | None, now: datetime) -> bool:
+        """Whether an accelerator whose newest replica was committed at ``newest_commit`` (None: it holds
+        none) is within the grace after that commit at ``now``."""
+        return newest_commit is not None and (now - newest_commit).total_seconds() < self.grace_s
 
     def observe(
         self, *, accelerator_id: str, observed_bytes: int, reserved_bytes: int, usable_bytes: int

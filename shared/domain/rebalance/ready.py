@@ -32,6 +32,12 @@ class RankReport:
     state: str  # shared.contracts.engines.EngineState
     at: datetime
     reason: str | None = None
+    changed_at: datetime | None = None  # when the rank entered ``state`` (None: ``at``)
+
+    @property
+    def since(self) -> datetime:
+        """When the rank entered its state."""
+        return self.changed_at if self.changed_at is not None else self.at
 
 
 GONE = frozenset({"failed", "stopped"})
@@ -51,7 +57,14 @@ class EngineRanks:
         known = self.by_rank.get(rank)
         if known is not None and known.at > at:
             return self
-        return dataclasses.replace(self, ranks=ranks, by_rank={**self.by_rank, rank: RankReport(state, at, reason)})
+        changed = known.since if known is not None and known.state == state and ranks == self.ranks else at
+        report = RankReport(state, at, reason, changed_at=changed)
+        return dataclasses.replace(self, ranks=ranks, by_rank={**self.by_rank, rank: report})
+
+    @property
+    def changed_at(self) -> datetime | None:
+        """When a rank last changed state (the latest of the ranks' ``since``); None when none reported."""
+        return max((report.since for report in self.by_rank.values()), default=None)
 
     @property
     def ready(self) -> bool:

@@ -47,3 +47,14 @@ def test_accelerators_have_their_own_streaks() -> None:
     assert observe(detector, 30, acc="n/gpu1") is None
     assert observe(detector, 30, acc="n/gpu0") is not None
     assert observe(detector, 5, acc="n/gpu1") is None
+
+
+def test_an_accelerator_is_settling_only_within_the_grace_after_its_newest_replica() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    now = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    detector = DriftDetector(grace_s=600)
+    assert detector.settling(now - timedelta(seconds=599), now)
+    assert not detector.settling(now - timedelta(seconds=600), now)
+    assert not detector.settling(None, now)  # holds no replica: checked as ever
+    assert not DriftDetector().settling(now, now)  # no grace: checked at once

@@ -70,6 +70,7 @@ class FakeStore:
     page: SnapshotPage = field(default_factory=lambda: SnapshotPage([], None))
     expired: list[str] = field(default_factory=list)
     flagged: list[str] = field(default_factory=list)
+    committed: dict[str, datetime] = field(default_factory=dict)  # accelerator -> its newest replica's commit
 
     def _called(self, name: str, **kwargs: Any) -> None:
         self.calls.append((name, kwargs))
@@ -181,6 +182,9 @@ class FakeStore:
     async def node_accelerators(self, *, session: Any, node: str) -> list[AcceleratorCapacity]:
         return [c for c in self.accelerators.values() if c.node == node]
 
+    async def newest_replica_commits(self, *, session: Any, node: str) -> dict[str, datetime]:
+        return {acc: at for acc, at in self.committed.items() if self.accelerators[acc].node == node}
+
 
 class NoBatcher:
     async def submit(self, request: CommitRequest) -> CommitReply:
@@ -200,6 +204,7 @@ def make(
     max_payload: int = 1 << 20,
     crossing_budget: int = 0,
     store: FakeStore | None = None,
+    drift_grace_s: float = 0.0,
 ) -> tuple[LedgerHandlers, FakeStore, FakeUnitOfWork]:
     store = store or FakeStore(accelerators={a.id: a for a in accelerators})
     units = FakeUnitOfWork(lambda: now, source="capacity-ledger")
@@ -211,7 +216,7 @@ def make(
         ceiling=0.92,
         default_lease_s=300,
         sweep_period_s=0.1,
-        drift=DriftDetector(threshold=0.10, consecutive=2),
+        drift=DriftDetector(threshold=0.10, consecutive=2, grace_s=drift_grace_s),
         store=store,
         new_id=lambda: next(ids),
         max_payload=lambda: max_payload,
@@ -603,6 +608,20 @@ def sample_of(handlers: Any, used_gb: float) -> Callable[[UnitOfWork], Awaitable
         await handlers.on_gpu_telemetry(uow=uow, event=envelope(), payload=GpuTelemetryEvent(node="n", gpus=gpus))
 
     return work
+
+
+async def test_no_drift_within_the_grace_after_a_replica_is_committed_and_as_before_after_it() -> None:
+    handlers, store, units = make(gpu("n/gpu0", reserved_gb=30), gpu("n/gpu1", reserved_gb=30), drift_grace_s=600)
+    store.committed = {"n/gpu0": NOW - timedelta(seconds=599), "n/gpu1": NOW - timedelta(seconds=600)}
+    gpus = [GpuSample(index=0, memory_used_bytes=0), GpuSample(index=1, memory_used_bytes=0)]
+
+    async def idle(uow: UnitOfWork) -> None:  # neither engine holds anything yet
+        await handlers.on_gpu_telemetry(uow=uow, event=envelope(), payload=GpuTelemetryEvent(node="n", gpus=gpus))
+
+    for _ in range(3):
+        await units.run(idle)
+    # gpu0's replica was committed 599 s ago: its engine may still load; gpu1's grace is over.
+    assert [p["accelerator_id"] for p in units.named("drift_detected")] == ["n/gpu1"]
 
 
 async def test_a_sample_whose_transaction_rolls_back_does_not_count_towards_drift() -> None:

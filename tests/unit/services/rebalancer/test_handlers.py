@@ -652,3 +652,150 @@ async def test_status_shows_every_detector_the_plans_and_the_actions_newest_firs
     assert [(t.key, t.phase) for t in hot.targets] == [("r1", "firing")]
     assert [(p.kind, p.state) for p in reply.plans] == [("replicate", "done")]
     assert reply.recent[0].what == "replicate done" and reply.recent[-1].what.startswith("hbm_hot fired on r1")
+
+
+# -- what hot, cold and drift read, and when ------------------------------------------------------
+
+
+def load_report(replica: str, host: str, *, kv_usage: float, running: int, queue: int = 0) -> EngineStatusEvent:
+    """An engine's report of its own load (a preallocating engine: KV total is its whole cache)."""
+    return EngineStatusEvent(
+        replica_id=replica,
+        node=host,
+        queue_depth=queue,
+        kv_used_bytes=int(kv_usage * 10 * GB),
+        kv_total_bytes=10 * GB,
+        latency_p50_ms=10.0,
+        latency_p99_ms=20.0,
+        running_requests=running,
+        kv_usage=kv_usage,
+    )
+
+
+def run_for(rig: Rig, seconds: float, *, host: str, used: dict[int, float], reports: list[EngineStatusEvent]) -> None:
+    """GPU samples and engine reports every 10 s for ``seconds`` (the first at ``rig.now``)."""
+    end = rig.now + timedelta(seconds=seconds)
+    while rig.now <= end:
+        rig.handlers.observe(sample(host, used), rig.now)
+        for report in reports:
+            rig.handlers.on_engine_status(report, rig.now)
+        rig.now += timedelta(seconds=10)
+
+
+async def test_a_tightly_packed_replica_whose_engine_is_idle_is_never_replicated() -> None:
+    no_cold = dataclasses.replace(CONFIG, cold=Rule("hbm_cold", 0.30, 10 * 3600, above=False))  # hot alone here
+    rig = Rig(FakeRpc(placement_place=[place_reply("r1-copy", "a", 1)]), config=no_cold)
+    await rig.deliver(rig.profiled(node("a")), rig.placed(placed("r1", "a", 0)))
+    # Its engine preallocated 95% of the GPU and has nothing to do (its cache still holds old blocks).
+    run_for(rig, 600, host="a", used={0: 0.95}, reports=[load_report("r1", "a", kv_usage=0.9, running=0)])
+    await rig.handlers.tick_once()
+    assert rig.rpc.requests(Rpc.PLACEMENT_PLACE) == [] and rig.store.plan_list() == []
+    assert "hbm_hot" not in {t.rule for t in rig.handlers.detectors.pending}
+
+
+async def test_once_its_engine_has_reported_a_replicas_hbm_is_not_read_for_hot() -> None:
+    no_cold = dataclasses.replace(CONFIG, cold=Rule("hbm_cold", 0.30, 10 * 3600, above=False))
+    rig = Rig(FakeRpc(placement_place=[place_reply("r1-copy", "a", 1)]), config=no_cold)
+    await rig.deliver(rig.profiled(node("a")), rig.placed(placed("r1", "a", 0)))
+    rig.handlers.on_engine_status(load_report("r1", "a", kv_usage=0.1, running=1), rig.now)
+    run_for(rig, 600, host="a", used={0: 0.95}, reports=[])  # its GPU full (preallocated), no more reports
+    await rig.handlers.tick_once()
+    assert rig.store.plan_list() == []
+
+
+async def test_a_replica_over_085_of_its_kv_is_replicated_once_and_its_copy_only_once_it_carries_load() -> None:
+    rig = Rig(FakeRpc(placement_place=[place_reply("r1-copy", "a", 1), place_reply("r1-copy-2", "b", 0)]))
+    await rig.deliver(rig.profiled(node("a")), rig.placed(placed("r1", "a", 0)))
+    busy = load_report("r1", "a", kv_usage=0.9, running=12)
+    run_for(rig, WINDOW_S, host="a", used={0: 0.95}, reports=[busy])
+    await rig.handlers.tick_once()
+    (plan,) = rig.store.plan_list()
+    assert (plan.kind, plan.target, plan.steps[0].new_allocation_id) == ("replicate", "r1", "r1-copy")
+    await rig.deliver(rig.placed(placed("r1-copy", "a", 1)))
+
+    # The copy's engine preallocates too and reads 95% of its GPU; no request reached it yet, and r1 cooled.
+    calm = load_report("r1", "a", kv_usage=0.5, running=4)
+    run_for(rig, 600, host="a", used={0: 0.95, 1: 0.95}, reports=[calm])
+    await rig.handlers.tick_once()
+    assert len(rig.store.plan_list()) == 1  # the copy reading full HBM is no reason for another copy
+    assert "r1-copy" in rig.view.unproven
+
+    # Once it carries load it is judged as any replica: its own KV over 0.85 for the window copies it.
+    run_for(
+        rig,
+        WINDOW_S,
+        host="a",
+        used={0: 0.95, 1: 0.95},
+        reports=[calm, load_report("r1-copy", "a", kv_usage=0.95, running=9)],
+    )
+    await rig.handlers.tick_once()
+    assert "r1-copy" not in rig.view.unproven
+    assert [p.target for p in rig.store.plan_list()] == ["r1", "r1-copy"]
+
+
+async def test_copies_of_one_tenants_model_are_capped_per_hour() -> None:
+    config = dataclasses.replace(CONFIG, replicate_per_model_hour=1)
+    rig = Rig(FakeRpc(placement_place=[place_reply("r1-copy", "b", 0), place_reply("r2-copy", "b", 1)]), config=config)
+    await rig.deliver(rig.profiled(node("a")), rig.placed(placed("r1", "a", 0)), rig.placed(placed("r2", "a", 1)))
+    hot = [load_report("r1", "a", kv_usage=0.9, running=12), load_report("r2", "a", kv_usage=0.9, running=12)]
+    run_for(rig, WINDOW_S, host="a", used={0: 0.95, 1: 0.95}, reports=hot)
+    await rig.handlers.tick_once()
+    assert len(rig.store.plan_list()) == 1  # the same model of the same tenant: one copy this hour
+    assert any("within the hour" in a.what for a in rig.store.action_rows)
+
+
+async def test_a_loading_replica_is_not_judged_until_ready_and_its_grace_has_passed() -> None:
+    config = dataclasses.replace(CONFIG, state_grace_s=120.0)
+    rig = Rig(FakeRpc(placement_place=[place_reply("r1-copy", "a", 1)]), config=config)
+    await rig.deliver(rig.profiled(node("a")), rig.placed(placed("r1", "a", 0)))
+    await rig.deliver(rig.committed(committed("r1", {"a/gpu0": 20 * GB})))
+    rig.handlers.on_replica_state(lifecycle("r1", "a", "loading"), rig.now)
+
+    # Loading for 10 minutes: its GPU reads ~0 of 20 GB reserved (drift), then full (hot); the node reads cold.
+    for used in (0.0, 0.95):
+        for _ in range(30):
+            rig.handlers.on_replica_state(lifecycle("r1", "a", "loading"), rig.now)
+            rig.handlers.observe(sample("a", {0: used}), rig.now)
+            rig.now += timedelta(seconds=10)
+    await rig.handlers.tick_once()
+    assert rig.uow.named("drift_alarm") == [] and rig.store.plan_list() == []
+    assert rig.handlers.detectors.firing() == dict.fromkeys(rig.handlers.detectors.by_rule, 0)
+
+    rig.handlers.on_replica_state(lifecycle("r1", "a", "ready"), rig.now)
+    ready_at = rig.now
+    while rig.now < ready_at + timedelta(seconds=110):  # within the grace: still nothing
+        rig.handlers.on_replica_state(lifecycle("r1", "a", "ready"), rig.now)
+        rig.handlers.observe(sample("a", {0: 0.95}), rig.now)
+        rig.now += timedelta(seconds=10)
+    await rig.handlers.tick_once()
+    assert rig.store.plan_list() == [] and rig.uow.named("drift_alarm") == []
+
+    # Past the grace, judged as before: HBM (its engine never reported) over 0.85 for the window.
+    while rig.now < ready_at + timedelta(seconds=120 + WINDOW_S + 10):
+        rig.handlers.on_replica_state(lifecycle("r1", "a", "ready"), rig.now)
+        rig.handlers.observe(sample("a", {0: 0.95}), rig.now)
+        rig.now += timedelta(seconds=10)
+    await rig.handlers.tick_once()
+    assert [p.kind for p in rig.store.plan_list()] == ["replicate"]
+    assert [a["allocation_id"] for a in rig.uow.named("drift_alarm")] == ["r1"]  # 76 GB used of 20 GB
+
+
+async def test_after_a_restart_copies_made_for_hot_replicas_and_the_cap_are_remembered() -> None:
+    first = Rig(FakeRpc(placement_place=[place_reply("r1-copy", "a", 1)]))
+    await first.deliver(first.profiled(node("a")), first.placed(placed("r1", "a", 0)))
+    run_for(first, WINDOW_S, host="a", used={0: 0.95}, reports=[load_report("r1", "a", kv_usage=0.9, running=12)])
+    await first.handlers.tick_once()
+    await first.deliver(first.placed(placed("r1-copy", "a", 1)))
+    assert [p.kind for p in first.store.plan_list()] == ["replicate"]
+
+    # A new process on the same tables, allowed one copy of the model an hour.
+    config = dataclasses.replace(CONFIG, replicate_per_model_hour=1)
+    rig = Rig(FakeRpc(placement_place=[place_reply("r1-copy-2", "a", 1)]), store=first.store, config=config)
+    rig.now = first.now
+    await rig.handlers.start()
+    assert rig.view.unproven == {"r1-copy"}
+    busy = load_report("r1", "a", kv_usage=0.9, running=12)
+    run_for(rig, WINDOW_S, host="a", used={0: 0.95, 1: 0.95}, reports=[busy])  # r1 hot again; the copy full
+    await rig.handlers.tick_once()
+    assert [p.target for p in rig.store.plan_list()] == ["r1"]  # the copy not judged, r1 capped
+    assert any("within the hour" in a.what for a in rig.store.action_rows)
