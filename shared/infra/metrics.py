@@ -137,6 +137,20 @@ CATALOGUE: dict[str, MetricSpec] = {
         ),
         _spec("hetsched_placements_total", "counter", "Replicas placed.", (), PLACEMENT),
         _spec(
+            "hetsched_replicas",
+            "gauge",
+            "Replicas whose agents report their engines lately, by the lifecycle state the ranks fold into.",
+            ("state",),
+            PLACEMENT,
+        ),
+        _spec(
+            "hetsched_replicas_loading_overdue",
+            "gauge",
+            "Replicas loading for longer than their expected load time (HETSCHED_PLACEMENT_LOAD_EXPECTED_S).",
+            (),
+            PLACEMENT,
+        ),
+        _spec(
             "hetsched_admit_queue_depth",
             "gauge",
             "Requests waiting in admission's fair queue, per tenant.",
@@ -185,6 +199,27 @@ CATALOGUE: dict[str, MetricSpec] = {
             "gauge",
             "When the topology map was last refreshed by a node's profile (unix time).",
             (),
+            TOPOLOGY,
+        ),
+        _spec(
+            "hetsched_nodes",
+            "gauge",
+            "Agent-reported nodes by liveness state (up, lost: silent past its missed heartbeats).",
+            ("state",),
+            TOPOLOGY,
+        ),
+        _spec(
+            "hetsched_node_last_profile_timestamp_seconds",
+            "gauge",
+            "When each agent-reported node last sent a profile that parsed (accepted or unchanged; unix time).",
+            ("node",),
+            TOPOLOGY,
+        ),
+        _spec(
+            "hetsched_node_profile_failures_total",
+            "counter",
+            "Re-profiles an agent could not parse (node_profile_failed; the previous profile stays), per node.",
+            ("node",),
             TOPOLOGY,
         ),
         _spec(

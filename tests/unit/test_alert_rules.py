@@ -230,6 +230,10 @@ EXPECTED = {
     "ReservationFillRateLowOverall": {("warning", "P2", "15m")},
     "HetschedGatewayTTFTSLOBreach": {("critical", "P0", "5m")},
     "HetschedGatewayRejecting": {("warning", "P2", "10m")},
+    "NodeLost": {("critical", "P1", None)},
+    "ServiceDown": {("critical", "P0", "1m")},
+    "ReplicaFailed": {("critical", "P1", None)},
+    "ReplicaLoadingOverdue": {("warning", "P2", None)},
 }
 
 

@@ -5,7 +5,7 @@ figures say (read back from the service's own registry)."""
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,6 +27,8 @@ from shared.contracts.topology import GpuSample, GpuTelemetryEvent
 from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.errors import ErrorCode
 from shared.domain.ledger import DriftDetector
+from shared.domain.liveness import Liveness
+from shared.domain.placement.listing import ReplicaState
 from shared.domain.reservations import Usage
 from shared.domain.topology.tpu import TpuGrid, TpuType, fragmentation
 from shared.infra.metrics import CATALOGUE, ServiceMetrics
@@ -264,3 +266,77 @@ def test_topology_counts_changed_profiles_and_stamps_each_refresh() -> None:
     topology.refreshed()
     assert value(metrics, "hetsched_topology_drift_total") == 2
     assert value(metrics, "hetsched_topology_last_profile_timestamp_seconds") == NOW.timestamp()
+
+
+def test_topology_counts_nodes_by_state_and_ages_a_failing_nodes_profile() -> None:
+    metrics = ServiceMetrics("topology-discovery")
+    now = [NOW]
+    topology = TopologyMetrics(metrics, clock=lambda: now[0])
+    topology.nodes({Liveness.UP: 3, Liveness.LOST: 1})
+    assert value(metrics, "hetsched_nodes", state="up") == 3
+    assert value(metrics, "hetsched_nodes", state="lost") == 1
+
+    topology.profiled("n1")
+    topology.beat("n2")  # a beat confirms a node's profile too
+    assert value(metrics, "hetsched_node_last_profile_timestamp_seconds", node="n1") == NOW.timestamp()
+    assert value(metrics, "hetsched_node_last_profile_timestamp_seconds", node="n2") == NOW.timestamp()
+
+    # n1's re-profile fails: its heartbeats no longer confirm it, while n2's do.
+    topology.profile_failed("n1")
+    now[0] = NOW + timedelta(minutes=1)
+    topology.beat("n1")
+    topology.beat("n2")
+    assert value(metrics, "hetsched_node_profile_failures_total", node="n1") == 1
+    assert value(metrics, "hetsched_node_last_profile_timestamp_seconds", node="n1") == NOW.timestamp()
+    assert value(metrics, "hetsched_node_last_profile_timestamp_seconds", node="n2") == now[0].timestamp()
+
+    # A profile parses again (reported even when unchanged): beats confirm it again.
+    topology.profiled("n1")
+    now[0] = NOW + timedelta(minutes=2)
+    topology.beat("n1")
+    assert value(metrics, "hetsched_node_last_profile_timestamp_seconds", node="n1") == now[0].timestamp()
+
+    topology.forget("n1")
+    assert value(metrics, "hetsched_node_last_profile_timestamp_seconds", node="n1") is None
+    assert value(metrics, "hetsched_node_profile_failures_total", node="n1") is None
+
+
+def test_placement_counts_reported_replicas_by_state_and_those_loading_too_long() -> None:
+    metrics = ServiceMetrics("placement")
+    snapshot = SimpleNamespace(pcie_util={}, tpu_pods={})
+    states = {"r1": ReplicaState.LOADING, "r2": ReplicaState.READY, "r3": ReplicaState.FAILED}
+    clock = [0.0]
+    view = ViewMetrics(
+        metrics,
+        snapshot=lambda: snapshot,  # type: ignore[arg-type,return-value]
+        queue_depths=dict,
+        replicas=lambda: states,
+        load_expected_s=600,
+        now_s=lambda: clock[0],
+    )
+    view.refresh()
+    assert value(metrics, "hetsched_replicas", state="loading") == 1
+    assert value(metrics, "hetsched_replicas", state="ready") == 1
+    assert value(metrics, "hetsched_replicas", state="failed") == 1
+    assert value(metrics, "hetsched_replicas", state="draining") == 0
+    assert value(metrics, "hetsched_replicas_loading_overdue") == 0
+
+    clock[0] = 300.0
+    states["r4"] = ReplicaState.LOADING  # starts loading 5 minutes after r1
+    view.refresh()
+    clock[0] = 600.0  # r1 exactly at its expected load time: not overdue
+    view.refresh()
+    assert value(metrics, "hetsched_replicas_loading_overdue") == 0
+    clock[0] = 601.0
+    view.refresh()
+    assert value(metrics, "hetsched_replicas_loading_overdue") == 1  # r1 only
+    clock[0] = 902.0
+    view.refresh()
+    assert value(metrics, "hetsched_replicas_loading_overdue") == 2
+
+    states["r1"] = ReplicaState.READY  # r1 loaded; if it loads again, it starts from 0
+    view.refresh()
+    states["r1"] = ReplicaState.LOADING
+    view.refresh()
+    assert value(metrics, "hetsched_replicas_loading_overdue") == 1
+    assert value(metrics, "hetsched_replicas", state="loading") == 2

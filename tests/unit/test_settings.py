@@ -32,6 +32,7 @@ ADDED_SINCE = {  # variables added after it
     "HETSCHED_REBALANCE_WAIT_FOR_READY": "rebalancer.wait_for_ready",
     "HETSCHED_REBALANCE_READY_TIMEOUT_S": "rebalancer.ready_timeout_s",
     "HETSCHED_PLACEMENT_FIRST_LEASE_S": "placement.first_lease_s",
+    "HETSCHED_PLACEMENT_LOAD_EXPECTED_S": "placement.load_expected_s",
     "HETSCHED_PROFILE_DIR": "kit.profile_dir",
     "HETSCHED_ROUTE_WRITE_SPACING_MS": "routing.write_spacing_ms",
     "HETSCHED_GATEWAY_HOST": "gateway.host",
