@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,7 +34,9 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.registry import Collector
 
 from shared.infra.httpserver import HttpServer, Limits, Request, Response
 
@@ -47,6 +49,8 @@ RESERVATION = "reservation-filler"
 ROUTER = "cross-region-router"
 REBALANCER = "rebalancer"
 GATEWAY = "gateway"
+EVERY_SERVICE = "every-service"
+"""The owner of the kit's own metrics, which every service exports (``ServiceMetrics.export_kit``)."""
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
 TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
@@ -236,6 +240,21 @@ CATALOGUE: dict[str, MetricSpec] = {
             ("detector",),
             REBALANCER,
         ),
+        # The kit's, in every service: events it gave up on (shared/infra/deadletter.py, outbox.py).
+        _spec(
+            "hetsched_events_dead_lettered_total",
+            "counter",
+            "Events this process's consumers gave up on and parked in the DEADLETTER stream, per durable consumer.",
+            ("consumer",),
+            EVERY_SERVICE,
+        ),
+        _spec(
+            "hetsched_outbox_quarantined_total",
+            "counter",
+            "Outbox events this process could never publish and quarantined (kept in its outbox table).",
+            (),
+            EVERY_SERVICE,
+        ),
         # Request-level SLOs, as the gateway sees them (docs/GATEWAY.md).
         _spec(
             "hetsched_gateway_ttft_seconds",
@@ -324,6 +343,7 @@ class ServiceMetrics:
         self._made: dict[str, Counter | Gauge | Histogram] = {}
         self._endpoint: _Endpoint | None = None
         self.url: str | None = None
+        self._kit: _KitCollector | None = None
 
     def _make(self, name: str) -> Counter | Gauge | Histogram:
         made = self._made.get(name)
@@ -361,6 +381,14 @@ class ServiceMetrics:
         assert isinstance(metric, Histogram), name
         return metric
 
+    def export_kit(self, dead_lettered: Callable[[], Mapping[str, int]], quarantined: Callable[[], int]) -> None:
+        """Export the kit's counters (owner ``EVERY_SERVICE``), read at each scrape: events dead-lettered per
+        durable consumer, outbox events quarantined. Once per registry."""
+        if self._kit is not None:
+            return
+        self._kit = _KitCollector(dead_lettered, quarantined)
+        self.registry.register(self._kit)
+
     def serve(self, host: str, port: int, *, max_connections: int = 16, read_timeout_s: float = 5.0) -> str:
         """Serve ``/metrics`` on ``host:port`` (0: a free port) from a daemon thread; the URL. At most
         ``max_connections`` at once; one that has not sent its request within ``read_timeout_s`` is closed.
@@ -388,6 +416,27 @@ class ServiceMetrics:
             self._endpoint.stop()
             self._endpoint = None
             self.url = None
+
+
+class _KitCollector(Collector):
+    """The kit's counters, read from the process's consumers and outbox relay when scraped (plain ints the
+    event loop bumps; a scrape reads them from the metrics thread)."""
+
+    def __init__(self, dead_lettered: Callable[[], Mapping[str, int]], quarantined: Callable[[], int]) -> None:
+        self._dead_lettered = dead_lettered
+        self._quarantined = quarantined
+
+    def collect(self) -> Iterable[Metric]:
+        dead = CATALOGUE["hetsched_events_dead_lettered_total"]
+        family = CounterMetricFamily(dead.name.removesuffix("_total"), dead.help, labels=dead.labels)
+        for consumer, count in sorted(dict(self._dead_lettered()).items()):
+            family.add_metric((consumer,), count)
+        yield family
+        quarantined = CATALOGUE["hetsched_outbox_quarantined_total"]
+        yield CounterMetricFamily(quarantined.name.removesuffix("_total"), quarantined.help, value=self._quarantined())
+
+    def describe(self) -> Iterable[Metric]:
+        return self.collect()
 
 
 class _Endpoint:

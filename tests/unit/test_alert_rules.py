@@ -234,6 +234,8 @@ EXPECTED = {
     "ServiceDown": {("critical", "P0", "1m")},
     "ReplicaFailed": {("critical", "P1", None)},
     "ReplicaLoadingOverdue": {("warning", "P2", None)},
+    "EventsDeadLettered": {("warning", "P1", None)},
+    "OutboxEventsQuarantined": {("warning", "P1", None)},
 }
 
 

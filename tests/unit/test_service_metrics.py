@@ -31,7 +31,7 @@ from shared.domain.liveness import Liveness
 from shared.domain.placement.listing import ReplicaState
 from shared.domain.reservations import Usage
 from shared.domain.topology.tpu import TpuGrid, TpuType, fragmentation
-from shared.infra.metrics import CATALOGUE, ServiceMetrics
+from shared.infra.metrics import CATALOGUE, EVERY_SERVICE, ServiceMetrics
 from shared.infra.service import build_app
 from shared.infra.settings import Settings
 from shared.infra.uow import UnitOfWork, run_committed
@@ -65,13 +65,13 @@ def catalogue_families(metrics: ServiceMetrics) -> set[str]:
 def test_wire_registers_exactly_the_catalogue_metrics_the_service_owns(package: str) -> None:
     definition = SERVICES[package]
     _app, runtime = build_app(definition, OFFLINE)
-    owned = {name for name, spec in CATALOGUE.items() if spec.owner == definition.name}
+    owned = {name for name, spec in CATALOGUE.items() if spec.owner in (definition.name, EVERY_SERVICE)}
     assert owned, f"the catalogue names nothing for {definition.name}"
     assert catalogue_families(runtime.metrics) == owned
 
 
 def test_every_catalogue_metric_has_an_owner_among_the_services() -> None:
-    assert {spec.owner for spec in CATALOGUE.values()} <= {d.name for d in SERVICES.values()}
+    assert {spec.owner for spec in CATALOGUE.values()} <= {d.name for d in SERVICES.values()} | {EVERY_SERVICE}
 
 
 def test_a_topology_agent_registers_none_of_the_fleets_metrics() -> None:
@@ -340,3 +340,16 @@ def test_placement_counts_reported_replicas_by_state_and_those_loading_too_long(
     view.refresh()
     assert value(metrics, "hetsched_replicas_loading_overdue") == 1
     assert value(metrics, "hetsched_replicas", state="loading") == 2
+
+
+def test_every_service_exports_its_dead_letters_per_consumer_and_its_quarantined_outbox_events() -> None:
+    definition = SERVICES["capacity_ledger"]
+    _app, runtime = build_app(definition, OFFLINE)
+    assert runtime.consumers, "the ledger consumes events"
+    durable = runtime.consumers[0].durable
+    assert value(runtime.metrics, "hetsched_events_dead_lettered_total", consumer=durable) == 0
+    assert value(runtime.metrics, "hetsched_outbox_quarantined_total") == 0  # no relay before it starts
+    runtime.consumers[0].dead_lettered += 2
+    runtime.relay = SimpleNamespace(quarantined=3)  # type: ignore[assignment]
+    assert value(runtime.metrics, "hetsched_events_dead_lettered_total", consumer=durable) == 2
+    assert value(runtime.metrics, "hetsched_outbox_quarantined_total") == 3
