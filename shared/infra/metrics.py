@@ -91,7 +91,8 @@ CATALOGUE: dict[str, MetricSpec] = {
         _spec(
             "hetsched_tp_groups",
             "gauge",
-            "Live TP groups (replicas on more than one accelerator) by degree and whether all are NVLinked.",
+            "Live TP groups (replicas on more than one GPU) by degree and NVLink: true (one NVLink domain), "
+            "cross_domain (the ladder's budgeted cross-domain step), false (its NVLink gone in the current profile).",
             ("degree", "nvlinked"),
             LEDGER,
         ),
@@ -99,6 +100,14 @@ CATALOGUE: dict[str, MetricSpec] = {
             "hetsched_nvlink_cross_island_bytes_per_second",
             "gauge",
             "TP traffic of live allocations that crosses NVLink domains (islands), bytes/s.",
+            (),
+            LEDGER,
+        ),
+        _spec(
+            "hetsched_cross_domain_budget_bytes_per_second",
+            "gauge",
+            "Cross-domain TP traffic one cluster's replicas may send in all (HETSCHED_LEDGER_CROSS_DOMAIN_BUDGET_"
+            "BYTES_PER_S; 0: not enforced).",
             (),
             LEDGER,
         ),

@@ -111,7 +111,8 @@ def test_the_ledger_gauges_show_hbm_per_sku_and_accelerator_and_the_tp_groups() 
     assert value(metrics, "hetsched_accelerator_hbm_utilization_ratio", **h1_gpu0) == 0.5
     assert value(metrics, "hetsched_hbm_free_bytes", accelerator="h1/gpu1") == 60 * GB
     assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="true") == 2
-    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="false") == 1
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="cross_domain") == 1  # the budgeted step
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="false") == 0
     assert value(metrics, "hetsched_tp_groups", degree="4", nvlinked="true") is None
     assert value(metrics, "hetsched_nvlink_cross_island_bytes_per_second") == 5 * 10**8
 
@@ -121,6 +122,31 @@ def test_the_ledger_gauges_show_hbm_per_sku_and_accelerator_and_the_tp_groups() 
     assert value(metrics, "hetsched_hbm_free_bytes", accelerator="a1/gpu0") is None
     assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="true") is None
     assert value(metrics, "hetsched_nvlink_cross_island_bytes_per_second") == 0
+
+
+def test_a_tp_group_whose_nvlink_is_gone_in_its_nodes_current_profile_is_not_nvlinked() -> None:
+    metrics = ServiceMetrics("capacity-ledger")
+    ledger = LedgerMetrics(metrics, crossing_budget_bytes_per_s=256 * GB)
+    assert value(metrics, "hetsched_cross_domain_budget_bytes_per_second") == 256 * GB
+    groups = [
+        GroupFigures(("h1/gpu0", "h1/gpu1"), 0),
+        GroupFigures(("h1/gpu2", "h1/gpu3"), 0),
+        GroupFigures(("h2/gpu0", "h2/gpu1"), 0),  # h2 not profiled since start: its declaration stands
+    ]
+    figures = MetricsFigures(accelerators=[], groups=groups, cross_domain_bytes_per_s=0)
+    ledger.profiled("h1", [["h1/gpu0", "h1/gpu1", "h1/gpu2", "h1/gpu3"]])
+    ledger.show(figures)
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="true") == 3
+
+    # h1 re-profiled: gpu3 lost its NVLink (the domain shrank to gpu0..gpu2, gpu3 alone).
+    ledger.profiled("h1", [["h1/gpu0", "h1/gpu1", "h1/gpu2"], ["h1/gpu3"]])
+    ledger.show(figures)
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="true") == 2
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="false") == 1
+
+    ledger.forget("h1")  # left the fleet: back to what placement declared
+    ledger.show(figures)
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="false") == 0
 
 
 class OneNode:
