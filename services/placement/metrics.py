@@ -55,7 +55,8 @@ class PlacementMetrics:
 
 class ViewMetrics:
     """PCIe utilisation per node and TPU fragmentation per pod (from the view's snapshot), the requests
-    waiting in admission's fair queue per tenant, and the replicas whose agents report by lifecycle state,
+    waiting in admission's fair queue per tenant, each engine's KV cache use and the preemptions engines
+    reported per model (from ``engine_status``), and the replicas whose agents report by lifecycle state,
     with how many have been ``loading`` for longer than ``load_expected_s`` (seen loading since, on
     ``now_s``'s clock; a replica that leaves ``loading`` starts again from 0 if it comes back to it)."""
 
@@ -66,6 +67,8 @@ class ViewMetrics:
         snapshot: Callable[[], FleetSnapshot],
         queue_depths: Callable[[], Mapping[str, int]],
         replicas: Callable[[], Mapping[str, ReplicaState]] = dict,
+        kv_usage: Callable[[], Mapping[str, tuple[str, float]]] = dict,
+        preempted: Callable[[], Mapping[str, int]] = dict,
         load_expected_s: float = 600.0,
         now_s: Callable[[], float] = time.monotonic,
         log: logging.Logger | None = None,
@@ -73,6 +76,11 @@ class ViewMetrics:
         self._snapshot = snapshot
         self._queue_depths = queue_depths
         self._replicas = replicas
+        self._kv_usage = kv_usage
+        self._preempted = preempted
+        self._preempted_shown: dict[str, int] = {}
+        self._kv = GaugeSeries(metrics.gauge("hetsched_engine_kv_usage_ratio"))
+        self._preemptions = metrics.counter("hetsched_engine_preemptions_total")
         self._load_expected_s = load_expected_s
         self._now_s = now_s
         self._loading_since: dict[str, float] = {}
@@ -95,6 +103,15 @@ class ViewMetrics:
             self._queue.labels(tenant).set(depths.get(tenant, 0))
         self._queued |= depths.keys()
         self._refresh_replicas()
+        self._refresh_engines()
+
+    def _refresh_engines(self) -> None:
+        self._kv.show({(replica, model): usage for replica, (model, usage) in self._kv_usage().items()})
+        for model, total in self._preempted().items():
+            added = total - self._preempted_shown.get(model, 0)
+            if added > 0:
+                self._preemptions.labels(model).inc(added)
+            self._preempted_shown[model] = total
 
     def _refresh_replicas(self) -> None:
         states = self._replicas()

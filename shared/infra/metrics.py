@@ -150,6 +150,20 @@ CATALOGUE: dict[str, MetricSpec] = {
         ),
         _spec("hetsched_placements_total", "counter", "Replicas placed.", (), PLACEMENT),
         _spec(
+            "hetsched_engine_kv_usage_ratio",
+            "gauge",
+            "Share of a replica's KV cache its engine reports in use (engine_status, while fresh).",
+            ("replica", "model"),
+            PLACEMENT,
+        ),
+        _spec(
+            "hetsched_engine_preemptions_total",
+            "counter",
+            "Requests engines reported preempted for want of KV cache (SGLang: retracted), per model.",
+            ("model",),
+            PLACEMENT,
+        ),
+        _spec(
             "hetsched_replicas",
             "gauge",
             "Replicas whose agents report their engines lately, by the lifecycle state the ranks fold into.",

@@ -379,3 +379,26 @@ def test_every_service_exports_its_dead_letters_per_consumer_and_its_quarantined
     runtime.relay = SimpleNamespace(quarantined=3)  # type: ignore[assignment]
     assert value(runtime.metrics, "hetsched_events_dead_lettered_total", consumer=durable) == 2
     assert value(runtime.metrics, "hetsched_outbox_quarantined_total") == 3
+
+
+def test_placement_shows_each_engines_kv_use_and_counts_preemptions_per_model() -> None:
+    metrics = ServiceMetrics("placement")
+    snapshot = SimpleNamespace(pcie_util={}, tpu_pods={})
+    usage = {"r1": ("llama3-70b", 0.97), "r2": ("llama3-8b", 0.2)}
+    preempted = {"llama3-70b": 4}
+    view = ViewMetrics(
+        metrics,
+        snapshot=lambda: snapshot,  # type: ignore[arg-type,return-value]
+        queue_depths=dict,
+        kv_usage=lambda: usage,
+        preempted=lambda: preempted,
+    )
+    view.refresh()
+    assert value(metrics, "hetsched_engine_kv_usage_ratio", replica="r1", model="llama3-70b") == 0.97
+    assert value(metrics, "hetsched_engine_preemptions_total", model="llama3-70b") == 4
+    preempted["llama3-70b"] = 10
+    del usage["r1"]  # its reports went stale, or it ended
+    view.refresh()
+    view.refresh()  # nothing new: counted once
+    assert value(metrics, "hetsched_engine_preemptions_total", model="llama3-70b") == 10
+    assert value(metrics, "hetsched_engine_kv_usage_ratio", replica="r1", model="llama3-70b") is None
