@@ -23,7 +23,7 @@ from services.topology_discovery.app import AGENT
 from services.topology_discovery.metrics import TopologyMetrics
 from shared.contracts.envelope import new_event
 from shared.contracts.subjects import Subjects
-from shared.contracts.topology import GpuSample, GpuTelemetryEvent
+from shared.contracts.topology import GpuSample, GpuTelemetryEvent, NodeProfileEvent
 from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.errors import ErrorCode
 from shared.domain.ledger import DriftDetector
@@ -187,6 +187,65 @@ async def test_the_drift_gauge_shows_the_difference_while_the_detector_reports_d
         shown.append(value(metrics, "hetsched_hbm_drift_bytes", accelerator="n/gpu0"))
     assert shown == [None, 30 * GB, 35 * GB, 0]
     assert value(metrics, "hetsched_hbm_drift_bytes", accelerator="n/gpu1") is None  # uses what it reserved
+
+
+class Capacity:
+    """The store calls a node profile makes."""
+
+    async def upsert_capacity(self, *, session: Any, node: str, accelerators: Any) -> dict[str, Any]:
+        return {}
+
+    async def held_above_reported(self, *, session: Any, ids: Any) -> dict[str, Any]:
+        return {}
+
+
+async def test_a_node_profile_event_gives_the_tp_group_gauge_its_current_nvlink_domains() -> None:
+    metrics = ServiceMetrics("capacity-ledger")
+    ledger = LedgerMetrics(metrics)
+    handlers = LedgerHandlers(
+        uow=None,  # type: ignore[arg-type]  # profiles are applied in the consumer's unit of work
+        clock=lambda: NOW,
+        batcher=None,  # type: ignore[arg-type]
+        ceiling=0.92,
+        default_lease_s=60,
+        sweep_period_s=1,
+        drift=DriftDetector(threshold=0.10, consecutive=2),
+        store=Capacity(),  # type: ignore[arg-type]
+        metrics=ledger,
+    )
+    group = MetricsFigures(accelerators=[], groups=[GroupFigures(("n/gpu0", "n/gpu1"), 0)], cross_domain_bytes_per_s=0)
+
+    async def profiled(*domains: list[str]) -> None:
+        payload = NodeProfileEvent.model_validate(
+            {
+                "node": "n",
+                "region": "r1",
+                "kind": "pairs",
+                "fingerprint": "f",
+                "profile": {
+                    "name": "n",
+                    "region": "r1",
+                    "cluster": "c1",
+                    "rack": "k1",
+                    "sku": "H100",
+                    "links": [],
+                    "accelerators": [],
+                },
+                "domains": [{"id": f"n/nv{i}", "kind": "pairs", "members": m} for i, m in enumerate(domains)],
+            }
+        )
+        uow = UnitOfWork(session=None, now=NOW, subjects=Subjects("test"), source="capacity-ledger")  # type: ignore[arg-type]
+        event = new_event(type="topology.node_changed", source="test", occurred_at=NOW, payload={})
+        await handlers.on_node_changed(uow=uow, event=event, payload=payload)
+        ledger.show(group)  # not before the consumer's transaction commits
+        assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="true") == 1
+        run_committed(uow.committed)
+        ledger.show(group)
+
+    await profiled(["n/gpu0", "n/gpu1"])
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="true") == 1
+    await profiled(["n/gpu0"], ["n/gpu1"])  # their NVLink went down
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="false") == 1
 
 
 # -- reservation-filler -----------------------------------------------------------------------------
