@@ -38,7 +38,9 @@ class Ctx:
 def wire(runtime: Runtime) -> Ctx:
     settings = runtime.settings
     batcher = CommitBatcher(max_batch=settings.ledger.max_batch)
-    metrics = LedgerMetrics(runtime.metrics)
+    metrics = LedgerMetrics(
+        runtime.metrics, crossing_budget_bytes_per_s=settings.ledger.cross_domain_budget_bytes_per_s
+    )
     handlers = LedgerHandlers(
         uow=runtime.uow,
         clock=runtime.clock,

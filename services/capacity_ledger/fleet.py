@@ -56,6 +56,8 @@ class FleetEventHandlers:
         view = await self._store.upsert_capacity(session=uow.session, node=payload.node, accelerators=accelerators)
         await self._held_above_reported(uow, node=payload.node, ids=[a.id for a in accelerators])
         self._capacity_changed(uow, event, node=payload.node, reason="profiled", view=view.values())
+        if self._metrics is not None:  # the TP-group gauge judges NVLink by the node's current domains
+            uow.after_commit(partial(self._metrics.profiled, payload.node, [d.members for d in payload.domains]))
 
     async def _held_above_reported(self, uow: UnitOfWork, *, node: str, ids: list[str]) -> None:
         """A device reported smaller than what is reserved on it keeps its reservations: the database holds
@@ -91,6 +93,8 @@ class FleetEventHandlers:
 
     async def on_node_removed(self, *, uow: UnitOfWork, event: EventEnvelope, payload: NodeStateEvent) -> None:
         await self._availability(uow, event, node=payload.node, available=False, reason="removed")
+        if self._metrics is not None:
+            uow.after_commit(partial(self._metrics.forget, payload.node))
 
     async def on_node_recovered(self, *, uow: UnitOfWork, event: EventEnvelope, payload: NodeStateEvent) -> None:
         await self._availability(uow, event, node=payload.node, available=True, reason="recovered")

@@ -132,7 +132,14 @@ def wire(runtime: Runtime) -> Ctx:
         reservations_current=lambda timeout_s: reservations.caught_up(timeout_s=timeout_s),
     )
     metrics = ViewMetrics(
-        runtime.metrics, snapshot=lambda: readmodel.snapshot, queue_depths=admission.queue_depths, log=runtime.log
+        runtime.metrics,
+        snapshot=lambda: readmodel.snapshot,
+        queue_depths=admission.queue_depths,
+        replicas=lambda: engines.reported(readmodel.draining),
+        kv_usage=lambda: book.kv_usage(now_ms=monotonic_ms(), stale_ms=settings.placement.engine_stale_s * 1000),
+        preempted=lambda: book.preempted,
+        load_expected_s=settings.placement.load_expected_s,
+        log=runtime.log,
     )
     listing = ReplicaListing(
         store=store,

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
 from shared.domain.errors import ErrorCode
+from shared.domain.placement.listing import ReplicaState
 from shared.domain.placement.types import Decision, FleetSnapshot
 from shared.domain.topology.tpu import fragmentation
 from shared.infra.metrics import GaugeSeries, ServiceMetrics
@@ -52,8 +54,11 @@ class PlacementMetrics:
 
 
 class ViewMetrics:
-    """PCIe utilisation per node and TPU fragmentation per pod (from the view's snapshot), and the
-    requests waiting in admission's fair queue per tenant."""
+    """PCIe utilisation per node and TPU fragmentation per pod (from the view's snapshot), the requests
+    waiting in admission's fair queue per tenant, each engine's KV cache use and the preemptions engines
+    reported per model (from ``engine_status``), and the replicas whose agents report by lifecycle state,
+    with how many have been ``loading`` for longer than ``load_expected_s`` (seen loading since, on
+    ``now_s``'s clock; a replica that leaves ``loading`` starts again from 0 if it comes back to it)."""
 
     def __init__(
         self,
@@ -61,10 +66,26 @@ class ViewMetrics:
         *,
         snapshot: Callable[[], FleetSnapshot],
         queue_depths: Callable[[], Mapping[str, int]],
+        replicas: Callable[[], Mapping[str, ReplicaState]] = dict,
+        kv_usage: Callable[[], Mapping[str, tuple[str, float]]] = dict,
+        preempted: Callable[[], Mapping[str, int]] = dict,
+        load_expected_s: float = 600.0,
+        now_s: Callable[[], float] = time.monotonic,
         log: logging.Logger | None = None,
     ) -> None:
         self._snapshot = snapshot
         self._queue_depths = queue_depths
+        self._replicas = replicas
+        self._kv_usage = kv_usage
+        self._preempted = preempted
+        self._preempted_shown: dict[str, int] = {}
+        self._kv = GaugeSeries(metrics.gauge("hetsched_engine_kv_usage_ratio"))
+        self._preemptions = metrics.counter("hetsched_engine_preemptions_total")
+        self._load_expected_s = load_expected_s
+        self._now_s = now_s
+        self._loading_since: dict[str, float] = {}
+        self._states = metrics.gauge("hetsched_replicas")
+        self._overdue = metrics.gauge("hetsched_replicas_loading_overdue")
         self._log = log or logging.getLogger("hetsched.placement")
         self._pcie = GaugeSeries(metrics.gauge("hetsched_pcie_utilization_ratio"))
         self._fragmentation = GaugeSeries(metrics.gauge("hetsched_tpu_fragmentation_ratio"))
@@ -81,6 +102,29 @@ class ViewMetrics:
         for tenant in self._queued | depths.keys():
             self._queue.labels(tenant).set(depths.get(tenant, 0))
         self._queued |= depths.keys()
+        self._refresh_replicas()
+        self._refresh_engines()
+
+    def _refresh_engines(self) -> None:
+        self._kv.show({(replica, model): usage for replica, (model, usage) in self._kv_usage().items()})
+        for model, total in self._preempted().items():
+            added = total - self._preempted_shown.get(model, 0)
+            if added > 0:
+                self._preemptions.labels(model).inc(added)
+            self._preempted_shown[model] = total
+
+    def _refresh_replicas(self) -> None:
+        states = self._replicas()
+        now = self._now_s()
+        counts = dict.fromkeys(ReplicaState, 0)
+        for state in states.values():
+            counts[state] += 1
+        for state, count in counts.items():
+            self._states.labels(state.value).set(count)
+        loading = {replica for replica, state in states.items() if state is ReplicaState.LOADING}
+        self._loading_since = {replica: self._loading_since.get(replica, now) for replica in loading}
+        overdue = sum(1 for since in self._loading_since.values() if now - since > self._load_expected_s)
+        self._overdue.set(overdue)
 
     async def run(self) -> None:
         """Forever: refresh the gauges every ``REFRESH_S`` (first at once)."""

@@ -128,6 +128,7 @@ class ReplicaBook:
     _failed: dict[str, float] = field(default_factory=dict)  # replica -> when a caller said it failed (ms)
     _pools: dict[str, KvPool] = field(default_factory=dict)
     _statuses: dict[str, ReplicaStatus] = field(default_factory=dict)  # until the replica's figures change
+    preempted: dict[str, int] = field(default_factory=dict)  # model -> requests its engines reported preempted
 
     # -- replicas -----------------------------------------------------------------------------------
 
@@ -186,12 +187,29 @@ class ReplicaBook:
         if replica.node != status.node:
             return False  # another node's agent speaking for this replica (names compare exactly)
         self._reports[status.replica_id] = _Report(status, now_ms)
+        if status.preemptions:
+            self.preempted[replica.model] = self.preempted.get(replica.model, 0) + status.preemptions
         self._account(replica).report(
             EngineReport(kv_used_bytes=self._scaled_use(replica, status), queue_depth=status.queue_depth, at_ms=now_ms)
         )
         self._statuses.pop(status.replica_id, None)
         self._failed.pop(status.replica_id, None)  # a report after a failure puts it back in rotation
         return True
+
+    def kv_usage(self, *, now_ms: float, stale_ms: float) -> dict[str, tuple[str, float]]:
+        """Each replica whose engine reported within ``stale_ms``: its model and the share of its KV cache in
+        use (the engine's own ``kv_usage``, else its used over total bytes)."""
+        out: dict[str, tuple[str, float]] = {}
+        for replica_id, report in self._reports.items():
+            replica = self.replicas.get(replica_id)
+            if replica is None or now_ms - report.at_ms > stale_ms:
+                continue
+            status = report.status
+            usage = status.kv_usage
+            if usage is None:
+                usage = status.kv_used_bytes / status.kv_total_bytes if status.kv_total_bytes > 0 else 0.0
+            out[replica_id] = (replica.model, min(1.0, usage))
+        return out
 
     @staticmethod
     def _scaled_use(replica: Replica, status: EngineStatusEvent) -> int:

@@ -121,13 +121,15 @@ class Agent:
                 if await self._report(TopologyReportRequest(node=self.node, error=error)) is not None:
                     self.last_error = message
             return
-        self.last_error = None
+        # After a failure it reported, a profile that parses again is reported even when unchanged: the fleet
+        # then knows the node's profile is current again (its per-node profile timestamp moves on).
         fingerprint = profile.fingerprint()
-        if fingerprint == self.reported:
+        if fingerprint == self.reported and self.last_error is None:
             return
         reply = await self._report(TopologyReportRequest(node=self.node, profile=profile_to_payload(profile)))
         if isinstance(reply, TopologyReportReply) and reply.status in ("accepted", "unchanged"):
             self.reported = fingerprint
+            self.last_error = None
         elif isinstance(reply, Rejected):
             self._log.error("fleet rejected the profile", extra={"error": reply.error.model_dump(mode="json")})
 

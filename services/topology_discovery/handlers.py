@@ -160,6 +160,7 @@ class TopologyHandlers:
             if self._metrics is not None:
                 self._metrics.profiles_changed(sum(changed))
                 self._metrics.refreshed()
+                self._metrics.profiled(node.name)
         return reply
 
     async def _profile_failed(self, request: TopologyReportRequest) -> BaseModel:
@@ -170,6 +171,8 @@ class TopologyHandlers:
             uow.emit(Context.TOPOLOGY, TopologyEventName.NODE_PROFILE_FAILED, payload)
 
         await self._uow.run(work)
+        if self._metrics is not None:
+            self._metrics.profile_failed(request.node)
         self._log.warning(
             "agent could not profile its node; previous profile stays",
             extra={"node": request.node, "error": request.error.message, "line": request.error.line},
@@ -253,6 +256,8 @@ class TopologyHandlers:
         counts, removed = await self._uow.run(work)
         for name in removed:
             self._tracker.forget(name)  # a node that left the fleet is never declared lost
+            if self._metrics is not None:
+                self._metrics.forget(name)
         return counts
 
     # -- liveness ------------------------------------------------------------------------------
@@ -274,6 +279,7 @@ class TopologyHandlers:
         recovered = self._tracker.beat(beat.node, now_ms=self._monotonic_ms())
         if self._metrics is not None:
             self._metrics.refreshed()
+            self._metrics.beat(beat.node)
         if recovered is not None:
             await self._record(recovered)
 
@@ -286,6 +292,8 @@ class TopologyHandlers:
                 recorded.append(transition)
             except Exception:
                 self._log.exception("could not record a lost node; will retry", extra={"node": transition.node})
+        if self._metrics is not None:
+            self._metrics.nodes(self._tracker.counts())
         return recorded
 
     async def liveness_loop(self) -> None:

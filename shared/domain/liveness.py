@@ -57,6 +57,13 @@ class LivenessTracker:
     def state(self, node: str) -> Liveness | None:
         return self._state.get(node)
 
+    def counts(self) -> dict[Liveness, int]:
+        """How many watched nodes are in each state (every state present, 0 when none is)."""
+        out = dict.fromkeys(Liveness, 0)
+        for state in self._state.values():
+            out[state] += 1
+        return out
+
     def beat(self, node: str, *, now_ms: float) -> Transition | None:
         """Record a heartbeat; returns the recovery when the node was lost."""
         previous = self._last_beat_ms.get(node, now_ms)

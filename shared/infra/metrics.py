@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,7 +34,9 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.registry import Collector
 
 from shared.infra.httpserver import HttpServer, Limits, Request, Response
 
@@ -47,6 +49,8 @@ RESERVATION = "reservation-filler"
 ROUTER = "cross-region-router"
 REBALANCER = "rebalancer"
 GATEWAY = "gateway"
+EVERY_SERVICE = "every-service"
+"""The owner of the kit's own metrics, which every service exports (``ServiceMetrics.export_kit``)."""
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
 TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
@@ -87,7 +91,8 @@ CATALOGUE: dict[str, MetricSpec] = {
         _spec(
             "hetsched_tp_groups",
             "gauge",
-            "Live TP groups (replicas on more than one accelerator) by degree and whether all are NVLinked.",
+            "Live TP groups (replicas on more than one GPU) by degree and NVLink: true (one NVLink domain), "
+            "cross_domain (the ladder's budgeted cross-domain step), false (its NVLink gone in the current profile).",
             ("degree", "nvlinked"),
             LEDGER,
         ),
@@ -95,6 +100,14 @@ CATALOGUE: dict[str, MetricSpec] = {
             "hetsched_nvlink_cross_island_bytes_per_second",
             "gauge",
             "TP traffic of live allocations that crosses NVLink domains (islands), bytes/s.",
+            (),
+            LEDGER,
+        ),
+        _spec(
+            "hetsched_cross_domain_budget_bytes_per_second",
+            "gauge",
+            "Cross-domain TP traffic one cluster's replicas may send in all (HETSCHED_LEDGER_CROSS_DOMAIN_BUDGET_"
+            "BYTES_PER_S; 0: not enforced).",
             (),
             LEDGER,
         ),
@@ -136,6 +149,34 @@ CATALOGUE: dict[str, MetricSpec] = {
             PLACEMENT,
         ),
         _spec("hetsched_placements_total", "counter", "Replicas placed.", (), PLACEMENT),
+        _spec(
+            "hetsched_engine_kv_usage_ratio",
+            "gauge",
+            "Share of a replica's KV cache its engine reports in use (engine_status, while fresh).",
+            ("replica", "model"),
+            PLACEMENT,
+        ),
+        _spec(
+            "hetsched_engine_preemptions_total",
+            "counter",
+            "Requests engines reported preempted for want of KV cache (SGLang: retracted), per model.",
+            ("model",),
+            PLACEMENT,
+        ),
+        _spec(
+            "hetsched_replicas",
+            "gauge",
+            "Replicas whose agents report their engines lately, by the lifecycle state the ranks fold into.",
+            ("state",),
+            PLACEMENT,
+        ),
+        _spec(
+            "hetsched_replicas_loading_overdue",
+            "gauge",
+            "Replicas loading for longer than their expected load time (HETSCHED_PLACEMENT_LOAD_EXPECTED_S).",
+            (),
+            PLACEMENT,
+        ),
         _spec(
             "hetsched_admit_queue_depth",
             "gauge",
@@ -188,6 +229,27 @@ CATALOGUE: dict[str, MetricSpec] = {
             TOPOLOGY,
         ),
         _spec(
+            "hetsched_nodes",
+            "gauge",
+            "Agent-reported nodes by liveness state (up, lost: silent past its missed heartbeats).",
+            ("state",),
+            TOPOLOGY,
+        ),
+        _spec(
+            "hetsched_node_last_profile_timestamp_seconds",
+            "gauge",
+            "When each agent-reported node last sent a profile that parsed (accepted or unchanged; unix time).",
+            ("node",),
+            TOPOLOGY,
+        ),
+        _spec(
+            "hetsched_node_profile_failures_total",
+            "counter",
+            "Re-profiles an agent could not parse (node_profile_failed; the previous profile stays), per node.",
+            ("node",),
+            TOPOLOGY,
+        ),
+        _spec(
             "hetsched_migrations_total",
             "counter",
             "Replica copies the rebalancer placed, by plan kind.",
@@ -200,6 +262,21 @@ CATALOGUE: dict[str, MetricSpec] = {
             "Targets a rebalancer detector fires on, per detector.",
             ("detector",),
             REBALANCER,
+        ),
+        # The kit's, in every service: events it gave up on (shared/infra/deadletter.py, outbox.py).
+        _spec(
+            "hetsched_events_dead_lettered_total",
+            "counter",
+            "Events this process's consumers gave up on and parked in the DEADLETTER stream, per durable consumer.",
+            ("consumer",),
+            EVERY_SERVICE,
+        ),
+        _spec(
+            "hetsched_outbox_quarantined_total",
+            "counter",
+            "Outbox events this process could never publish and quarantined (kept in its outbox table).",
+            (),
+            EVERY_SERVICE,
         ),
         # Request-level SLOs, as the gateway sees them (docs/GATEWAY.md).
         _spec(
@@ -289,6 +366,7 @@ class ServiceMetrics:
         self._made: dict[str, Counter | Gauge | Histogram] = {}
         self._endpoint: _Endpoint | None = None
         self.url: str | None = None
+        self._kit: _KitCollector | None = None
 
     def _make(self, name: str) -> Counter | Gauge | Histogram:
         made = self._made.get(name)
@@ -326,6 +404,14 @@ class ServiceMetrics:
         assert isinstance(metric, Histogram), name
         return metric
 
+    def export_kit(self, dead_lettered: Callable[[], Mapping[str, int]], quarantined: Callable[[], int]) -> None:
+        """Export the kit's counters (owner ``EVERY_SERVICE``), read at each scrape: events dead-lettered per
+        durable consumer, outbox events quarantined. Once per registry."""
+        if self._kit is not None:
+            return
+        self._kit = _KitCollector(dead_lettered, quarantined)
+        self.registry.register(self._kit)
+
     def serve(self, host: str, port: int, *, max_connections: int = 16, read_timeout_s: float = 5.0) -> str:
         """Serve ``/metrics`` on ``host:port`` (0: a free port) from a daemon thread; the URL. At most
         ``max_connections`` at once; one that has not sent its request within ``read_timeout_s`` is closed.
@@ -353,6 +439,27 @@ class ServiceMetrics:
             self._endpoint.stop()
             self._endpoint = None
             self.url = None
+
+
+class _KitCollector(Collector):
+    """The kit's counters, read from the process's consumers and outbox relay when scraped (plain ints the
+    event loop bumps; a scrape reads them from the metrics thread)."""
+
+    def __init__(self, dead_lettered: Callable[[], Mapping[str, int]], quarantined: Callable[[], int]) -> None:
+        self._dead_lettered = dead_lettered
+        self._quarantined = quarantined
+
+    def collect(self) -> Iterable[Metric]:
+        dead = CATALOGUE["hetsched_events_dead_lettered_total"]
+        family = CounterMetricFamily(dead.name.removesuffix("_total"), dead.help, labels=dead.labels)
+        for consumer, count in sorted(dict(self._dead_lettered()).items()):
+            family.add_metric((consumer,), count)
+        yield family
+        quarantined = CATALOGUE["hetsched_outbox_quarantined_total"]
+        yield CounterMetricFamily(quarantined.name.removesuffix("_total"), quarantined.help, value=self._quarantined())
+
+    def describe(self) -> Iterable[Metric]:
+        return self.collect()
 
 
 class _Endpoint:

@@ -237,6 +237,11 @@ def build_app(
         )
     event_loops = [subscribe_consumer(runtime, consumer, ctx) for consumer in definition.consumers]
     runtime.consumers = event_loops
+    if definition.consumers or database:  # the kit's counters: events given up on (not an agent's: it has neither)
+        runtime.metrics.export_kit(
+            lambda: {loop.durable: loop.dead_lettered for loop in runtime.consumers},
+            lambda: runtime.relay.quarantined if runtime.relay is not None else 0,
+        )
     listeners = [(listen, listen.on(ctx)) for listen in definition.listens]
 
     app = FastStream(broker, logger=log)

@@ -740,6 +740,12 @@ class PlacementSettings(Section):
         description="Queued placements read per page: every pass of the queue pages through all of them (round "
         'robin by tenant; docs/API.md "Queue").',
     )
+    load_expected_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="How long a replica's engines are expected to take to load (its ranks report `loading`); one "
+        "loading longer counts in `hetsched_replicas_loading_overdue` (alert `ReplicaLoadingOverdue`).",
+    )
     # -- admission: the request path (placement.admit) -----------------------------------------------------
     engine_stale_s: float = Field(
         default=15.0,

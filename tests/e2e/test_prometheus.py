@@ -1,7 +1,8 @@
 """A real Prometheus (Debian's package, installed through tests/system_tools.py when missing) scrapes
 `hetsched up`: every service's `metrics_url` from `hetsched status --json` becomes a scrape target, the
 alert rules of infra/prometheus/alerts.yml are loaded, replicas are placed and a reservation made from the
-CLI, and the HTTP API answers the brief's metrics from every service."""
+CLI, and the HTTP API answers the brief's metrics from every service. A service then stops answering, and
+Prometheus's ServiceDown alert goes pending for it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -175,6 +177,11 @@ def test_a_real_prometheus_scrapes_every_service_of_hetsched_up(tmp_path: Path) 
             "hetsched_reservation_fill_rate": "reservation-filler",
             "hetsched_reservation_fill_rate_overall": "reservation-filler",
             "hetsched_topology_last_profile_timestamp_seconds": "topology-discovery",
+            "hetsched_nodes": "topology-discovery",
+            "hetsched_replicas": "placement",
+            "hetsched_cross_domain_budget_bytes_per_second": "capacity-ledger",
+            "hetsched_events_dead_lettered_total": "capacity-ledger",
+            "hetsched_outbox_quarantined_total": "placement",
             "process_cpu_seconds_total": "rebalancer",
         }
 
@@ -192,6 +199,26 @@ def test_a_real_prometheus_scrapes_every_service_of_hetsched_up(tmp_path: Path) 
         }
         assert groups.get(("2", "true"), 0) >= 1, groups
         assert float(found["hetsched_reservation_fill_rate_overall"][0]["value"][1]) >= 0
+
+        # One service stops answering (SIGSTOP: its process, metrics thread included, freezes; `up` does not
+        # restart a stopped child): within seconds ServiceDown is pending for it (its `for:` is 1m), and for it only.
+        state = json.loads((data_dir / "stack.json").read_text())
+        stopped = int(state["services"]["rebalancer"])
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            stopped_at = time.monotonic()
+
+            def pending() -> list[dict[str, Any]] | None:
+                alerts = _get(f"{base}/api/v1/alerts")["data"]["alerts"]
+                down = [a for a in alerts if a["labels"]["alertname"] == "ServiceDown"]
+                return down or None
+
+            down = wait_for_sync(pending, 30, interval_s=0.5, what="ServiceDown pending for the stopped service")
+            print(f"\nServiceDown pending {time.monotonic() - stopped_at:.1f}s after SIGSTOP")
+            assert [(a["labels"]["job"], a["state"]) for a in down] == [("rebalancer", "pending")], down
+            assert down[0]["labels"]["priority"] == "P0"
+        finally:
+            os.kill(stopped, signal.SIGCONT)
     finally:
         if prom is not None:
             prom.send_signal(signal.SIGTERM)

@@ -3,9 +3,11 @@ output, lost, recovered), answers from Postgres after a restart, and bad reports
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -16,8 +18,9 @@ import nats
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client
+from prometheus_client.parser import text_string_to_metric_families
 
-from hetsched.stack import wait_healthy
+from hetsched.stack import probe_health, wait_healthy
 from shared.contracts.envelope import EventEnvelope, new_event
 from shared.contracts.fleet import FleetGetReply
 from shared.contracts.ledger import AllocationEvent, LedgerEventName, ShareOut
@@ -62,6 +65,17 @@ async def events(nc: Client, settings: Settings, event: str) -> list[dict[str, A
         stream=stream_name(Context.TOPOLOGY, stream_prefix=settings.kit.stream_prefix),
         subject=subjects.event(Context.TOPOLOGY, event),
     )
+
+
+def _sample(url: str, name: str, **labels: str) -> float | None:
+    """One sample of the service's ``/metrics`` (the first whose labels include ``labels``), or None."""
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and set(labels.items()) <= set(sample.labels.items()):
+                return float(sample.value)
+    return None
 
 
 async def eventually(check: Any, *, timeout_s: float = 20.0) -> Any:
@@ -146,10 +160,15 @@ async def test_agent_reports_keeps_profile_on_garbage_and_is_lost_then_recovered
         "HETSCHED_TOPOLOGY_HEARTBEAT_S": str(HEARTBEAT_S),
         "HETSCHED_TOPOLOGY_SCAN_S": "0.3",
     }
+    # The fleet's metrics endpoint (asked before the agent starts: it answers the same health subject).
+    health = await probe_health(RpcClient(nc, Subjects(settings.kit.subject_prefix)), "topology_discovery")
+    metrics_url = str(health["metrics_url"])
     fleet_service.start("topology_discovery", name=AGENT, **agent_env)
     reply = await eventually(lambda: _fleet_with(nc, settings, lambda f: _node(f, "agent-01") is not None))
     node = _node(reply, "agent-01")
     assert node is not None and node["kind"] == "4+4" and node["source"] == "nvidia-smi"
+    confirmed = "hetsched_node_last_profile_timestamp_seconds"
+    await eventually(lambda: _sample(metrics_url, confirmed, node="agent-01") is not None)
 
     # A truncated output: the failure is published with its line, and the profile stays as it was.
     topo.write_text("\n".join((FIXTURES / "four_plus_four.txt").read_text().splitlines()[:4]) + "\n")
@@ -160,6 +179,15 @@ async def test_agent_reports_keeps_profile_on_garbage_and_is_lost_then_recovered
     reply = await ask(nc, settings, Rpc.FLEET_GET, {})
     node = _node(reply, "agent-01")
     assert node is not None and node["kind"] == "4+4" and len(node["accelerators"]) == 8
+    # Counted, and its heartbeats (every 0.3 s) no longer confirm its profile.
+    await eventually(lambda: (_sample(metrics_url, "hetsched_node_profile_failures_total", node="agent-01") or 0) >= 1)
+    stamped = _sample(metrics_url, confirmed, node="agent-01")
+    await asyncio.sleep(4 * HEARTBEAT_S)
+    assert _sample(metrics_url, confirmed, node="agent-01") == stamped
+
+    # Its profile parses again (unchanged): the agent reports it, and the profile is confirmed again.
+    shutil.copy(FIXTURES / "four_plus_four.txt", topo)
+    await eventually(lambda: (_sample(metrics_url, confirmed, node="agent-01") or 0) > (stamped or 0))
 
     # The agent dies: after three missed heartbeats the node is published as lost.
     shutil.copy(FIXTURES / "four_plus_four.txt", topo)

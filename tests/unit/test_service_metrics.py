@@ -5,7 +5,7 @@ figures say (read back from the service's own registry)."""
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,13 +23,15 @@ from services.topology_discovery.app import AGENT
 from services.topology_discovery.metrics import TopologyMetrics
 from shared.contracts.envelope import new_event
 from shared.contracts.subjects import Subjects
-from shared.contracts.topology import GpuSample, GpuTelemetryEvent
+from shared.contracts.topology import GpuSample, GpuTelemetryEvent, NodeProfileEvent
 from shared.domain.capacity import AcceleratorCapacity
 from shared.domain.errors import ErrorCode
 from shared.domain.ledger import DriftDetector
+from shared.domain.liveness import Liveness
+from shared.domain.placement.listing import ReplicaState
 from shared.domain.reservations import Usage
 from shared.domain.topology.tpu import TpuGrid, TpuType, fragmentation
-from shared.infra.metrics import CATALOGUE, ServiceMetrics
+from shared.infra.metrics import CATALOGUE, EVERY_SERVICE, ServiceMetrics
 from shared.infra.service import build_app
 from shared.infra.settings import Settings
 from shared.infra.uow import UnitOfWork, run_committed
@@ -63,13 +65,13 @@ def catalogue_families(metrics: ServiceMetrics) -> set[str]:
 def test_wire_registers_exactly_the_catalogue_metrics_the_service_owns(package: str) -> None:
     definition = SERVICES[package]
     _app, runtime = build_app(definition, OFFLINE)
-    owned = {name for name, spec in CATALOGUE.items() if spec.owner == definition.name}
+    owned = {name for name, spec in CATALOGUE.items() if spec.owner in (definition.name, EVERY_SERVICE)}
     assert owned, f"the catalogue names nothing for {definition.name}"
     assert catalogue_families(runtime.metrics) == owned
 
 
 def test_every_catalogue_metric_has_an_owner_among_the_services() -> None:
-    assert {spec.owner for spec in CATALOGUE.values()} <= {d.name for d in SERVICES.values()}
+    assert {spec.owner for spec in CATALOGUE.values()} <= {d.name for d in SERVICES.values()} | {EVERY_SERVICE}
 
 
 def test_a_topology_agent_registers_none_of_the_fleets_metrics() -> None:
@@ -109,7 +111,8 @@ def test_the_ledger_gauges_show_hbm_per_sku_and_accelerator_and_the_tp_groups() 
     assert value(metrics, "hetsched_accelerator_hbm_utilization_ratio", **h1_gpu0) == 0.5
     assert value(metrics, "hetsched_hbm_free_bytes", accelerator="h1/gpu1") == 60 * GB
     assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="true") == 2
-    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="false") == 1
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="cross_domain") == 1  # the budgeted step
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="false") == 0
     assert value(metrics, "hetsched_tp_groups", degree="4", nvlinked="true") is None
     assert value(metrics, "hetsched_nvlink_cross_island_bytes_per_second") == 5 * 10**8
 
@@ -119,6 +122,31 @@ def test_the_ledger_gauges_show_hbm_per_sku_and_accelerator_and_the_tp_groups() 
     assert value(metrics, "hetsched_hbm_free_bytes", accelerator="a1/gpu0") is None
     assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="true") is None
     assert value(metrics, "hetsched_nvlink_cross_island_bytes_per_second") == 0
+
+
+def test_a_tp_group_whose_nvlink_is_gone_in_its_nodes_current_profile_is_not_nvlinked() -> None:
+    metrics = ServiceMetrics("capacity-ledger")
+    ledger = LedgerMetrics(metrics, crossing_budget_bytes_per_s=256 * GB)
+    assert value(metrics, "hetsched_cross_domain_budget_bytes_per_second") == 256 * GB
+    groups = [
+        GroupFigures(("h1/gpu0", "h1/gpu1"), 0),
+        GroupFigures(("h1/gpu2", "h1/gpu3"), 0),
+        GroupFigures(("h2/gpu0", "h2/gpu1"), 0),  # h2 not profiled since start: its declaration stands
+    ]
+    figures = MetricsFigures(accelerators=[], groups=groups, cross_domain_bytes_per_s=0)
+    ledger.profiled("h1", [["h1/gpu0", "h1/gpu1", "h1/gpu2", "h1/gpu3"]])
+    ledger.show(figures)
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="true") == 3
+
+    # h1 re-profiled: gpu3 lost its NVLink (the domain shrank to gpu0..gpu2, gpu3 alone).
+    ledger.profiled("h1", [["h1/gpu0", "h1/gpu1", "h1/gpu2"], ["h1/gpu3"]])
+    ledger.show(figures)
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="true") == 2
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="false") == 1
+
+    ledger.forget("h1")  # left the fleet: back to what placement declared
+    ledger.show(figures)
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="false") == 0
 
 
 class OneNode:
@@ -162,6 +190,65 @@ async def test_the_drift_gauge_shows_the_difference_while_the_detector_reports_d
         shown.append(value(metrics, "hetsched_hbm_drift_bytes", accelerator="n/gpu0"))
     assert shown == [None, 30 * GB, 35 * GB, 0]
     assert value(metrics, "hetsched_hbm_drift_bytes", accelerator="n/gpu1") is None  # uses what it reserved
+
+
+class Capacity:
+    """The store calls a node profile makes."""
+
+    async def upsert_capacity(self, *, session: Any, node: str, accelerators: Any) -> dict[str, Any]:
+        return {}
+
+    async def held_above_reported(self, *, session: Any, ids: Any) -> dict[str, Any]:
+        return {}
+
+
+async def test_a_node_profile_event_gives_the_tp_group_gauge_its_current_nvlink_domains() -> None:
+    metrics = ServiceMetrics("capacity-ledger")
+    ledger = LedgerMetrics(metrics)
+    handlers = LedgerHandlers(
+        uow=None,  # type: ignore[arg-type]  # profiles are applied in the consumer's unit of work
+        clock=lambda: NOW,
+        batcher=None,  # type: ignore[arg-type]
+        ceiling=0.92,
+        default_lease_s=60,
+        sweep_period_s=1,
+        drift=DriftDetector(threshold=0.10, consecutive=2),
+        store=Capacity(),  # type: ignore[arg-type]
+        metrics=ledger,
+    )
+    group = MetricsFigures(accelerators=[], groups=[GroupFigures(("n/gpu0", "n/gpu1"), 0)], cross_domain_bytes_per_s=0)
+
+    async def profiled(*domains: list[str]) -> None:
+        payload = NodeProfileEvent.model_validate(
+            {
+                "node": "n",
+                "region": "r1",
+                "kind": "pairs",
+                "fingerprint": "f",
+                "profile": {
+                    "name": "n",
+                    "region": "r1",
+                    "cluster": "c1",
+                    "rack": "k1",
+                    "sku": "H100",
+                    "links": [],
+                    "accelerators": [],
+                },
+                "domains": [{"id": f"n/nv{i}", "kind": "pairs", "members": m} for i, m in enumerate(domains)],
+            }
+        )
+        uow = UnitOfWork(session=None, now=NOW, subjects=Subjects("test"), source="capacity-ledger")  # type: ignore[arg-type]
+        event = new_event(type="topology.node_changed", source="test", occurred_at=NOW, payload={})
+        await handlers.on_node_changed(uow=uow, event=event, payload=payload)
+        ledger.show(group)  # not before the consumer's transaction commits
+        assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="true") == 1
+        run_committed(uow.committed)
+        ledger.show(group)
+
+    await profiled(["n/gpu0", "n/gpu1"])
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="true") == 1
+    await profiled(["n/gpu0"], ["n/gpu1"])  # their NVLink went down
+    assert value(metrics, "hetsched_tp_groups", degree="2", nvlinked="false") == 1
 
 
 # -- reservation-filler -----------------------------------------------------------------------------
@@ -267,3 +354,113 @@ def test_topology_counts_changed_profiles_and_stamps_each_refresh() -> None:
     topology.refreshed()
     assert value(metrics, "hetsched_topology_drift_total") == 2
     assert value(metrics, "hetsched_topology_last_profile_timestamp_seconds") == NOW.timestamp()
+
+
+def test_topology_counts_nodes_by_state_and_ages_a_failing_nodes_profile() -> None:
+    metrics = ServiceMetrics("topology-discovery")
+    now = [NOW]
+    topology = TopologyMetrics(metrics, clock=lambda: now[0])
+    topology.nodes({Liveness.UP: 3, Liveness.LOST: 1})
+    assert value(metrics, "hetsched_nodes", state="up") == 3
+    assert value(metrics, "hetsched_nodes", state="lost") == 1
+
+    topology.profiled("n1")
+    topology.beat("n2")  # a beat confirms a node's profile too
+    assert value(metrics, "hetsched_node_last_profile_timestamp_seconds", node="n1") == NOW.timestamp()
+    assert value(metrics, "hetsched_node_last_profile_timestamp_seconds", node="n2") == NOW.timestamp()
+
+    # n1's re-profile fails: its heartbeats no longer confirm it, while n2's do.
+    topology.profile_failed("n1")
+    now[0] = NOW + timedelta(minutes=1)
+    topology.beat("n1")
+    topology.beat("n2")
+    assert value(metrics, "hetsched_node_profile_failures_total", node="n1") == 1
+    assert value(metrics, "hetsched_node_last_profile_timestamp_seconds", node="n1") == NOW.timestamp()
+    assert value(metrics, "hetsched_node_last_profile_timestamp_seconds", node="n2") == now[0].timestamp()
+
+    # A profile parses again (reported even when unchanged): beats confirm it again.
+    topology.profiled("n1")
+    now[0] = NOW + timedelta(minutes=2)
+    topology.beat("n1")
+    assert value(metrics, "hetsched_node_last_profile_timestamp_seconds", node="n1") == now[0].timestamp()
+
+    topology.forget("n1")
+    assert value(metrics, "hetsched_node_last_profile_timestamp_seconds", node="n1") is None
+    assert value(metrics, "hetsched_node_profile_failures_total", node="n1") is None
+
+
+def test_placement_counts_reported_replicas_by_state_and_those_loading_too_long() -> None:
+    metrics = ServiceMetrics("placement")
+    snapshot = SimpleNamespace(pcie_util={}, tpu_pods={})
+    states = {"r1": ReplicaState.LOADING, "r2": ReplicaState.READY, "r3": ReplicaState.FAILED}
+    clock = [0.0]
+    view = ViewMetrics(
+        metrics,
+        snapshot=lambda: snapshot,  # type: ignore[arg-type,return-value]
+        queue_depths=dict,
+        replicas=lambda: states,
+        load_expected_s=600,
+        now_s=lambda: clock[0],
+    )
+    view.refresh()
+    assert value(metrics, "hetsched_replicas", state="loading") == 1
+    assert value(metrics, "hetsched_replicas", state="ready") == 1
+    assert value(metrics, "hetsched_replicas", state="failed") == 1
+    assert value(metrics, "hetsched_replicas", state="draining") == 0
+    assert value(metrics, "hetsched_replicas_loading_overdue") == 0
+
+    clock[0] = 300.0
+    states["r4"] = ReplicaState.LOADING  # starts loading 5 minutes after r1
+    view.refresh()
+    clock[0] = 600.0  # r1 exactly at its expected load time: not overdue
+    view.refresh()
+    assert value(metrics, "hetsched_replicas_loading_overdue") == 0
+    clock[0] = 601.0
+    view.refresh()
+    assert value(metrics, "hetsched_replicas_loading_overdue") == 1  # r1 only
+    clock[0] = 902.0
+    view.refresh()
+    assert value(metrics, "hetsched_replicas_loading_overdue") == 2
+
+    states["r1"] = ReplicaState.READY  # r1 loaded; if it loads again, it starts from 0
+    view.refresh()
+    states["r1"] = ReplicaState.LOADING
+    view.refresh()
+    assert value(metrics, "hetsched_replicas_loading_overdue") == 1
+    assert value(metrics, "hetsched_replicas", state="loading") == 2
+
+
+def test_every_service_exports_its_dead_letters_per_consumer_and_its_quarantined_outbox_events() -> None:
+    definition = SERVICES["capacity_ledger"]
+    _app, runtime = build_app(definition, OFFLINE)
+    assert runtime.consumers, "the ledger consumes events"
+    durable = runtime.consumers[0].durable
+    assert value(runtime.metrics, "hetsched_events_dead_lettered_total", consumer=durable) == 0
+    assert value(runtime.metrics, "hetsched_outbox_quarantined_total") == 0  # no relay before it starts
+    runtime.consumers[0].dead_lettered += 2
+    runtime.relay = SimpleNamespace(quarantined=3)  # type: ignore[assignment]
+    assert value(runtime.metrics, "hetsched_events_dead_lettered_total", consumer=durable) == 2
+    assert value(runtime.metrics, "hetsched_outbox_quarantined_total") == 3
+
+
+def test_placement_shows_each_engines_kv_use_and_counts_preemptions_per_model() -> None:
+    metrics = ServiceMetrics("placement")
+    snapshot = SimpleNamespace(pcie_util={}, tpu_pods={})
+    usage = {"r1": ("llama3-70b", 0.97), "r2": ("llama3-8b", 0.2)}
+    preempted = {"llama3-70b": 4}
+    view = ViewMetrics(
+        metrics,
+        snapshot=lambda: snapshot,  # type: ignore[arg-type,return-value]
+        queue_depths=dict,
+        kv_usage=lambda: usage,
+        preempted=lambda: preempted,
+    )
+    view.refresh()
+    assert value(metrics, "hetsched_engine_kv_usage_ratio", replica="r1", model="llama3-70b") == 0.97
+    assert value(metrics, "hetsched_engine_preemptions_total", model="llama3-70b") == 4
+    preempted["llama3-70b"] = 10
+    del usage["r1"]  # its reports went stale, or it ended
+    view.refresh()
+    view.refresh()  # nothing new: counted once
+    assert value(metrics, "hetsched_engine_preemptions_total", model="llama3-70b") == 10
+    assert value(metrics, "hetsched_engine_kv_usage_ratio", replica="r1", model="llama3-70b") is None

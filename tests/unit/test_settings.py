@@ -35,6 +35,7 @@ ADDED_SINCE = {  # variables added after it
     "HETSCHED_REBALANCE_REPLICATE_PER_MODEL_HOUR": "rebalancer.replicate_per_model_hour",
     "HETSCHED_LEDGER_DRIFT_GRACE_S": "ledger.drift_grace_s",
     "HETSCHED_PLACEMENT_FIRST_LEASE_S": "placement.first_lease_s",
+    "HETSCHED_PLACEMENT_LOAD_EXPECTED_S": "placement.load_expected_s",
     "HETSCHED_PROFILE_DIR": "kit.profile_dir",
     "HETSCHED_ROUTE_WRITE_SPACING_MS": "routing.write_spacing_ms",
     "HETSCHED_GATEWAY_HOST": "gateway.host",

@@ -491,6 +491,23 @@ def test_an_engine_report_counts_only_from_the_replicas_own_node_compared_exactl
     assert book.status(tf).healthy and book.status(tf).queue_depth == 1
 
 
+def test_the_book_gives_each_fresh_engines_kv_use_and_sums_preemptions_per_model() -> None:
+    tf = _replica("r-tf", "llama3.1-8b", "dgx-h100-02")
+    other = _replica("r-2", "llama3.1-8b", "dgx-h100-03")
+    book = ReplicaBook(models=MODELS)
+    book.add(tf)
+    book.add(other)
+    assert book.report(_status(tf, kv_usage=0.97, preemptions=3), now_ms=0)
+    # No kv_usage from this engine: its used over total bytes.
+    assert book.report(_status(other, kv_used_bytes=other.kv_total // 4, preemptions=2), now_ms=1_000)
+    fresh = book.kv_usage(now_ms=1_000, stale_ms=15_000)
+    assert fresh.keys() == {"r-tf", "r-2"}
+    assert fresh["r-tf"] == ("llama3.1-8b", 0.97)
+    assert fresh["r-2"][0] == "llama3.1-8b" and fresh["r-2"][1] == pytest.approx(0.25, abs=1e-6)
+    assert book.kv_usage(now_ms=15_500, stale_ms=15_000).keys() == {"r-2"}  # r-tf's report went stale
+    assert book.preempted == {"llama3.1-8b": 5}
+
+
 # -- the book's estimate against a fake engine, and the queue's wake-up ---------------------------------
 
 POOL = 1000  # the replica's KV bytes, as its engine reports them (no scaling)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from services.topology_discovery.handlers import INVENTORY_SOURCE, TopologyHandlers
+from services.topology_discovery.metrics import TopologyMetrics
 from services.topology_discovery.store import (
     AcceleratorRecord,
     FleetPage,
@@ -37,6 +38,7 @@ from shared.domain.liveness import Liveness, LivenessTracker
 from shared.domain.topology import LinkMatrix
 from shared.domain.topology.tpu import TpuType
 from shared.infra.catalog import demo_fleet_path, load_skus
+from shared.infra.metrics import ServiceMetrics
 from shared.infra.profiles import profile_to_payload
 from tests.fakes import NOW, FakeUnitOfWork
 
@@ -235,7 +237,9 @@ class FakeStore(TopologyStore):
 
 
 class World:
-    def __init__(self, *, max_payload: int = 1 << 20, inventory: Path | None = None) -> None:
+    def __init__(
+        self, *, max_payload: int = 1 << 20, inventory: Path | None = None, metrics: TopologyMetrics | None = None
+    ) -> None:
         self.clock = FakeClock()
         self.uow = FakeUnitOfWork(source="topology-discovery")
         self.store = FakeStore()
@@ -249,6 +253,7 @@ class World:
             store=self.store,
             max_payload=lambda: max_payload,
             inventory=inventory,
+            metrics=metrics,
         )
 
     def payloads(self, name: str) -> list[dict[str, Any]]:
@@ -320,6 +325,38 @@ async def test_a_profiling_failure_is_published_and_the_profile_stays() -> None:
     assert w.uow.names() == ["node_profiled", "node_profile_failed"]
     assert w.payloads("node_profile_failed")[0]["error"]["line"] == 5
     assert w.store.profiles_["a1"] == node("a1")
+
+
+async def test_a_failing_node_stays_unconfirmed_through_its_beats_until_a_profile_parses_again() -> None:
+    registry = ServiceMetrics("topology-discovery")
+    wall = [NOW.timestamp()]
+    w = World(metrics=TopologyMetrics(registry, clock=lambda: datetime.fromtimestamp(wall[0], tz=NOW.tzinfo)))
+
+    def confirmed() -> float | None:
+        return registry.registry.get_sample_value("hetsched_node_last_profile_timestamp_seconds", {"node": "a1"})
+
+    await w.handlers.report(report(node("a1")))
+    assert confirmed() == NOW.timestamp()
+    error = ProfileError(message="line 5: expected 8 link cells", line=5, provider="nvidia-smi")
+    await w.handlers.report(TopologyReportRequest(node="a1", error=error))
+    wall[0] += 60
+    await w.handlers.heartbeat(Heartbeat(node="a1"))
+    assert confirmed() == NOW.timestamp()  # it beats, but its profile is not current
+    assert registry.registry.get_sample_value("hetsched_node_profile_failures_total", {"node": "a1"}) == 1
+
+    reply = await w.handlers.report(report(node("a1")))  # parses again, unchanged
+    assert isinstance(reply, TopologyReportReply) and reply.status == "unchanged"
+    assert confirmed() == wall[0]
+    wall[0] += 60
+    await w.handlers.heartbeat(Heartbeat(node="a1"))
+    assert confirmed() == wall[0]
+
+    await w.handlers.liveness_tick()
+    assert registry.registry.get_sample_value("hetsched_nodes", {"state": "up"}) == 1
+    w.clock.ms = HEARTBEAT_MS * MISSED + 1
+    await w.handlers.liveness_tick()
+    assert registry.registry.get_sample_value("hetsched_nodes", {"state": "up"}) == 0
+    assert registry.registry.get_sample_value("hetsched_nodes", {"state": "lost"}) == 1
 
 
 # -- inventory -------------------------------------------------------------------------------
