@@ -67,6 +67,7 @@ def service_env(settings: Settings) -> dict[str, str]:
         HETSCHED_STREAM_PREFIX=settings.kit.stream_prefix,
         HETSCHED_DATA_DIR=str(settings.kit.data_dir),
         HETSCHED_LOG_FORMAT="json",
+        HETSCHED_GATEWAY_PORT="0",  # a free port: a stack or another run may hold the default 8080
     )
     return env
 
