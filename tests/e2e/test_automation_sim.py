@@ -217,10 +217,14 @@ def test_loading_idle_and_busy_sim_engines_drive_the_hbm_automation_as_real_ones
         # (c) A small replica kept over its batch with long requests: replicated once.
         busy_reply = place(data_dir, env, "auto-busy", context=4096, concurrency=2)
         busy = busy_reply["allocation_id"]
-        ready = wait_for_sync(
-            lambda: (r := watcher.replica(busy)) is not None and r["state"] == "ready" and r, 120, what="busy ready"
-        )
-        load = Load(ready["endpoint"], streams=6)
+
+        def busy_ready() -> dict[str, Any] | None:
+            row = watcher.replica(busy)
+            return row if row is not None and row["state"] == "ready" else None
+
+        ready = wait_for_sync(busy_ready, 120, what="busy ready")
+        assert ready is not None
+        load = Load(ready["endpoint"], streams=6)  # 3 x its batch of 2: requests wait, its KV cache fills
 
         def copied() -> PlanView | None:
             plans = [p for p in watcher.status().plans if p.kind == "replicate" and p.target == busy]
@@ -228,6 +232,8 @@ def test_loading_idle_and_busy_sim_engines_drive_the_hbm_automation_as_real_ones
 
         plan = wait_for_sync(copied, 90, interval_s=1, what="the busy replica is replicated")
         load.end()
+        assert plan is not None
+        print(f"busy replica replicated: {plan.reason}")
         copy = plan.steps[0].new_allocation_id
         assert copy is not None
         wait_for_sync(
