@@ -6,7 +6,7 @@ the ledger and the rebalancer judge the replicas on it and on the engines' own r
     firing target;
 (b) a tightly packed replica (its GPU reads ~0.87 used) whose engine is idle is not replicated over a window
     several times the hot window;
-(c) a replica whose engine is kept over its batch (requests waiting, its KV cache full) is replicated once,
+(c) a replica whose engine's KV cache is kept over 0.85 by long requests is replicated once,
     and the copy, ready and idle, is not replicated in turn.
 """
 
@@ -128,7 +128,8 @@ def gpu_used(watcher: Watcher, index: int) -> list[int]:
 
 
 class Load:
-    """Requests kept running through one endpoint, more than its batch, each long enough to fill its KV."""
+    """Requests kept running through one endpoint, as many as its batch, each long enough that together they
+    hold most of its KV cache: a ~3,500-token prompt and 400 tokens more (the replica is placed for 2 x 4,096)."""
 
     def __init__(self, endpoint: str, streams: int) -> None:
         self.endpoint, self.stop = endpoint, threading.Event()
@@ -137,7 +138,7 @@ class Load:
             thread.start()
 
     def _loop(self) -> None:
-        body = json.dumps({"model": "llama3-8b", "prompt": "fill the cache " * 400, "max_tokens": 2000}).encode()
+        body = json.dumps({"model": "llama3-8b", "prompt": "fill the cache " * 933, "max_tokens": 400}).encode()
         while not self.stop.is_set():
             request = urllib.request.Request(
                 f"{self.endpoint}/v1/completions", data=body, headers={"Content-Type": "application/json"}
@@ -214,7 +215,7 @@ def test_loading_idle_and_busy_sim_engines_drive_the_hbm_automation_as_real_ones
             time.sleep(1)
         assert gpu_used(watcher, gpu)[-1] == share
 
-        # (c) A small replica kept over its batch with long requests: replicated once.
+        # (c) A small replica whose KV cache long requests keep over 0.85: replicated once.
         busy_reply = place(data_dir, env, "auto-busy", context=4096, concurrency=2)
         busy = busy_reply["allocation_id"]
 
@@ -224,7 +225,7 @@ def test_loading_idle_and_busy_sim_engines_drive_the_hbm_automation_as_real_ones
 
         ready = wait_for_sync(busy_ready, 120, what="busy ready")
         assert ready is not None
-        load = Load(ready["endpoint"], streams=6)  # 3 x its batch of 2: requests wait, its KV cache fills
+        load = Load(ready["endpoint"], streams=2)  # its batch: nothing waits, its KV cache is ~0.89 to 1.0 full
 
         def copied() -> PlanView | None:
             plans = [p for p in watcher.status().plans if p.kind == "replicate" and p.target == busy]
@@ -234,6 +235,12 @@ def test_loading_idle_and_busy_sim_engines_drive_the_hbm_automation_as_real_ones
         load.end()
         assert plan is not None
         print(f"busy replica replicated: {plan.reason}")
+        kv = [
+            e["payload"]["kv_usage"]
+            for e in watcher.events(Context.TELEMETRY, "engine_status")
+            if e["payload"]["replica_id"] == busy and e["payload"].get("kv_usage") is not None
+        ]
+        assert kv and max(kv) > 0.85, kv  # its engine's own KV use is what made it hot
         copy = plan.steps[0].new_allocation_id
         assert copy is not None
         wait_for_sync(
