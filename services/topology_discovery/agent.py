@@ -1,5 +1,7 @@
 """Agent mode: one per node. Profiles the node (NVML or nvidia-smi), reports changes to the fleet
-(`topology.report`), sends heartbeats and GPU telemetry. Owns no state: a restart simply reports again."""
+(`topology.report`), sends heartbeats and GPU telemetry. An inventory node (provider ``none``) whose agent
+runs simulated engines publishes its GPUs' simulated telemetry instead. Owns no state: a restart simply
+reports again."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from shared.contracts.base import Rejected
 from shared.contracts.envelope import new_event
 from shared.contracts.subjects import Context, Rpc, Subjects
 from shared.contracts.topology import (
+    GpuSample,
     GpuTelemetryEvent,
     Heartbeat,
     ProfileError,
@@ -87,9 +90,11 @@ class Agent:
         clock: Clock,
         intervals: AgentIntervals,
         log: logging.Logger,
+        simulated: Callable[[], list[GpuSample]] | None = None,
     ) -> None:
         self.node = node
         self.provider = provider
+        self._simulated = simulated  # without a provider: the simulated engines' GPUs (docs/ENGINES.md)
         self._rpc = rpc
         self._nats = nats
         self._jetstream = jetstream
@@ -152,12 +157,15 @@ class Agent:
     async def publish_telemetry(self) -> bool:
         """One sample of every GPU onto the TELEMETRY stream; False when there was nothing to send."""
         if self.provider is None:
-            return False
-        try:
-            samples = await asyncio.to_thread(self.provider.telemetry)
-        except ProviderError as exc:
-            self._log.warning("telemetry failed", extra={"error": str(exc)})
-            return False
+            if self._simulated is None:
+                return False
+            samples = self._simulated()
+        else:
+            try:
+                samples = await asyncio.to_thread(self.provider.telemetry)
+            except ProviderError as exc:
+                self._log.warning("telemetry failed", extra={"error": str(exc)})
+                return False
         if not samples:
             return False
         event = new_event(
@@ -174,7 +182,7 @@ class Agent:
         return True
 
     async def telemetry_loop(self) -> None:
-        if self.provider is None:
+        if self.provider is None and self._simulated is None:
             return
         while True:
             await asyncio.sleep(self._intervals.telemetry_s)

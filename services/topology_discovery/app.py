@@ -11,6 +11,7 @@ from services.topology_discovery.agent import Agent, AgentIntervals, make_provid
 from services.topology_discovery.handlers import TopologyHandlers
 from services.topology_discovery.metrics import TopologyMetrics
 from services.topology_discovery.providers import TopologyProvider
+from services.topology_discovery.simulated import SimulatedGpus, inventory_gpus
 from services.topology_discovery.supervisor import Supervisor
 from services.topology_discovery.tables import SCHEMA
 from shared.contracts.fleet import FleetDescribeRequest, FleetGetRequest
@@ -90,9 +91,26 @@ class AgentCtx:
 
 def wire_agent(runtime: Runtime, *, provider: TopologyProvider | None = None) -> AgentCtx:
     settings = runtime.settings
+    node = node_name(settings)
+    provider = provider or make_provider(settings)
+    supervisor = Supervisor(
+        node=node,
+        rpc=runtime.rpc,
+        jetstream=lambda: runtime.jetstream,
+        subjects=runtime.subjects,
+        clock=runtime.clock,
+        settings=settings.agent,
+        log_dir=settings.kit.data_dir / "engines" / node,
+        log=runtime.log,
+    )
+    simulated = None
+    if provider is None and settings.agent.engine == "sim":  # simulated engines on an inventory node
+        gpus = inventory_gpus(settings.topology.inventory, node, runtime.log)
+        if gpus:
+            simulated = SimulatedGpus(gpus=gpus, supervisor=supervisor).samples
     agent = Agent(
-        node=node_name(settings),
-        provider=provider or make_provider(settings),
+        node=node,
+        provider=provider,
         rpc=runtime.rpc,
         nats=lambda: runtime.nats,
         jetstream=lambda: runtime.jetstream,
@@ -100,16 +118,7 @@ def wire_agent(runtime: Runtime, *, provider: TopologyProvider | None = None) ->
         clock=runtime.clock,
         intervals=AgentIntervals.from_settings(settings),
         log=runtime.log,
-    )
-    supervisor = Supervisor(
-        node=agent.node,
-        rpc=runtime.rpc,
-        jetstream=lambda: runtime.jetstream,
-        subjects=runtime.subjects,
-        clock=runtime.clock,
-        settings=settings.agent,
-        log_dir=settings.kit.data_dir / "engines" / agent.node,
-        log=runtime.log,
+        simulated=simulated,
     )
     return AgentCtx(agent=agent, supervisor=supervisor)
 

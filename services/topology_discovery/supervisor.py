@@ -67,6 +67,7 @@ class Engine:
     waiter: asyncio.Task[None] | None = field(default=None, repr=False)
     scraped: Exposition | None = None  # the last /metrics, for figures over the window since
     scraped_at: float | None = None  # monotonic seconds
+    running_requests: int = 0  # in its running batch, at its last ``/metrics``
 
 
 def policy_of(settings: AgentSettings) -> Policy:
@@ -406,6 +407,7 @@ class Supervisor:
         event = self.status_event(engine, text)
         if event is None:
             return
+        engine.running_requests = event.running_requests or 0
         await self._publish(TelemetryEventName.ENGINE_STATUS, event.model_dump(mode="json"))
 
     async def _publish_state(self, engine: Engine, event: ReplicaStateEvent, key: tuple[Any, ...]) -> None:
