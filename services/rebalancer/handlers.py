@@ -191,7 +191,10 @@ class RebalanceHandlers:
             self.view.pod_profiled(pod)
 
     def observe(self, sample: GpuTelemetryEvent, at: datetime) -> list[Transition]:
-        """One node's GPU sample through the detectors (``Detectors.observe``)."""
+        """One node's GPU sample through the detectors (``Detectors.observe``). A sample whose agent runs the
+        node's engines marks the node so first: a replica there that no engine reports on yet is starting."""
+        if sample.engines:
+            self.view.engines_said(sample.node, at)
         return self.detectors.observe(sample, at)
 
     def on_engine_status(self, report: EngineStatusEvent, at: datetime) -> None:

@@ -113,6 +113,12 @@ class RebalanceView:
             at=at,
         )
 
+    def engines_said(self, node: str, at: datetime) -> None:
+        """``node``'s agent says (in its GPU samples) that it supervises the node's engines."""
+        last = self.agents.get(node)
+        if last is None or at > last:
+            self.agents[node] = at
+
     def replica_state(self, event: ReplicaStateEvent, at: datetime) -> None:
         """A rank's ``replica_state`` made at ``at``: its node runs engines (whatever the replica), and the
         replica's ranks are folded for replicas placed only (as ``engine_reported``)."""

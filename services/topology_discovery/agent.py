@@ -91,8 +91,10 @@ class Agent:
         intervals: AgentIntervals,
         log: logging.Logger,
         simulated: Callable[[], list[GpuSample]] | None = None,
+        runs_engines: bool = False,
     ) -> None:
         self.node = node
+        self._runs_engines = runs_engines  # its samples say so: the fleet waits for its engines' lifecycle
         self.provider = provider
         self._simulated = simulated  # without a provider: the simulated engines' GPUs (docs/ENGINES.md)
         self._rpc = rpc
@@ -171,7 +173,9 @@ class Agent:
         event = new_event(
             type=f"{Context.TELEMETRY.value}.{TelemetryEventName.GPU.value}",
             source=SOURCE,
-            payload=GpuTelemetryEvent(node=self.node, gpus=samples).model_dump(mode="json"),
+            payload=GpuTelemetryEvent(
+                node=self.node, gpus=samples, engines=True if self._runs_engines else None
+            ).model_dump(mode="json"),
             occurred_at=self._clock(),
         )
         await self._jetstream().publish(

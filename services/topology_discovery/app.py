@@ -119,6 +119,7 @@ def wire_agent(runtime: Runtime, *, provider: TopologyProvider | None = None) ->
         intervals=AgentIntervals.from_settings(settings),
         log=runtime.log,
         simulated=simulated,
+        runs_engines=settings.agent.engine != "none",
     )
     return AgentCtx(agent=agent, supervisor=supervisor)
 

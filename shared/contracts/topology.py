@@ -195,6 +195,12 @@ class GpuSample(Contract):
 class GpuTelemetryEvent(Contract):
     node: str = Field(max_length=NAME_MAX, description="Node name.", examples=["dgx-h100-01"])
     gpus: list[GpuSample] = Field(description="One sample per GPU.")
+    engines: bool | None = Field(
+        default=None,
+        description="The node's agent supervises its engines and reports their lifecycle (`replica_state`): a "
+        "reservation no engine reports on yet is an engine starting, not drift. Null: not said.",
+        examples=[True],
+    )
 
 
 class EngineStatusEvent(Contract):

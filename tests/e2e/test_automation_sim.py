@@ -42,7 +42,9 @@ START_TIMEOUT_S = 180.0
 NODE = "h100-01"
 HBM = 80 * 2**30  # H100-SXM-80GB, as the SKU catalog has it
 HOT_WINDOW_S = 3.0
-GRACE_S = 2.0
+GRACE_S = (
+    10.0  # after a state change: the agent's telemetry and lifecycle reports arrive apart (1 s each, more when busy)
+)
 FLEET = f"""
 regions:
   - name: us-west-1
