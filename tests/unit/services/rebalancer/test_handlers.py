@@ -799,3 +799,26 @@ async def test_after_a_restart_copies_made_for_hot_replicas_and_the_cap_are_reme
     await rig.handlers.tick_once()
     assert [p.target for p in rig.store.plan_list()] == ["r1"]  # the copy not judged, r1 capped
     assert any("within the hour" in a.what for a in rig.store.action_rows)
+
+
+async def test_a_first_replica_on_a_node_whose_agent_runs_engines_waits_for_its_engine() -> None:
+    # No lifecycle report has come from the node yet, but its GPU samples say its agent runs the engines:
+    # ~0 used of 20 GB reserved is an engine starting, not drift.
+    rig = Rig(FakeRpc())
+    await rig.deliver(rig.profiled(node("a")), rig.placed(placed("r1", "a", 0)))
+    await rig.deliver(rig.committed(committed("r1", {"a/gpu0": 20 * GB})))
+    for _ in range(30):
+        rig.handlers.observe(sample("a", {0: 0.0}).model_copy(update={"engines": True}), rig.now)
+        rig.now += timedelta(seconds=10)
+    assert rig.handlers.detectors.firing()["hbm_drift_alarm"] == 0
+    await rig.handlers.tick_once()
+    assert rig.uow.named("drift_alarm") == [] and rig.store.plan_list() == []
+
+    # The same samples without the flag: a node whose engines run by other means is judged as before.
+    other = Rig(FakeRpc())
+    await other.deliver(other.profiled(node("a")), other.placed(placed("r1", "a", 0)))
+    await other.deliver(other.committed(committed("r1", {"a/gpu0": 20 * GB})))
+    for _ in range(30):
+        other.handlers.observe(sample("a", {0: 0.0}), other.now)
+        other.now += timedelta(seconds=10)
+    assert other.handlers.detectors.firing()["hbm_drift_alarm"] == 1
