@@ -13,7 +13,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -119,7 +119,6 @@ class Attempt:
     ttft_s: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    failed_replicas: list[str] = field(default_factory=list)
     broken: bool = False  # the engine failed after the first token: the stream ended with an error event
 
     @property
@@ -427,7 +426,6 @@ class Gateway:
                             type="server_error",
                             code="upstream_error",
                         ) from None
-                    attempt.failed_replicas.append(failed.replica_id or "")
                     attempt.failovers += 1
                     attempt.admission = await self._failover(ask, key, request_id, attempt, failed)
         except HttpError as error:
